@@ -1,0 +1,93 @@
+//! The desired service table: what the datapath should do, independent of where the
+//! objects came from (YAML files today, the API server later) and of map layout.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::net::Ipv4Addr;
+
+use serde::Serialize;
+
+/// L4 protocol of a Service port. Only the ones the socket hooks translate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Protocol {
+    Tcp,
+    Udp,
+}
+
+impl Protocol {
+    /// IANA number, as the kernel reports it.
+    pub fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => lb_common::IPPROTO_TCP,
+            Protocol::Udp => lb_common::IPPROTO_UDP,
+        }
+    }
+
+    pub fn from_number(n: u8) -> Option<Self> {
+        match n {
+            lb_common::IPPROTO_TCP => Some(Protocol::Tcp),
+            lb_common::IPPROTO_UDP => Some(Protocol::Udp),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+        })
+    }
+}
+
+/// What a client addresses: VIP, port, protocol.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct Frontend {
+    pub ip: Ipv4Addr,
+    pub port: u16,
+    pub protocol: Protocol,
+}
+
+impl fmt::Display for Frontend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}/{}", self.ip, self.port, self.protocol)
+    }
+}
+
+/// One endpoint address a frontend forwards to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct BackendAddr {
+    pub ip: Ipv4Addr,
+    pub port: u16,
+}
+
+impl fmt::Display for BackendAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.ip, self.port)
+    }
+}
+
+/// What one frontend should do.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct FrontendSpec {
+    /// `namespace/name:portName` (kube-proxy's ServicePortName), for messages.
+    pub service: String,
+    /// Usable backends. Empty means "reject" (ECONNREFUSED), as kube-proxy does.
+    pub backends: BTreeSet<BackendAddr>,
+    /// `sessionAffinity: ClientIP` timeout in seconds, if enabled.
+    pub affinity_timeout_sec: Option<u32>,
+}
+
+/// The whole desired table.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct DesiredState {
+    pub frontends: BTreeMap<Frontend, FrontendSpec>,
+}
+
+impl DesiredState {
+    pub fn backend_count(&self) -> usize {
+        self.frontends.values().map(|s| s.backends.len()).sum()
+    }
+}

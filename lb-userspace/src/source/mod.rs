@@ -1,0 +1,2 @@
+//! Where Services and EndpointSlices come from, and kube-proxy's rules for turning
+//! them into a [`crate::model::DesiredState`].
