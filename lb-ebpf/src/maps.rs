@@ -1,0 +1,36 @@
+//! The maps, BTF-typed so `bpftool map dump` prints field names. Sizes here are
+//! defaults; the agent sets the real `max_entries` at load time.
+
+use aya_ebpf::{
+    btf_maps::{HashMap, LruHashMap, PerCpuArray},
+    macros::btf_map,
+};
+use lb_common::{
+    AffinityKey, AffinityValue, Backend, ServiceKey, ServiceValue, SockRevNatKey,
+    SockRevNatValue, DEFAULT_AFFINITY_MAX, DEFAULT_BACKENDS_MAX, DEFAULT_SERVICES_MAX,
+    DEFAULT_SOCK_REVNAT_MAX,
+};
+
+#[btf_map]
+pub static LB_SERVICES: HashMap<ServiceKey, ServiceValue, { DEFAULT_SERVICES_MAX as usize }> =
+    HashMap::new();
+
+#[btf_map]
+pub static LB_BACKENDS: HashMap<u32, Backend, { DEFAULT_BACKENDS_MAX as usize }> =
+    HashMap::new();
+
+/// LRU: an entry per (socket, backend) must never fail to insert because old
+/// sockets filled the map; the oldest are the ones to forget.
+#[btf_map]
+pub static LB_SOCK_REVNAT: LruHashMap<
+    SockRevNatKey,
+    SockRevNatValue,
+    { DEFAULT_SOCK_REVNAT_MAX as usize },
+> = LruHashMap::new();
+
+#[btf_map]
+pub static LB_AFFINITY: LruHashMap<AffinityKey, AffinityValue, { DEFAULT_AFFINITY_MAX as usize }> =
+    LruHashMap::new();
+
+#[btf_map]
+pub static LB_STATS: PerCpuArray<u64, { lb_common::stat::COUNT as usize }> = PerCpuArray::new();
