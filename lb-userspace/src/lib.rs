@@ -1,6 +1,11 @@
 //! The agent: loads the kernel programs, turns Kubernetes objects into a desired
 //! service table, and reconciles the pinned maps to it.
 
+pub mod agent;
+pub mod loader;
+pub mod maps;
 pub mod model;
 pub mod reconcile;
 pub mod source;
+pub mod sys;
+pub mod table;

@@ -1,1 +1,158 @@
-fn main() {}
+//! `lb`: the agent and its inspection tools.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use lb_userspace::agent::{self, AgentConfig};
+use lb_userspace::loader::{self, MapSizes, PinLayout};
+use lb_userspace::maps::PinnedMaps;
+use lb_userspace::{sys, table};
+
+#[derive(Parser)]
+#[command(
+    name = "lb",
+    version,
+    about = "eBPF Service load balancer (kube-proxy replacement)"
+)]
+struct Cli {
+    /// bpffs directory holding this agent's pinned maps and links.
+    #[arg(long, global = true, default_value = "/sys/fs/bpf/lb")]
+    pin_dir: PathBuf,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Load and attach the datapath, then keep the maps in sync with the manifests.
+    Agent(AgentArgs),
+    /// Print the service table as the kernel programs see it.
+    Services {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print the datapath counters.
+    Stats {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Detach the hooks and unpin every map and link under --pin-dir.
+    Cleanup,
+}
+
+#[derive(clap::Args)]
+struct AgentArgs {
+    /// Kubernetes YAML/JSON (Service, EndpointSlice, List): a file or a directory.
+    #[arg(long)]
+    services_file: PathBuf,
+    /// cgroup v2 directory to attach to (default: the cgroup v2 root).
+    #[arg(long)]
+    cgroup: Option<PathBuf>,
+    /// This node's name, as in EndpointSlice `nodeName` (default: $NODE_NAME, else the hostname).
+    #[arg(long, env = "NODE_NAME")]
+    node_name: Option<String>,
+    /// Load this kernel object instead of the one built into `lb`.
+    #[arg(long)]
+    bpf_object: Option<PathBuf>,
+    /// How often the manifests are checked for changes.
+    #[arg(long, default_value_t = 200)]
+    poll_interval_ms: u64,
+    #[arg(long, default_value_t = lb_common::DEFAULT_SERVICES_MAX)]
+    services_map_size: u32,
+    #[arg(long, default_value_t = lb_common::DEFAULT_BACKENDS_MAX)]
+    backends_map_size: u32,
+    #[arg(long, default_value_t = lb_common::DEFAULT_SOCK_REVNAT_MAX)]
+    sock_revnat_map_size: u32,
+    #[arg(long, default_value_t = lb_common::DEFAULT_AFFINITY_MAX)]
+    affinity_map_size: u32,
+}
+
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates on success.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return "localhost".to_string();
+    }
+    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("LB_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let layout = PinLayout::new(&cli.pin_dir);
+    match cli.command {
+        Command::Agent(args) => run_agent(args, layout),
+        Command::Services { json } => {
+            let maps = PinnedMaps::open(&layout)?;
+            let frontends = table::decode(&maps.snapshot()?);
+            if json {
+                println!("{}", serde_json::to_string_pretty(&frontends)?);
+            } else {
+                print!("{}", table::render_text(&frontends));
+            }
+            Ok(())
+        }
+        Command::Stats { json } => {
+            let maps = PinnedMaps::open(&layout)?;
+            let stats = maps.stats()?;
+            if json {
+                let object: serde_json::Map<String, serde_json::Value> = stats
+                    .into_iter()
+                    .map(|(name, value)| (name.to_string(), value.into()))
+                    .collect();
+                println!("{}", serde_json::Value::Object(object));
+            } else {
+                for (name, value) in stats {
+                    println!("{name:<24} {value}");
+                }
+            }
+            Ok(())
+        }
+        Command::Cleanup => {
+            let report = loader::cleanup(&layout)
+                .with_context(|| format!("cleaning up {}", layout.root().display()))?;
+            eprintln!(
+                "removed {} pins under {}",
+                report.removed.len(),
+                layout.root().display()
+            );
+            Ok(())
+        }
+    }
+}
+
+fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
+    let cgroup = match args.cgroup {
+        Some(path) => path,
+        None => sys::cgroup2_root()?,
+    };
+    let config = AgentConfig {
+        services_file: args.services_file,
+        cgroup,
+        pin: layout,
+        node_name: args.node_name.unwrap_or_else(hostname),
+        bpf_object: args.bpf_object,
+        sizes: MapSizes {
+            services: args.services_map_size,
+            backends: args.backends_map_size,
+            sock_revnat: args.sock_revnat_map_size,
+            affinity: args.affinity_map_size,
+        },
+        poll_interval: Duration::from_millis(args.poll_interval_ms),
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(agent::run(config))?;
+    Ok(())
+}

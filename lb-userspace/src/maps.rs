@@ -1,0 +1,151 @@
+//! The pinned maps as the agent and the CLI see them: read a snapshot, apply a plan.
+
+use std::path::PathBuf;
+
+use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray};
+use lb_common::{map_names, stat, Backend, ServiceKey, ServiceValue};
+
+use crate::loader::PinLayout;
+use crate::reconcile::{Capacity, MapOp, MapSnapshot};
+
+#[derive(Debug, thiserror::Error)]
+pub enum MapsError {
+    #[error(
+        "cannot open pinned map {path}: {source}; is an agent running with this --pin-dir \
+         (or was it ever started)?"
+    )]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: MapError,
+    },
+    #[error("reading {map}: {source}")]
+    Read {
+        map: &'static str,
+        #[source]
+        source: MapError,
+    },
+    #[error("{op} in {map} failed: {source}")]
+    Write {
+        map: &'static str,
+        op: String,
+        #[source]
+        source: MapError,
+    },
+}
+
+/// Handles on the pinned maps of one agent.
+pub struct PinnedMaps {
+    services: HashMap<MapData, ServiceKey, ServiceValue>,
+    backends: HashMap<MapData, u32, Backend>,
+    stats: PerCpuArray<MapData, u64>,
+    capacity: Capacity,
+}
+
+fn open(layout: &PinLayout, name: &'static str) -> Result<(Map, u32), MapsError> {
+    let path = layout.map_path(name);
+    let wrap = |source| MapsError::Open {
+        path: path.clone(),
+        source,
+    };
+    let data = MapData::from_pin(&path).map_err(wrap)?;
+    let max_entries = data.info().map_err(wrap)?.max_entries();
+    Ok((Map::from_map_data(data).map_err(wrap)?, max_entries))
+}
+
+impl PinnedMaps {
+    pub fn open(layout: &PinLayout) -> Result<Self, MapsError> {
+        let typed = |name: &'static str, e: MapError| MapsError::Open {
+            path: layout.map_path(name),
+            source: e,
+        };
+        let (services, services_max) = open(layout, map_names::SERVICES)?;
+        let (backends, backends_max) = open(layout, map_names::BACKENDS)?;
+        let (stats, _) = open(layout, map_names::STATS)?;
+        Ok(Self {
+            services: HashMap::try_from(services).map_err(|e| typed(map_names::SERVICES, e))?,
+            backends: HashMap::try_from(backends).map_err(|e| typed(map_names::BACKENDS, e))?,
+            stats: PerCpuArray::try_from(stats).map_err(|e| typed(map_names::STATS, e))?,
+            capacity: Capacity {
+                services: services_max,
+                backends: backends_max,
+            },
+        })
+    }
+
+    pub fn capacity(&self) -> Capacity {
+        self.capacity
+    }
+
+    pub fn snapshot(&self) -> Result<MapSnapshot, MapsError> {
+        let mut snapshot = MapSnapshot::default();
+        for entry in self.services.iter() {
+            let (key, value) = entry.map_err(|source| MapsError::Read {
+                map: map_names::SERVICES,
+                source,
+            })?;
+            snapshot.services.insert(key, value);
+        }
+        for entry in self.backends.iter() {
+            let (id, backend) = entry.map_err(|source| MapsError::Read {
+                map: map_names::BACKENDS,
+                source,
+            })?;
+            snapshot.backends.insert(id, backend);
+        }
+        Ok(snapshot)
+    }
+
+    /// Applies `ops` in order, stopping at the first failure: the plan is ordered so
+    /// that any prefix leaves the table consistent.
+    pub fn apply(&mut self, ops: &[MapOp]) -> Result<(), MapsError> {
+        for op in ops {
+            let (map, result) = match op {
+                MapOp::PutBackend { id, backend } => {
+                    (map_names::BACKENDS, self.backends.insert(id, backend, 0))
+                }
+                MapOp::PutService { key, value } => {
+                    (map_names::SERVICES, self.services.insert(key, value, 0))
+                }
+                MapOp::DeleteService { key } => (
+                    map_names::SERVICES,
+                    ignore_missing(self.services.remove(key)),
+                ),
+                MapOp::DeleteBackend { id } => (
+                    map_names::BACKENDS,
+                    ignore_missing(self.backends.remove(id)),
+                ),
+            };
+            result.map_err(|source| MapsError::Write {
+                map,
+                op: format!("{op:?}"),
+                source,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The `LB_STATS` counters summed over CPUs, with their names.
+    pub fn stats(&self) -> Result<Vec<(&'static str, u64)>, MapsError> {
+        (0..stat::COUNT)
+            .map(|index| {
+                let per_cpu = self
+                    .stats
+                    .get(&index, 0)
+                    .map_err(|source| MapsError::Read {
+                        map: map_names::STATS,
+                        source,
+                    })?;
+                Ok((stat::NAMES[index as usize], per_cpu.iter().sum()))
+            })
+            .collect()
+    }
+}
+
+/// Deleting what is already gone is success: the end state is what the plan wants.
+fn ignore_missing(result: Result<(), MapError>) -> Result<(), MapError> {
+    match result {
+        Err(MapError::KeyNotFound) => Ok(()),
+        other => other,
+    }
+}

@@ -1,0 +1,870 @@
+//! kube-proxy's reading of Services and EndpointSlices, for the ClusterIP frontends
+//! the socket hooks translate.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, Ipv4Addr};
+
+use k8s_openapi::api::core::v1::{Service, ServicePort};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+
+use super::{ObjectError, Problem};
+use crate::model::{BackendAddr, DesiredState, Frontend, FrontendSpec, Protocol};
+
+/// Settings that change how objects are read, not what they say.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SourceOptions {
+    /// This node's name as EndpointSlices spell it in `endpoints[].nodeName`, for
+    /// `internalTrafficPolicy: Local`.
+    pub node_name: String,
+}
+
+const SERVICE: &str = "Service";
+const SLICE: &str = "EndpointSlice";
+const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
+const LABEL_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
+const DEFAULT_AFFINITY_TIMEOUT: i32 = 10_800;
+const MAX_AFFINITY_TIMEOUT: i32 = 86_400;
+
+type ObjectId = (String, String);
+
+/// Objects without a namespace are taken to be in `default`, as `kubectl apply` of
+/// the same file would place them with a default context.
+fn object_id(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> ObjectId {
+    (
+        meta.namespace
+            .clone()
+            .unwrap_or_else(|| "default".to_owned()),
+        meta.name.clone().unwrap_or_default(),
+    )
+}
+
+/// One Service port this agent proxies.
+struct PortPlan {
+    name: String,
+    protocol: Protocol,
+    frontends: Vec<Frontend>,
+}
+
+/// A Service that passed validation.
+struct ServicePlan {
+    id: ObjectId,
+    ports: Vec<PortPlan>,
+    affinity_timeout_sec: Option<u32>,
+    local_only: bool,
+}
+
+/// One endpoint of one slice, with its conditions resolved as kube-proxy does.
+struct EndpointInfo {
+    ip: Ipv4Addr,
+    ready: bool,
+    serving: bool,
+    terminating: bool,
+    local: bool,
+}
+
+/// An IPv4 EndpointSlice that passed validation.
+struct SliceInfo {
+    /// (port name, protocol as written or `TCP`, port).
+    ports: Vec<(String, String, u16)>,
+    endpoints: Vec<EndpointInfo>,
+}
+
+/// Turn Services and EndpointSlices into the frontends this node should translate.
+/// Problems with single objects come back as errors; everything else still applies.
+pub fn build_desired(
+    services: &[Service],
+    slices: &[EndpointSlice],
+    opts: &SourceOptions,
+) -> (DesiredState, Vec<ObjectError>) {
+    let mut errors = Vec::new();
+
+    // Sorted so that the first of two Services claiming a frontend is well defined.
+    let mut sorted: Vec<(ObjectId, &Service)> = services
+        .iter()
+        .map(|s| (object_id(&s.metadata), s))
+        .collect();
+    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+    let known: BTreeSet<&ObjectId> = sorted.iter().map(|(id, _)| id).collect();
+
+    let plans: Vec<ServicePlan> = sorted
+        .iter()
+        .filter_map(|(id, svc)| plan_service(id, svc, &mut errors))
+        .collect();
+    let proxied: BTreeSet<&ObjectId> = plans.iter().map(|p| &p.id).collect();
+
+    let mut sorted_slices: Vec<(ObjectId, &EndpointSlice)> =
+        slices.iter().map(|s| (object_id(&s.metadata), s)).collect();
+    sorted_slices.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut slices_of: BTreeMap<ObjectId, Vec<SliceInfo>> = BTreeMap::new();
+    for ((ns, name), slice) in &sorted_slices {
+        let slice_error = |problem| ObjectError::new(SLICE, ns, name, problem);
+        let labels = slice.metadata.labels.as_ref();
+        let Some(svc_name) = labels.and_then(|l| l.get(LABEL_SERVICE_NAME)) else {
+            errors.push(slice_error(Problem::MissingServiceName));
+            continue;
+        };
+        let svc_id = (ns.clone(), svc_name.clone());
+        if !known.contains(&svc_id) {
+            let service = format!("{ns}/{svc_name}");
+            errors.push(slice_error(Problem::ServiceNotFound { service }));
+            continue;
+        }
+        // Slices of Services this agent does not proxy (headless, another proxy's,
+        // or invalid and already reported) need no checking.
+        if !proxied.contains(&svc_id) || slice.address_type != "IPv4" {
+            continue;
+        }
+        let info = read_slice(slice, opts, &mut |p| errors.push(slice_error(p)));
+        slices_of.entry(svc_id).or_default().push(info);
+    }
+
+    let mut desired = DesiredState::default();
+    let mut owners: BTreeMap<Frontend, ObjectId> = BTreeMap::new();
+    for plan in &plans {
+        let (ns, name) = &plan.id;
+        let slices = slices_of.get(&plan.id).map(Vec::as_slice).unwrap_or(&[]);
+        for port in &plan.ports {
+            let backends = select_backends(port, plan.local_only, slices);
+            let service = if port.name.is_empty() {
+                format!("{ns}/{name}")
+            } else {
+                format!("{ns}/{name}:{}", port.name)
+            };
+            for &frontend in &port.frontends {
+                if let Some((owner_ns, owner_name)) = owners.get(&frontend) {
+                    let owner = format!("{owner_ns}/{owner_name}");
+                    errors.push(ObjectError::new(
+                        SERVICE,
+                        ns,
+                        name,
+                        Problem::DuplicateFrontend { frontend, owner },
+                    ));
+                    continue;
+                }
+                owners.insert(frontend, plan.id.clone());
+                desired.frontends.insert(
+                    frontend,
+                    FrontendSpec {
+                        service: service.clone(),
+                        backends: backends.clone(),
+                        affinity_timeout_sec: plan.affinity_timeout_sec,
+                    },
+                );
+            }
+        }
+    }
+    (desired, errors)
+}
+
+/// Validate one Service; `None` when it is not proxied (skipped or invalid).
+fn plan_service(
+    id: &ObjectId,
+    svc: &Service,
+    errors: &mut Vec<ObjectError>,
+) -> Option<ServicePlan> {
+    let (ns, name) = id;
+    let error = |problem| ObjectError::new(SERVICE, ns, name, problem);
+    let labels = svc.metadata.labels.as_ref();
+    // Another proxy implementation owns it, or it is explicitly headless; kube-proxy
+    // filters these out in its informer.
+    if labels.is_some_and(|l| l.contains_key(LABEL_PROXY_NAME) || l.contains_key(LABEL_HEADLESS)) {
+        return None;
+    }
+    let spec = svc.spec.clone().unwrap_or_default();
+    if spec.type_.as_deref() == Some("ExternalName") {
+        return None;
+    }
+
+    let cluster_ips: Vec<String> = match (&spec.cluster_ips, &spec.cluster_ip) {
+        (Some(ips), _) if !ips.is_empty() => ips.clone(),
+        (_, Some(ip)) if !ip.is_empty() => vec![ip.clone()],
+        _ => {
+            errors.push(error(Problem::MissingClusterIp));
+            return None;
+        }
+    };
+    if cluster_ips[0] == "None" || spec.cluster_ip.as_deref() == Some("None") {
+        return None; // headless: clients resolve pod IPs through DNS
+    }
+    let mut v4 = Vec::new();
+    for value in &cluster_ips {
+        match value.parse::<IpAddr>() {
+            Ok(IpAddr::V4(ip)) if !v4.contains(&ip) => v4.push(ip),
+            Ok(_) => {}
+            Err(_) => {
+                errors.push(error(Problem::InvalidClusterIp {
+                    value: value.clone(),
+                }));
+                return None;
+            }
+        }
+    }
+    if v4.is_empty() {
+        let addresses = cluster_ips.join(", ");
+        errors.push(error(Problem::UnsupportedAddressFamily { addresses }));
+        return None;
+    }
+
+    let affinity_timeout_sec = if spec.session_affinity.as_deref() == Some("ClientIP") {
+        let seconds = spec
+            .session_affinity_config
+            .as_ref()
+            .and_then(|c| c.client_ip.as_ref())
+            .and_then(|c| c.timeout_seconds)
+            .unwrap_or(DEFAULT_AFFINITY_TIMEOUT);
+        if !(1..=MAX_AFFINITY_TIMEOUT).contains(&seconds) {
+            errors.push(error(Problem::AffinityTimeoutOutOfRange { seconds }));
+            return None;
+        }
+        Some(seconds as u32)
+    } else {
+        None
+    };
+
+    let mut ports = Vec::new();
+    for sp in spec.ports.iter().flatten() {
+        if let Some(port) = plan_port(sp, &v4, &mut |p| errors.push(error(p))) {
+            ports.push(port);
+        }
+    }
+    Some(ServicePlan {
+        id: id.clone(),
+        ports,
+        affinity_timeout_sec,
+        local_only: spec.internal_traffic_policy.as_deref() == Some("Local"),
+    })
+}
+
+fn plan_port(
+    sp: &ServicePort,
+    ips: &[Ipv4Addr],
+    report: &mut dyn FnMut(Problem),
+) -> Option<PortPlan> {
+    let Some(port) = valid_port(sp.port) else {
+        report(Problem::PortOutOfRange { port: sp.port });
+        return None;
+    };
+    let protocol = match sp.protocol.as_deref().unwrap_or("TCP") {
+        "TCP" => Protocol::Tcp,
+        "UDP" => Protocol::Udp,
+        other => {
+            report(Problem::UnsupportedProtocol {
+                port: sp.port,
+                protocol: other.to_owned(),
+            });
+            return None;
+        }
+    };
+    Some(PortPlan {
+        name: sp.name.clone().unwrap_or_default(),
+        protocol,
+        frontends: ips
+            .iter()
+            .map(|&ip| Frontend { ip, port, protocol })
+            .collect(),
+    })
+}
+
+fn valid_port(port: i32) -> Option<u16> {
+    u16::try_from(port).ok().filter(|&p| p != 0)
+}
+
+fn read_slice(
+    slice: &EndpointSlice,
+    opts: &SourceOptions,
+    report: &mut dyn FnMut(Problem),
+) -> SliceInfo {
+    let mut ports = Vec::new();
+    for p in slice.ports.iter().flatten() {
+        let name = p.name.clone().unwrap_or_default();
+        match p.port {
+            None => report(Problem::EndpointPortMissing { name }),
+            Some(n) => match valid_port(n) {
+                Some(port) => {
+                    let protocol = p.protocol.clone().unwrap_or_else(|| "TCP".to_owned());
+                    ports.push((name, protocol, port));
+                }
+                None => report(Problem::EndpointPortOutOfRange { name, port: n }),
+            },
+        }
+    }
+
+    let mut endpoints = Vec::new();
+    for (index, ep) in slice.endpoints.iter().flatten().enumerate() {
+        // Only the first address has defined meaning; kube-proxy ignores the others.
+        let Some(address) = ep.addresses.first() else {
+            report(Problem::EndpointWithoutAddress { index });
+            continue;
+        };
+        let Ok(ip) = address.parse::<Ipv4Addr>() else {
+            report(Problem::InvalidEndpointAddress {
+                index,
+                address: address.clone(),
+            });
+            continue;
+        };
+        let conditions = ep.conditions.clone().unwrap_or_default();
+        // Unknown readiness counts as ready, and a ready endpoint is serving.
+        let ready = conditions.ready.unwrap_or(true);
+        endpoints.push(EndpointInfo {
+            ip,
+            ready,
+            serving: conditions.serving.unwrap_or(ready),
+            terminating: conditions.terminating.unwrap_or(false),
+            local: ep.node_name.as_deref() == Some(opts.node_name.as_str()),
+        });
+    }
+    SliceInfo { ports, endpoints }
+}
+
+/// Ready endpoints; failing those, endpoints that still serve while terminating, so a
+/// rolling update of the last pods drains instead of refusing (KEP-1669). Locality is
+/// applied first, as kube-proxy picks the fallback among local endpoints only.
+fn select_backends(
+    port: &PortPlan,
+    local_only: bool,
+    slices: &[SliceInfo],
+) -> BTreeSet<BackendAddr> {
+    let protocol = port.protocol.to_string();
+    let candidates: Vec<(BackendAddr, &EndpointInfo)> = slices
+        .iter()
+        .filter_map(|s| {
+            let (_, _, target) = s
+                .ports
+                .iter()
+                .find(|(name, proto, _)| *name == port.name && *proto == protocol)?;
+            Some((s, *target))
+        })
+        .flat_map(|(s, target)| {
+            s.endpoints
+                .iter()
+                .filter(|e| e.local || !local_only)
+                .map(move |e| {
+                    (
+                        BackendAddr {
+                            ip: e.ip,
+                            port: target,
+                        },
+                        e,
+                    )
+                })
+        })
+        .collect();
+    let ready: BTreeSet<BackendAddr> = candidates
+        .iter()
+        .filter(|(_, e)| e.ready)
+        .map(|(b, _)| *b)
+        .collect();
+    if !ready.is_empty() {
+        return ready;
+    }
+    candidates
+        .iter()
+        .filter(|(_, e)| e.serving && e.terminating)
+        .map(|(b, _)| *b)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::yaml::parse_str;
+    use std::path::Path;
+
+    fn build(yaml: &str) -> (DesiredState, Vec<ObjectError>) {
+        build_node(yaml, "node-a")
+    }
+
+    fn build_node(yaml: &str, node: &str) -> (DesiredState, Vec<ObjectError>) {
+        let objects = parse_str(Path::new("t.yaml"), yaml);
+        assert!(objects.errors.is_empty(), "{:?}", objects.errors);
+        let opts = SourceOptions {
+            node_name: node.to_owned(),
+        };
+        build_desired(&objects.services, &objects.slices, &opts)
+    }
+
+    fn messages(errors: &[ObjectError]) -> Vec<String> {
+        errors.iter().map(ToString::to_string).collect()
+    }
+
+    fn fe(ip: &str, port: u16, protocol: Protocol) -> Frontend {
+        Frontend {
+            ip: ip.parse().unwrap(),
+            port,
+            protocol,
+        }
+    }
+
+    fn be(ip: &str, port: u16) -> BackendAddr {
+        BackendAddr {
+            ip: ip.parse().unwrap(),
+            port,
+        }
+    }
+
+    fn backends(d: &DesiredState, f: Frontend) -> Vec<BackendAddr> {
+        d.frontends[&f].backends.iter().copied().collect()
+    }
+
+    /// As `kubectl get svc,endpointslices -o yaml` prints them, trimmed of status.
+    const WEB: &str = r#"
+apiVersion: v1
+kind: List
+items:
+- apiVersion: v1
+  kind: Service
+  metadata:
+    creationTimestamp: "2024-05-01T10:00:00Z"
+    labels:
+      app: web
+    name: web
+    namespace: default
+    resourceVersion: "1234"
+    uid: 0b3c9f1e-8a55-4a4e-9c36-1f0f6d1d2a10
+  spec:
+    clusterIP: 10.96.0.10
+    clusterIPs:
+    - 10.96.0.10
+    internalTrafficPolicy: Cluster
+    ipFamilies:
+    - IPv4
+    ipFamilyPolicy: SingleStack
+    ports:
+    - name: http
+      port: 80
+      protocol: TCP
+      targetPort: http
+    - name: metrics
+      port: 9090
+      protocol: TCP
+      targetPort: 9090
+    selector:
+      app: web
+    sessionAffinity: None
+    type: ClusterIP
+  status:
+    loadBalancer: {}
+- addressType: IPv4
+  apiVersion: discovery.k8s.io/v1
+  endpoints:
+  - addresses:
+    - 10.244.1.5
+    conditions:
+      ready: true
+      serving: true
+      terminating: false
+    nodeName: node-a
+    targetRef:
+      kind: Pod
+      name: web-5d9c-abcde
+      namespace: default
+  - addresses:
+    - 10.244.2.7
+    conditions:
+      ready: true
+      serving: true
+      terminating: false
+    nodeName: node-b
+  kind: EndpointSlice
+  metadata:
+    generateName: web-
+    labels:
+      endpointslice.kubernetes.io/managed-by: endpointslice-controller.k8s.io
+      kubernetes.io/service-name: web
+    name: web-x7k2p
+    namespace: default
+  ports:
+  - name: metrics
+    port: 9100
+    protocol: TCP
+  - name: http
+    port: 8080
+    protocol: TCP
+"#;
+
+    #[test]
+    fn service_with_endpoint_slice() {
+        let (d, errors) = build(WEB);
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(d.frontends.len(), 2);
+        let http = fe("10.96.0.10", 80, Protocol::Tcp);
+        assert_eq!(d.frontends[&http].service, "default/web:http");
+        assert_eq!(d.frontends[&http].affinity_timeout_sec, None);
+        assert_eq!(
+            backends(&d, http),
+            [be("10.244.1.5", 8080), be("10.244.2.7", 8080)]
+        );
+        let metrics = fe("10.96.0.10", 9090, Protocol::Tcp);
+        assert_eq!(
+            backends(&d, metrics),
+            [be("10.244.1.5", 9100), be("10.244.2.7", 9100)]
+        );
+    }
+
+    #[test]
+    fn internal_traffic_policy_local_keeps_this_nodes_endpoints() {
+        let yaml = WEB.replace(
+            "internalTrafficPolicy: Cluster",
+            "internalTrafficPolicy: Local",
+        );
+        let (d, errors) = build(&yaml);
+        assert!(errors.is_empty());
+        assert_eq!(
+            backends(&d, fe("10.96.0.10", 80, Protocol::Tcp)),
+            [be("10.244.1.5", 8080)]
+        );
+        // No local endpoint: the frontend stays and refuses connections.
+        let (d, _) = build_node(&yaml, "node-z");
+        assert!(backends(&d, fe("10.96.0.10", 80, Protocol::Tcp)).is_empty());
+    }
+
+    fn service(name: &str, spec: &str) -> String {
+        format!("---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: default}}\nspec:\n{spec}\n")
+    }
+
+    fn slice(name: &str, svc: &str, body: &str) -> String {
+        format!(
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+             metadata:\n  name: {name}\n  namespace: default\n  labels: {{kubernetes.io/service-name: {svc}}}\n{body}\n"
+        )
+    }
+
+    #[test]
+    fn skipped_services_produce_nothing_and_their_slices_are_fine() {
+        let body = "addressType: IPv4\nendpoints: [{addresses: [10.0.0.1]}]\nports: [{port: 80}]";
+        let yaml = [
+            service("headless", "  clusterIP: None\n  ports: [{port: 80}]"),
+            slice("headless-1", "headless", body),
+            service("ext", "  type: ExternalName\n  externalName: example.com"),
+            slice("ext-1", "ext", body),
+            "---\napiVersion: v1\nkind: Service\nmetadata:\n  name: other\n  namespace: default\n  \
+             labels: {service.kubernetes.io/service-proxy-name: cilium}\nspec: {clusterIP: 10.96.0.5, ports: [{port: 80}]}\n"
+                .to_owned(),
+            "---\napiVersion: v1\nkind: Service\nmetadata:\n  name: hl\n  namespace: default\n  \
+             labels: {service.kubernetes.io/headless: \"\"}\nspec: {clusterIP: 10.96.0.6, ports: [{port: 80}]}\n"
+                .to_owned(),
+        ]
+        .concat();
+        let (d, errors) = build(&yaml);
+        assert!(errors.is_empty(), "{:?}", messages(&errors));
+        assert!(d.frontends.is_empty());
+    }
+
+    #[test]
+    fn address_families() {
+        let yaml = [
+            service("v6", "  clusterIP: fd00::10\n  clusterIPs: [fd00::10]\n  ports: [{port: 80}]"),
+            service(
+                "dual",
+                "  clusterIP: fd00::11\n  clusterIPs: [fd00::11, 10.96.0.11]\n  ports: [{port: 80}]",
+            ),
+            service("noip", "  ports: [{port: 80}]"),
+            service("badip", "  clusterIP: 10.96.0.300\n  ports: [{port: 80}]"),
+            slice("v6-1", "dual", "addressType: IPv6\nendpoints: [{addresses: [\"fd00::1\"]}]\nports: [{port: 80}]"),
+        ]
+        .concat();
+        let (d, errors) = build(&yaml);
+        assert_eq!(
+            messages(&errors),
+            [
+                "Service default/badip: cluster IP \"10.96.0.300\" is not an IP address",
+                "Service default/noip: has no spec.clusterIP; set one, or `clusterIP: None` for a headless Service",
+                "Service default/v6: unsupported address family: cluster IPs fd00::10 have no IPv4 \
+                 address; only IPv4 Services are proxied",
+            ]
+        );
+        assert_eq!(
+            d.frontends.keys().copied().collect::<Vec<_>>(),
+            [fe("10.96.0.11", 80, Protocol::Tcp)]
+        );
+        assert_eq!(
+            d.frontends[&fe("10.96.0.11", 80, Protocol::Tcp)].service,
+            "default/dual"
+        );
+    }
+
+    #[test]
+    fn port_and_protocol_errors_drop_only_that_port() {
+        let yaml = service(
+            "web",
+            "  clusterIP: 10.96.0.10\n  ports:\n  - {name: zero, port: 0}\n  - {name: big, port: 70000}\n  \
+             - {name: sctp, port: 7, protocol: SCTP}\n  - {name: dns, port: 53, protocol: UDP}\n  - {name: dnstcp, port: 53}",
+        );
+        let (d, errors) = build(&yaml);
+        assert_eq!(
+            messages(&errors),
+            [
+                "Service default/web: port 0 is out of range (1-65535)",
+                "Service default/web: port 70000 is out of range (1-65535)",
+                "Service default/web: port 7/SCTP: protocol SCTP is not supported (only TCP and UDP); \
+                 that port is not proxied",
+            ]
+        );
+        let keys: Vec<_> = d.frontends.keys().copied().collect();
+        assert_eq!(
+            keys,
+            [
+                fe("10.96.0.10", 53, Protocol::Tcp),
+                fe("10.96.0.10", 53, Protocol::Udp)
+            ]
+        );
+    }
+
+    #[test]
+    fn udp_ports_match_udp_slice_ports() {
+        let yaml = [
+            service("dns", "  clusterIP: 10.96.0.10\n  ports:\n  - {name: dns, port: 53, protocol: UDP}\n  - {name: dns-tcp, port: 53, protocol: TCP}"),
+            slice(
+                "dns-1",
+                "dns",
+                "addressType: IPv4\nendpoints: [{addresses: [10.0.0.1]}]\n\
+                 ports: [{name: dns, port: 5353, protocol: UDP}, {name: dns-tcp, port: 5354, protocol: TCP}]",
+            ),
+        ]
+        .concat();
+        let (d, errors) = build(&yaml);
+        assert!(errors.is_empty());
+        assert_eq!(
+            backends(&d, fe("10.96.0.10", 53, Protocol::Udp)),
+            [be("10.0.0.1", 5353)]
+        );
+        assert_eq!(
+            backends(&d, fe("10.96.0.10", 53, Protocol::Tcp)),
+            [be("10.0.0.1", 5354)]
+        );
+        assert_eq!(
+            d.frontends[&fe("10.96.0.10", 53, Protocol::Udp)].service,
+            "default/dns:dns"
+        );
+    }
+
+    #[test]
+    fn session_affinity() {
+        let yaml = [
+            service(
+                "default-timeout",
+                "  clusterIP: 10.96.0.1\n  sessionAffinity: ClientIP\n  ports: [{port: 80}]",
+            ),
+            service(
+                "custom",
+                "  clusterIP: 10.96.0.2\n  sessionAffinity: ClientIP\n  \
+                 sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n  ports: [{port: 80}]",
+            ),
+            service(
+                "too-long",
+                "  clusterIP: 10.96.0.3\n  sessionAffinity: ClientIP\n  \
+                 sessionAffinityConfig: {clientIP: {timeoutSeconds: 86401}}\n  ports: [{port: 80}]",
+            ),
+            service(
+                "zero",
+                "  clusterIP: 10.96.0.4\n  sessionAffinity: ClientIP\n  \
+                 sessionAffinityConfig: {clientIP: {timeoutSeconds: 0}}\n  ports: [{port: 80}]",
+            ),
+            service(
+                "none",
+                "  clusterIP: 10.96.0.5\n  sessionAffinity: None\n  \
+                 sessionAffinityConfig: {clientIP: {timeoutSeconds: 0}}\n  ports: [{port: 80}]",
+            ),
+        ]
+        .concat();
+        let (d, errors) = build(&yaml);
+        let timeout = |ip| d.frontends[&fe(ip, 80, Protocol::Tcp)].affinity_timeout_sec;
+        assert_eq!(timeout("10.96.0.1"), Some(10_800));
+        assert_eq!(timeout("10.96.0.2"), Some(60));
+        assert_eq!(timeout("10.96.0.5"), None);
+        assert_eq!(d.frontends.len(), 3);
+        assert_eq!(
+            messages(&errors),
+            [
+                "Service default/too-long: sessionAffinityConfig.clientIP.timeoutSeconds 86401 is out \
+                 of range (1-86400); the Service is not proxied until it is fixed",
+                "Service default/zero: sessionAffinityConfig.clientIP.timeoutSeconds 0 is out of range \
+                 (1-86400); the Service is not proxied until it is fixed",
+            ]
+        );
+    }
+
+    const SVC: &str = "  clusterIP: 10.96.0.10\n  ports: [{port: 80}]";
+
+    fn endpoints_yaml(endpoints: &str) -> String {
+        [
+            service("web", SVC),
+            slice(
+                "web-1",
+                "web",
+                &format!("addressType: IPv4\nports: [{{port: 8080}}]\nendpoints:\n{endpoints}"),
+            ),
+        ]
+        .concat()
+    }
+
+    fn web_backends(yaml: &str) -> Vec<BackendAddr> {
+        let (d, errors) = build(yaml);
+        assert!(errors.is_empty(), "{:?}", messages(&errors));
+        backends(&d, fe("10.96.0.10", 80, Protocol::Tcp))
+    }
+
+    #[test]
+    fn conditions_pick_ready_then_serving_terminating() {
+        let mixed = endpoints_yaml(
+            "- {addresses: [10.0.0.1], conditions: {ready: true}}\n\
+             - {addresses: [10.0.0.2]}\n\
+             - {addresses: [10.0.0.3], conditions: {ready: false}}\n\
+             - {addresses: [10.0.0.4], conditions: {ready: false, serving: true, terminating: true}}",
+        );
+        assert_eq!(
+            web_backends(&mixed),
+            [be("10.0.0.1", 8080), be("10.0.0.2", 8080)]
+        );
+
+        let terminating = endpoints_yaml(
+            "- {addresses: [10.0.0.3], conditions: {ready: false}}\n\
+             - {addresses: [10.0.0.4], conditions: {ready: false, serving: true, terminating: true}}\n\
+             - {addresses: [10.0.0.5], conditions: {ready: false, serving: false, terminating: true}}\n\
+             - {addresses: [10.0.0.6], conditions: {ready: false, terminating: true}}",
+        );
+        assert_eq!(web_backends(&terminating), [be("10.0.0.4", 8080)]);
+
+        let none =
+            endpoints_yaml("- {addresses: [10.0.0.3], conditions: {ready: false, serving: true}}");
+        assert!(web_backends(&none).is_empty());
+    }
+
+    #[test]
+    fn local_policy_falls_back_among_local_endpoints_only() {
+        let yaml = endpoints_yaml(
+            "- {addresses: [10.0.0.1], nodeName: node-b}\n\
+             - {addresses: [10.0.0.2], nodeName: node-a, conditions: {ready: false, serving: true, terminating: true}}",
+        )
+        .replace("ports: [{port: 80}]", "ports: [{port: 80}]\n  internalTrafficPolicy: Local");
+        assert_eq!(web_backends(&yaml), [be("10.0.0.2", 8080)]);
+    }
+
+    #[test]
+    fn service_without_endpoints_keeps_its_frontend() {
+        let (d, errors) = build(&service("web", SVC));
+        assert!(errors.is_empty());
+        assert!(backends(&d, fe("10.96.0.10", 80, Protocol::Tcp)).is_empty());
+        let (d, _) = build(&endpoints_yaml("  []"));
+        assert!(backends(&d, fe("10.96.0.10", 80, Protocol::Tcp)).is_empty());
+    }
+
+    #[test]
+    fn duplicate_endpoints_across_slices_merge() {
+        let body = |ip: &str| {
+            format!("addressType: IPv4\nports: [{{port: 8080}}]\nendpoints: [{{addresses: [{ip}]}}, {{addresses: [10.0.0.9]}}]")
+        };
+        let yaml = [
+            service("web", SVC),
+            slice("web-1", "web", &body("10.0.0.1")),
+            slice("web-2", "web", &body("10.0.0.2")),
+        ]
+        .concat();
+        assert_eq!(
+            web_backends(&yaml),
+            [
+                be("10.0.0.1", 8080),
+                be("10.0.0.2", 8080),
+                be("10.0.0.9", 8080)
+            ]
+        );
+    }
+
+    #[test]
+    fn slice_problems() {
+        let yaml = [
+            service("web", SVC),
+            slice("orphan-1", "gone", "addressType: IPv4\nendpoints: []"),
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: nolabel, namespace: default}\n\
+             addressType: IPv4\nendpoints: []\n"
+                .to_owned(),
+            slice(
+                "web-1",
+                "web",
+                "addressType: IPv4\nports: [{port: 8080}, {name: x}, {name: y, port: 0}]\nendpoints:\n\
+                 - {addresses: [10.0.0.1]}\n- {addresses: [not-an-ip]}\n- {addresses: []}",
+            ),
+            slice("fqdn", "web", "addressType: FQDN\nendpoints: [{addresses: [example.com]}]"),
+        ]
+        .concat();
+        let (d, errors) = build(&yaml);
+        assert_eq!(
+            messages(&errors),
+            [
+                "EndpointSlice default/nolabel: has no label kubernetes.io/service-name; add it to tie \
+                 the slice to its Service",
+                "EndpointSlice default/orphan-1: Service default/gone not found; load the Service \
+                 together with its EndpointSlices",
+                "EndpointSlice default/web-1: port \"x\" has no port number; its endpoints are not used for that port",
+                "EndpointSlice default/web-1: port \"y\": port 0 is out of range (1-65535); its endpoints \
+                 are not used for that port",
+                "EndpointSlice default/web-1: endpoints[1]: address \"not-an-ip\" is not an IPv4 address; \
+                 that endpoint is skipped",
+                "EndpointSlice default/web-1: endpoints[2] has no address; that endpoint is skipped",
+            ]
+        );
+        assert_eq!(
+            backends(&d, fe("10.96.0.10", 80, Protocol::Tcp)),
+            [be("10.0.0.1", 8080)]
+        );
+    }
+
+    #[test]
+    fn named_ports_match_by_name_and_protocol() {
+        let yaml = [
+            service(
+                "web",
+                "  clusterIP: 10.96.0.10\n  ports:\n  - {name: http, port: 80}\n  - {name: admin, port: 81}\n  \
+                 - {name: dns, port: 53, protocol: UDP}",
+            ),
+            slice(
+                "web-1",
+                "web",
+                "addressType: IPv4\nendpoints: [{addresses: [10.0.0.1]}]\n\
+                 ports: [{name: http, port: 8080}, {name: dns, port: 53, protocol: TCP}, {port: 9999}]",
+            ),
+        ]
+        .concat();
+        let (d, errors) = build(&yaml);
+        assert!(errors.is_empty());
+        assert_eq!(
+            backends(&d, fe("10.96.0.10", 80, Protocol::Tcp)),
+            [be("10.0.0.1", 8080)]
+        );
+        // No slice port named admin, and dns is only published for TCP.
+        assert!(backends(&d, fe("10.96.0.10", 81, Protocol::Tcp)).is_empty());
+        assert!(backends(&d, fe("10.96.0.10", 53, Protocol::Udp)).is_empty());
+        assert_eq!(
+            d.frontends[&fe("10.96.0.10", 81, Protocol::Tcp)].service,
+            "default/web:admin"
+        );
+    }
+
+    #[test]
+    fn duplicate_frontends_first_by_name_wins() {
+        let yaml = [
+            service(
+                "zeta",
+                "  clusterIP: 10.96.0.10\n  ports: [{port: 80}, {port: 443}]",
+            ),
+            service("alpha", "  clusterIP: 10.96.0.10\n  ports: [{port: 80}]"),
+        ]
+        .concat();
+        let (d, errors) = build(&yaml);
+        assert_eq!(
+            messages(&errors),
+            ["Service default/zeta: frontend 10.96.0.10:80/TCP is already used by Service default/alpha, \
+              which keeps it; give one of them another cluster IP or port"]
+        );
+        assert_eq!(
+            d.frontends[&fe("10.96.0.10", 80, Protocol::Tcp)].service,
+            "default/alpha"
+        );
+        assert_eq!(
+            d.frontends[&fe("10.96.0.10", 443, Protocol::Tcp)].service,
+            "default/zeta"
+        );
+    }
+}

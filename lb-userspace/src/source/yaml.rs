@@ -1,0 +1,565 @@
+//! Services and EndpointSlices from files saved with `kubectl get -o yaml` (or `-o json`).
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use serde_json::Value;
+
+use super::{Location, ObjectError, Problem};
+
+/// Everything one load found. Objects that could not be read are in `errors`; the
+/// rest still load, so one broken document does not take the others down with it.
+#[derive(Clone, Debug, Default)]
+pub struct Objects {
+    pub services: Vec<Service>,
+    pub slices: Vec<EndpointSlice>,
+    pub errors: Vec<ObjectError>,
+}
+
+/// The source as a whole could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error("{}: no such file or directory; pass a YAML/JSON file or a directory holding them", path.display())]
+    NotFound { path: PathBuf },
+    #[error("cannot read {}: {error}; check that it exists and is readable", path.display())]
+    Read { path: PathBuf, error: io::Error },
+}
+
+impl SourceError {
+    fn from_io(path: &Path, error: io::Error) -> Self {
+        if error.kind() == io::ErrorKind::NotFound {
+            SourceError::NotFound {
+                path: path.to_owned(),
+            }
+        } else {
+            SourceError::Read {
+                path: path.to_owned(),
+                error,
+            }
+        }
+    }
+}
+
+const EXTENSIONS: [&str; 3] = ["yaml", "yml", "json"];
+
+/// Load a file, or every `*.yaml`, `*.yml` and `*.json` file directly in a directory,
+/// in file name order so that "first one wins" rules are reproducible.
+pub fn load_path(path: &Path) -> Result<Objects, SourceError> {
+    let meta = fs::metadata(path).map_err(|e| SourceError::from_io(path, e))?;
+    let files = if meta.is_dir() {
+        let mut files = Vec::new();
+        for entry in fs::read_dir(path).map_err(|e| SourceError::from_io(path, e))? {
+            let entry = entry.map_err(|e| SourceError::from_io(path, e))?;
+            let file = entry.path();
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            // Dot files are editor swap files and the `..data` links of ConfigMap mounts.
+            if name.starts_with('.') || !has_extension(&file, &EXTENSIONS) {
+                continue;
+            }
+            // Follows symlinks, as ConfigMap volumes are made of them.
+            match fs::metadata(&file) {
+                Ok(m) if m.is_file() => files.push(file),
+                Ok(_) => {}
+                Err(e) => return Err(SourceError::from_io(&file, e)),
+            }
+        }
+        files.sort();
+        files
+    } else {
+        vec![path.to_owned()]
+    };
+
+    let mut objects = Objects::default();
+    for file in files {
+        let text = fs::read_to_string(&file).map_err(|e| SourceError::from_io(&file, e))?;
+        let found = parse_str(&file, &text);
+        objects.services.extend(found.services);
+        objects.slices.extend(found.slices);
+        objects.errors.extend(found.errors);
+    }
+    Ok(objects)
+}
+
+/// Parse the text of one file; `file` is only used to name it in errors and to tell
+/// JSON from YAML.
+pub fn parse_str(file: &Path, text: &str) -> Objects {
+    let mut objects = Objects::default();
+    if has_extension(file, &["json"]) {
+        parse_json(file, text, &mut objects);
+    } else {
+        for doc in split_documents(text) {
+            let location = Location {
+                file: file.to_owned(),
+                document: doc.index,
+                line: doc.line,
+                item: None,
+            };
+            match serde_yaml::from_str::<Value>(&doc.text) {
+                Ok(value) => take_document(value, &location, &mut objects),
+                Err(_) => {
+                    // Parse again with the document at its place in the file so the
+                    // error's line numbers are the file's; only on the rare error path.
+                    let padded = "\n".repeat(doc.line - 1) + &doc.text;
+                    let message = match serde_yaml::from_str::<Value>(&padded) {
+                        Err(e) => e.to_string(),
+                        Ok(_) => "unreadable document".to_owned(),
+                    };
+                    objects.errors.push(ObjectError {
+                        location: Some(location),
+                        ..ObjectError::new("", "", "", Problem::InvalidYaml { message })
+                    });
+                }
+            }
+        }
+    }
+    objects
+}
+
+fn has_extension(path: &Path, wanted: &[&str]) -> bool {
+    path.extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| wanted.iter().any(|w| e.eq_ignore_ascii_case(w)))
+}
+
+/// `kubectl -o json` writes one value; concatenated values (several `kubectl get`
+/// appended to one file) are read one after another.
+fn parse_json(file: &Path, text: &str, objects: &mut Objects) {
+    let mut stream = serde_json::Deserializer::from_str(text).into_iter::<Value>();
+    let mut index = 0;
+    loop {
+        let start = stream.byte_offset();
+        let next = stream.next();
+        let Some(result) = next else { break };
+        index += 1;
+        let skipped = text[start..].len() - text[start..].trim_start().len();
+        let line = 1 + text[..start + skipped].matches('\n').count();
+        let location = Location {
+            file: file.to_owned(),
+            document: index,
+            line,
+            item: None,
+        };
+        match result {
+            Ok(value) => take_document(value, &location, objects),
+            Err(e) => {
+                // The stream cannot find the start of the next value after an error.
+                objects.errors.push(ObjectError {
+                    location: Some(location),
+                    ..ObjectError::new(
+                        "",
+                        "",
+                        "",
+                        Problem::InvalidJson {
+                            message: e.to_string(),
+                        },
+                    )
+                });
+                break;
+            }
+        }
+    }
+}
+
+struct Document {
+    index: usize,
+    line: usize,
+    text: String,
+}
+
+/// Cut YAML text into documents ourselves rather than letting the parser iterate them:
+/// the parser stops at the first syntax error, and one broken document must not hide
+/// the ones after it. YAML forbids `---` and `...` at the start of a line inside
+/// content, so cutting there is exact.
+fn split_documents(text: &str) -> Vec<Document> {
+    let mut docs = Vec::new();
+    let mut current: Option<Document> = None;
+    let mut index = 0;
+    for (n, line) in text.lines().enumerate() {
+        if let Some(rest) = marker(line, "---") {
+            docs.extend(current.take());
+            index += 1;
+            current = Some(Document {
+                index,
+                line: n + 1,
+                text: format!("{rest}\n"),
+            });
+        } else if marker(line, "...").is_some() {
+            docs.extend(current.take());
+        } else if let Some(doc) = current.as_mut() {
+            doc.text.push_str(line);
+            doc.text.push('\n');
+        } else {
+            let trimmed = line.trim_start();
+            // Blank lines, comments and directives outside a document start none.
+            if trimmed.is_empty() || trimmed.starts_with('#') || line.starts_with('%') {
+                continue;
+            }
+            index += 1;
+            current = Some(Document {
+                index,
+                line: n + 1,
+                text: format!("{line}\n"),
+            });
+        }
+    }
+    docs.extend(current);
+    docs
+}
+
+/// The rest of the line when it starts with the document marker `m`.
+fn marker<'a>(line: &'a str, m: &str) -> Option<&'a str> {
+    let rest = line.strip_prefix(m)?;
+    if rest.is_empty() || rest.starts_with([' ', '\t']) {
+        Some(rest)
+    } else {
+        None
+    }
+}
+
+fn str_field<'a>(value: &'a Value, field: &str) -> Option<&'a str> {
+    value.get(field).and_then(Value::as_str)
+}
+
+fn meta_field<'a>(value: &'a Value, field: &str) -> &'a str {
+    value
+        .get("metadata")
+        .and_then(|m| m.get(field))
+        .and_then(Value::as_str)
+        .unwrap_or("")
+}
+
+fn take_document(value: Value, location: &Location, objects: &mut Objects) {
+    if value.is_null() {
+        return; // an empty document, e.g. a trailing `---`
+    }
+    // Typed lists from the API leave kind and apiVersion out of their items.
+    let item_kind = match str_field(&value, "kind") {
+        Some("List") => None,
+        Some("ServiceList") => Some(("Service", "v1")),
+        Some("EndpointSliceList") => Some(("EndpointSlice", "discovery.k8s.io/v1")),
+        _ => return take_object(value, location, objects),
+    };
+    let Value::Object(mut list) = value else {
+        unreachable!("has a kind, so it is a mapping")
+    };
+    let items = match list.remove("items") {
+        None | Some(Value::Null) => return,
+        Some(Value::Array(items)) => items,
+        Some(_) => {
+            let kind = str_field(&Value::Object(list), "kind")
+                .unwrap_or("")
+                .to_owned();
+            objects.errors.push(ObjectError {
+                location: Some(location.clone()),
+                ..ObjectError::new(&kind, "", "", Problem::ItemsNotAList)
+            });
+            return;
+        }
+    };
+    for (i, mut item) in items.into_iter().enumerate() {
+        if let (Some((kind, api_version)), Value::Object(fields)) = (item_kind, &mut item) {
+            fields
+                .entry("kind")
+                .or_insert_with(|| Value::String(kind.to_owned()));
+            fields
+                .entry("apiVersion")
+                .or_insert_with(|| Value::String(api_version.to_owned()));
+        }
+        let location = Location {
+            item: Some(i),
+            ..location.clone()
+        };
+        take_object(item, &location, objects);
+    }
+}
+
+fn take_object(value: Value, location: &Location, objects: &mut Objects) {
+    let namespace = meta_field(&value, "namespace").to_owned();
+    let name = meta_field(&value, "name").to_owned();
+    let error = |kind: &str, problem: Problem| ObjectError {
+        location: Some(location.clone()),
+        ..ObjectError::new(kind, &namespace, &name, problem)
+    };
+    if !value.is_object() {
+        objects.errors.push(error("", Problem::NotAnObject));
+        return;
+    }
+    let Some(kind) = str_field(&value, "kind") else {
+        objects.errors.push(error("", Problem::MissingKind));
+        return;
+    };
+    let api_version = str_field(&value, "apiVersion").unwrap_or("");
+    let (kind, expected): (&'static str, _) = match kind {
+        "Service" => ("Service", "v1"),
+        "EndpointSlice" => ("EndpointSlice", "discovery.k8s.io/v1"),
+        _ => return, // not ours to proxy
+    };
+    if api_version != expected {
+        let problem = Problem::UnsupportedApiVersion {
+            kind: kind.to_owned(),
+            found: api_version.to_owned(),
+            expected,
+        };
+        objects.errors.push(error(kind, problem));
+        return;
+    }
+    let schema = |e: serde_json::Error, kind: &'static str| Problem::Schema {
+        kind,
+        message: e.to_string(),
+    };
+    if kind == "Service" {
+        match serde_json::from_value::<Service>(value) {
+            Ok(svc) => objects.services.push(svc),
+            Err(e) => objects.errors.push(error(kind, schema(e, kind))),
+        }
+    } else {
+        match serde_json::from_value::<EndpointSlice>(value) {
+            Ok(slice) => objects.slices.push(slice),
+            Err(e) => objects.errors.push(error(kind, schema(e, kind))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SERVICE: &str = "\
+apiVersion: v1
+kind: Service
+metadata:
+  name: web
+  namespace: default
+spec:
+  clusterIP: 10.96.0.10
+  ports:
+  - name: http
+    port: 80
+    protocol: TCP
+    targetPort: 8080
+  type: ClusterIP
+";
+
+    const SLICE: &str = "\
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-abc
+  namespace: default
+  labels:
+    kubernetes.io/service-name: web
+addressType: IPv4
+endpoints:
+- addresses: [10.0.0.1]
+  conditions: {ready: true}
+ports:
+- name: http
+  port: 8080
+  protocol: TCP
+";
+
+    fn parse(text: &str) -> Objects {
+        parse_str(Path::new("objs.yaml"), text)
+    }
+
+    #[test]
+    fn loads_service_and_slice_documents() {
+        let o = parse(&format!("---\n{SERVICE}---\n{SLICE}\n---\n"));
+        assert!(o.errors.is_empty(), "{:?}", o.errors);
+        assert_eq!(o.services.len(), 1);
+        assert_eq!(o.services[0].metadata.name.as_deref(), Some("web"));
+        assert_eq!(o.slices.len(), 1);
+        assert_eq!(o.slices[0].metadata.name.as_deref(), Some("web-abc"));
+    }
+
+    #[test]
+    fn loads_list_kinds() {
+        let text = "\
+apiVersion: v1
+kind: List
+metadata:
+  resourceVersion: \"\"
+items:
+- apiVersion: v1
+  kind: Service
+  metadata: {name: a, namespace: default}
+  spec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}
+- apiVersion: v1
+  kind: ConfigMap
+  metadata: {name: ignored, namespace: default}
+- apiVersion: discovery.k8s.io/v1
+  kind: EndpointSlice
+  metadata: {name: a-1, namespace: default}
+  addressType: IPv4
+  endpoints: null
+---
+apiVersion: v1
+kind: ServiceList
+items:
+- metadata: {name: b, namespace: default}
+  spec: {clusterIP: 10.96.0.2}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSliceList
+items:
+- metadata: {name: b-1, namespace: default}
+  addressType: IPv4
+  endpoints: []
+";
+        let o = parse(text);
+        assert!(o.errors.is_empty(), "{:?}", o.errors);
+        let names = |v: Vec<Option<String>>| v.into_iter().flatten().collect::<Vec<_>>();
+        assert_eq!(
+            names(o.services.iter().map(|s| s.metadata.name.clone()).collect()),
+            ["a", "b"]
+        );
+        assert_eq!(
+            names(o.slices.iter().map(|s| s.metadata.name.clone()).collect()),
+            ["a-1", "b-1"]
+        );
+    }
+
+    #[test]
+    fn broken_documents_are_reported_and_the_rest_load() {
+        let text = format!(
+            "{SERVICE}---\nkind: Service\nmetadata: [unclosed\n---\n\
+             apiVersion: v1\nkind: Service\nmetadata: {{name: bad, namespace: ns1}}\n\
+             spec: {{ports: [{{port: eighty}}]}}\n---\n{SLICE}---\n# only a comment\n---\n\
+             apiVersion: v1\nkind: Pod\nmetadata: {{name: p}}\n---\n- just\n- a list\n"
+        );
+        let o = parse(&text);
+        assert_eq!(o.services.len(), 1);
+        assert_eq!(o.slices.len(), 1);
+        assert_eq!(o.errors.len(), 3, "{:?}", o.errors);
+
+        let yaml = &o.errors[0];
+        let loc = yaml.location.as_ref().unwrap();
+        assert_eq!((loc.document, loc.line), (2, 14));
+        assert!(matches!(yaml.reason, Problem::InvalidYaml { .. }));
+        // Line numbers in the parser's message are the file's, not the document's.
+        assert!(yaml.to_string().contains("line 16 column 11"), "{yaml}");
+
+        let schema = &o.errors[1];
+        assert_eq!(schema.location.as_ref().unwrap().document, 3);
+        assert_eq!(
+            (schema.kind.as_str(), schema.namespace.as_str()),
+            ("Service", "ns1")
+        );
+        assert!(
+            schema.to_string().starts_with(
+                "objs.yaml document 3 (line 17): Service ns1/bad: cannot be read as a Service"
+            ),
+            "{schema}"
+        );
+
+        assert_eq!(o.errors[2].reason, Problem::NotAnObject);
+        assert_eq!(o.errors[2].location.as_ref().unwrap().document, 7);
+    }
+
+    #[test]
+    fn wrong_api_version_and_missing_kind_are_errors() {
+        let text = "\
+apiVersion: discovery.k8s.io/v1beta1
+kind: EndpointSlice
+metadata: {name: old, namespace: default}
+addressType: IPv4
+endpoints: []
+---
+metadata: {name: nokind}
+";
+        let o = parse(text);
+        assert!(o.slices.is_empty());
+        assert_eq!(o.errors.len(), 2);
+        assert_eq!(
+            o.errors[0].to_string(),
+            "objs.yaml document 1 (line 1): EndpointSlice default/old: apiVersion \
+             \"discovery.k8s.io/v1beta1\" is not supported for EndpointSlice; export it as \
+             discovery.k8s.io/v1"
+        );
+        assert_eq!(o.errors[1].reason, Problem::MissingKind);
+        assert_eq!(o.errors[1].name, "nokind");
+    }
+
+    #[test]
+    fn list_item_errors_name_the_item() {
+        let text = "\
+apiVersion: v1
+kind: List
+items:
+- apiVersion: v1
+  kind: Service
+  metadata: {name: ok, namespace: default}
+- apiVersion: v1
+  kind: Service
+  metadata: {name: broken, namespace: default}
+  spec: {ports: 80}
+";
+        let o = parse(text);
+        assert_eq!(o.services.len(), 1);
+        assert_eq!(o.errors.len(), 1);
+        assert_eq!(o.errors[0].location.as_ref().unwrap().item, Some(1));
+        assert!(o.errors[0]
+            .to_string()
+            .starts_with("objs.yaml document 1 (line 1) items[1]: Service default/broken:"));
+    }
+
+    #[test]
+    fn json_documents() {
+        let text = r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"j","namespace":"default"},
+"spec":{"clusterIP":"10.96.0.3","ports":[{"port":53,"protocol":"UDP"}]}}
+{"apiVersion":"v1","kind":"Service","metadata":{"name":"k"}, "spec": {"ports": "x"}}
+{"broken":
+"#;
+        let o = parse_str(Path::new("objs.json"), text);
+        assert_eq!(o.services.len(), 1);
+        assert_eq!(o.errors.len(), 2, "{:?}", o.errors);
+        assert_eq!(o.errors[0].location.as_ref().unwrap().line, 3);
+        assert_eq!(o.errors[0].name, "k");
+        assert!(matches!(o.errors[1].reason, Problem::InvalidJson { .. }));
+        assert_eq!(o.errors[1].location.as_ref().unwrap().document, 3);
+    }
+
+    #[test]
+    fn splitting_keeps_marker_line_content_and_skips_preamble() {
+        let docs = split_documents("# header\n%YAML 1.2\n--- {a: 1}\n...\n\n---\nb: 2\n");
+        let got: Vec<_> = docs
+            .iter()
+            .map(|d| (d.index, d.line, d.text.as_str()))
+            .collect();
+        assert_eq!(got, [(1, 3, " {a: 1}\n"), (2, 6, "\nb: 2\n")]);
+        // A key that merely starts with dashes is content, not a marker.
+        assert_eq!(split_documents("a: 1\n---b: 2\n").len(), 1);
+    }
+
+    #[test]
+    fn load_path_reads_directories_in_name_order() {
+        let dir = std::env::temp_dir().join(format!("lb-source-test-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(dir.join("sub.yaml")).unwrap();
+        fs::write(dir.join("b.yml"), SLICE).unwrap();
+        fs::write(dir.join("a.yaml"), SERVICE.replace("web", "first")).unwrap();
+        fs::write(dir.join("c.json"), "").unwrap();
+        fs::write(dir.join("notes.txt"), "not: [yaml").unwrap();
+        fs::write(dir.join(".swap.yaml"), "not: [yaml").unwrap();
+        fs::write(dir.join("sub.yaml").join("inner.yaml"), SERVICE).unwrap();
+
+        let o = load_path(&dir).unwrap();
+        assert!(o.errors.is_empty(), "{:?}", o.errors);
+        assert_eq!(o.services.len(), 1);
+        assert_eq!(o.services[0].metadata.name.as_deref(), Some("first"));
+        assert_eq!(o.slices.len(), 1);
+
+        let one = load_path(&dir.join("b.yml")).unwrap();
+        assert_eq!(one.slices.len(), 1);
+
+        let missing = dir.join("missing.yaml");
+        let err = load_path(&missing).unwrap_err();
+        assert!(matches!(err, SourceError::NotFound { .. }));
+        assert!(err.to_string().starts_with(&missing.display().to_string()));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}

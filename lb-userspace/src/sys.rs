@@ -1,0 +1,137 @@
+//! Host facts the agent depends on: where bpffs and cgroup v2 are mounted.
+
+use std::ffi::CString;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+/// The default bpffs mount point, the one `lb` mounts when nothing is there.
+pub const BPFFS_ROOT: &str = "/sys/fs/bpf";
+
+#[derive(Debug, thiserror::Error)]
+pub enum SysError {
+    #[error("cannot read /proc/mounts: {0}")]
+    Mounts(#[source] std::io::Error),
+    #[error(
+        "bpffs not mounted at {path} and mounting it failed ({source}): \
+         run `mount -t bpf bpf {path}` as root"
+    )]
+    BpffsMount {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "pin directory {pin_dir} is not on a bpffs mount: \
+         choose a directory under a bpf filesystem (default {BPFFS_ROOT})"
+    )]
+    NotOnBpffs { pin_dir: PathBuf },
+    #[error(
+        "no cgroup v2 mount found in /proc/mounts: mount one \
+         (`mount -t cgroup2 none /sys/fs/cgroup`) or pass --cgroup"
+    )]
+    NoCgroup2,
+}
+
+struct Mount {
+    fstype: String,
+    target: PathBuf,
+}
+
+fn mounts() -> Result<Vec<Mount>, SysError> {
+    let text = fs::read_to_string("/proc/mounts").map_err(SysError::Mounts)?;
+    Ok(text
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let _source = fields.next()?;
+            let target = unescape_mount_path(fields.next()?);
+            let fstype = fields.next()?.to_string();
+            Some(Mount { fstype, target })
+        })
+        .collect())
+}
+
+/// /proc/mounts escapes spaces and friends as octal (`\040`).
+fn unescape_mount_path(raw: &str) -> PathBuf {
+    let bytes = raw.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'\\' && i + 4 <= bytes.len() {
+            if let Ok(v) = u8::from_str_radix(&raw[i + 1..i + 4], 8) {
+                out.push(v);
+                i += 4;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    PathBuf::from(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// The cgroup v2 root: `/sys/fs/cgroup` on a pure v2 host, `/sys/fs/cgroup/unified`
+/// on a hybrid one. The shortest cgroup2 mount point wins.
+pub fn cgroup2_root() -> Result<PathBuf, SysError> {
+    mounts()?
+        .into_iter()
+        .filter(|m| m.fstype == "cgroup2")
+        .map(|m| m.target)
+        .min_by_key(|p| p.as_os_str().len())
+        .ok_or(SysError::NoCgroup2)
+}
+
+/// Makes sure `pin_dir` lives on bpffs, mounting bpffs at /sys/fs/bpf if the pin
+/// directory is under it and nothing is mounted there yet (fresh machines).
+pub fn ensure_bpffs(pin_dir: &Path) -> Result<(), SysError> {
+    let on_bpffs = |mounts: &[Mount]| {
+        mounts
+            .iter()
+            .any(|m| m.fstype == "bpf" && pin_dir.starts_with(&m.target))
+    };
+    if on_bpffs(&mounts()?) {
+        return Ok(());
+    }
+    if !pin_dir.starts_with(BPFFS_ROOT) {
+        return Err(SysError::NotOnBpffs {
+            pin_dir: pin_dir.to_path_buf(),
+        });
+    }
+    let target = CString::new(BPFFS_ROOT).expect("no NUL");
+    let fstype = CString::new("bpf").expect("no NUL");
+    // SAFETY: valid NUL-terminated strings; no data argument.
+    let rc = unsafe {
+        libc::mount(
+            fstype.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        return Err(SysError::BpffsMount {
+            path: BPFFS_ROOT.to_string(),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mount_paths_are_unescaped() {
+        assert_eq!(
+            unescape_mount_path(r"/mnt/with\040space"),
+            PathBuf::from("/mnt/with space")
+        );
+        assert_eq!(
+            unescape_mount_path("/sys/fs/bpf"),
+            PathBuf::from("/sys/fs/bpf")
+        );
+        assert_eq!(unescape_mount_path(r"/odd\"), PathBuf::from(r"/odd\"));
+    }
+}

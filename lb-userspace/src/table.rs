@@ -1,0 +1,348 @@
+//! What the kernel maps hold, read back into frontends for `lb table` and for checking
+//! the reconciler. Tolerates any map contents: a table dumped in the middle of an
+//! update, or left by a crashed agent, is shown with its problems rather than refused.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::Ipv4Addr;
+
+use lb_common::{ServiceValue, SVC_FLAG_AFFINITY};
+use serde::Serialize;
+
+use crate::model::{Frontend, Protocol};
+use crate::reconcile::MapSnapshot;
+
+/// One frontend as programmed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ProgrammedFrontend {
+    pub frontend: Frontend,
+    /// 0 when the master entry is missing.
+    pub rev_nat_id: u16,
+    pub affinity_timeout_sec: Option<u32>,
+    /// The backends the master counts, in slot order, as far as they are present.
+    pub backends: Vec<ProgrammedBackend>,
+    /// Inconsistencies, in words; empty for a well-formed frontend.
+    pub problems: Vec<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct ProgrammedBackend {
+    pub slot: u16,
+    pub id: u32,
+    pub ip: Ipv4Addr,
+    pub port: u16,
+}
+
+/// Map byte order back to addresses: both fields are stored in network order.
+pub(crate) fn ip_of(address: u32) -> Ipv4Addr {
+    Ipv4Addr::from(address.to_ne_bytes())
+}
+
+type Group = (Option<ServiceValue>, BTreeMap<u16, ServiceValue>);
+
+/// Group the service entries by frontend and check each against the backends map.
+pub fn decode(snapshot: &MapSnapshot) -> Vec<ProgrammedFrontend> {
+    let mut groups: BTreeMap<Frontend, Group> = BTreeMap::new();
+    for (key, value) in &snapshot.services {
+        // Entries with a protocol the hooks never look up, or with padding set, can
+        // never match a lookup; the reconciler deletes them and there is no frontend
+        // to show them under.
+        let Some(protocol) = Protocol::from_number(key.proto) else {
+            continue;
+        };
+        if key._pad != [0; 3] {
+            continue;
+        }
+        let frontend = Frontend {
+            ip: ip_of(key.address),
+            port: u16::from_be(key.port),
+            protocol,
+        };
+        let group = groups.entry(frontend).or_default();
+        if key.backend_slot == 0 {
+            group.0 = Some(*value);
+        } else {
+            group.1.insert(key.backend_slot, *value);
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(frontend, (master, slots))| decode_one(snapshot, frontend, master, &slots))
+        .collect()
+}
+
+fn decode_one(
+    snapshot: &MapSnapshot,
+    frontend: Frontend,
+    master: Option<ServiceValue>,
+    slots: &BTreeMap<u16, ServiceValue>,
+) -> ProgrammedFrontend {
+    let mut problems = Vec::new();
+    let Some(master) = master else {
+        problems.push(format!(
+            "no master entry (slot 0); {} slot(s) left without one",
+            slots.len()
+        ));
+        return ProgrammedFrontend {
+            frontend,
+            rev_nat_id: 0,
+            affinity_timeout_sec: None,
+            backends: Vec::new(),
+            problems,
+        };
+    };
+    let mut backends = Vec::new();
+    for slot in 1..=master.count {
+        let Some(value) = slots.get(&slot) else {
+            problems.push(format!("slot {slot} of {} is missing", master.count));
+            continue;
+        };
+        if value.rev_nat_id != master.rev_nat_id {
+            problems.push(format!(
+                "slot {slot} has frontend id {}, the master {}",
+                value.rev_nat_id, master.rev_nat_id
+            ));
+        }
+        let id = value.backend_id;
+        let Some(backend) = snapshot.backends.get(&id) else {
+            problems.push(format!(
+                "slot {slot} names backend {id}, which is not in {}",
+                lb_common::map_names::BACKENDS
+            ));
+            continue;
+        };
+        if backend.proto != frontend.protocol.number() {
+            problems.push(format!(
+                "backend {id} in slot {slot} has protocol {}",
+                backend.proto
+            ));
+        }
+        backends.push(ProgrammedBackend {
+            slot,
+            id,
+            ip: ip_of(backend.address),
+            port: u16::from_be(backend.port),
+        });
+    }
+    let stale: Vec<String> = slots
+        .keys()
+        .filter(|&&s| s > master.count)
+        .map(u16::to_string)
+        .collect();
+    if !stale.is_empty() {
+        problems.push(format!(
+            "slot(s) {} beyond the count {} (stale)",
+            stale.join(", "),
+            master.count
+        ));
+    }
+    if master.rev_nat_id == 0 {
+        problems.push("frontend id is 0".to_owned());
+    }
+    let affinity = master.flags & SVC_FLAG_AFFINITY != 0;
+    ProgrammedFrontend {
+        frontend,
+        rev_nat_id: master.rev_nat_id,
+        affinity_timeout_sec: affinity.then_some(master.affinity_timeout_sec),
+        backends,
+        problems,
+    }
+}
+
+/// An aligned table for people; problems follow their frontend's row.
+pub fn render_text(frontends: &[ProgrammedFrontend]) -> String {
+    let header = ["FRONTEND", "ID", "AFFINITY", "BACKENDS"];
+    let rows: Vec<[String; 4]> = frontends
+        .iter()
+        .map(|f| {
+            let backends = if f.backends.is_empty() {
+                "(none: connections refused)".to_owned()
+            } else {
+                f.backends
+                    .iter()
+                    .map(|b| format!("{}:{}", b.ip, b.port))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            [
+                f.frontend.to_string(),
+                f.rev_nat_id.to_string(),
+                f.affinity_timeout_sec
+                    .map_or_else(|| "-".to_owned(), |t| format!("{t}s")),
+                backends,
+            ]
+        })
+        .collect();
+    let mut widths = header.map(str::len);
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.len());
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: [&str; 4]| {
+        let _ = writeln!(
+            out,
+            "{:<w0$}  {:<w1$}  {:<w2$}  {}",
+            cells[0],
+            cells[1],
+            cells[2],
+            cells[3],
+            w0 = widths[0],
+            w1 = widths[1],
+            w2 = widths[2]
+        );
+    };
+    line(header);
+    for (row, f) in rows.iter().zip(frontends) {
+        line([&row[0], &row[1], &row[2], &row[3]]);
+        for problem in &f.problems {
+            line(["", "", "", &format!("! {problem}")]);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reconcile::service_key as key_of;
+    use lb_common::Backend;
+
+    fn frontend(ip: [u8; 4], port: u16, protocol: Protocol) -> Frontend {
+        Frontend {
+            ip: Ipv4Addr::from(ip),
+            port,
+            protocol,
+        }
+    }
+
+    fn backend(ip: [u8; 4], port: u16) -> Backend {
+        Backend {
+            address: u32::from_ne_bytes(ip),
+            port: port.to_be(),
+            proto: lb_common::IPPROTO_TCP,
+            flags: 0,
+        }
+    }
+
+    fn master(count: u16, rev: u16) -> ServiceValue {
+        ServiceValue {
+            count,
+            rev_nat_id: rev,
+            ..Default::default()
+        }
+    }
+
+    fn slot(id: u32, rev: u16) -> ServiceValue {
+        ServiceValue {
+            backend_id: id,
+            rev_nat_id: rev,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn decodes_well_formed_and_broken_frontends() {
+        let web = frontend([10, 96, 0, 10], 80, Protocol::Tcp);
+        let dns = frontend([10, 96, 0, 11], 53, Protocol::Udp);
+        let half = frontend([10, 96, 0, 12], 443, Protocol::Tcp);
+        let mut s = MapSnapshot::default();
+        s.services.insert(
+            key_of(&web, 0),
+            ServiceValue {
+                flags: SVC_FLAG_AFFINITY,
+                affinity_timeout_sec: 60,
+                ..master(2, 1)
+            },
+        );
+        s.services.insert(key_of(&web, 1), slot(10, 1));
+        s.services.insert(key_of(&web, 2), slot(11, 1));
+        s.backends.insert(10, backend([10, 0, 0, 1], 8080));
+        s.backends.insert(11, backend([10, 0, 0, 2], 8080));
+        s.services.insert(key_of(&dns, 0), master(0, 2));
+        s.services.insert(key_of(&half, 0), master(3, 3));
+        s.services.insert(key_of(&half, 1), slot(10, 3));
+        s.services.insert(key_of(&half, 3), slot(99, 3));
+        s.services.insert(key_of(&half, 4), slot(11, 3));
+        // Orphan slot without a master.
+        let orphan = frontend([10, 96, 0, 13], 80, Protocol::Tcp);
+        s.services.insert(key_of(&orphan, 1), slot(11, 9));
+
+        let t = decode(&s);
+        assert_eq!(t.len(), 4);
+        assert_eq!(t[0].frontend, web);
+        assert_eq!(t[0].rev_nat_id, 1);
+        assert_eq!(t[0].affinity_timeout_sec, Some(60));
+        assert_eq!(
+            t[0].backends,
+            [
+                ProgrammedBackend {
+                    slot: 1,
+                    id: 10,
+                    ip: Ipv4Addr::new(10, 0, 0, 1),
+                    port: 8080
+                },
+                ProgrammedBackend {
+                    slot: 2,
+                    id: 11,
+                    ip: Ipv4Addr::new(10, 0, 0, 2),
+                    port: 8080
+                },
+            ]
+        );
+        assert!(t[0].problems.is_empty());
+        assert_eq!(t[1].frontend, dns);
+        assert!(t[1].backends.is_empty() && t[1].problems.is_empty());
+        assert_eq!(t[1].affinity_timeout_sec, None);
+        assert_eq!(t[2].backends.len(), 1);
+        assert_eq!(
+            t[2].problems,
+            [
+                "slot 2 of 3 is missing",
+                "slot 3 names backend 99, which is not in LB_BACKENDS",
+                "slot(s) 4 beyond the count 3 (stale)",
+            ]
+        );
+        assert_eq!(t[3].rev_nat_id, 0);
+        assert_eq!(t[3].problems.len(), 1);
+
+        let text = render_text(&t);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "FRONTEND            ID  AFFINITY  BACKENDS");
+        assert_eq!(
+            lines[1],
+            "10.96.0.10:80/TCP   1   60s       10.0.0.1:8080, 10.0.0.2:8080"
+        );
+        assert_eq!(
+            lines[2],
+            "10.96.0.11:53/UDP   2   -         (none: connections refused)"
+        );
+        assert_eq!(lines[3], "10.96.0.12:443/TCP  3   -         10.0.0.1:8080");
+        assert_eq!(
+            lines[4],
+            format!("{}! slot 2 of 3 is missing", " ".repeat(34))
+        );
+        assert_eq!(lines.len(), 1 + 4 + 3 + 1);
+    }
+
+    #[test]
+    fn empty_table_has_only_the_header() {
+        assert_eq!(
+            render_text(&decode(&MapSnapshot::default())),
+            "FRONTEND  ID  AFFINITY  BACKENDS\n"
+        );
+    }
+
+    #[test]
+    fn serializes_to_json() {
+        let web = frontend([10, 96, 0, 10], 80, Protocol::Tcp);
+        let mut s = MapSnapshot::default();
+        s.services.insert(key_of(&web, 0), master(0, 7));
+        let json = serde_json::to_string(&decode(&s)).unwrap();
+        assert_eq!(
+            json,
+            r#"[{"frontend":{"ip":"10.96.0.10","port":80,"protocol":"TCP"},"rev_nat_id":7,"affinity_timeout_sec":null,"backends":[],"problems":[]}]"#
+        );
+    }
+}
