@@ -189,8 +189,10 @@ fn attach_one(
         .try_into()
         .map_err(as_program_error)?;
     prog.load().map_err(|e| verifier_error(program, e))?;
+    // With bpf_link the kernel always allows several programs per cgroup and rejects
+    // the legacy BPF_F_ALLOW_MULTI flag, so "Single" (flags 0) is the right mode.
     let link_id = prog
-        .attach(cgroup, CgroupAttachMode::AllowMultiple)
+        .attach(cgroup, CgroupAttachMode::Single)
         .map_err(as_program_error)?;
     let link: FdLink = prog
         .take_link(link_id)
@@ -205,16 +207,29 @@ fn attach_one(
     // Pin under a temporary name, then rename over the old pin: the old link loses its
     // last reference (and detaches) only once the new one is live.
     let final_path = links_dir.join(program);
-    let staging = links_dir.join(format!("{program}.new"));
+    // bpffs refuses names containing '.', hence the underscore.
+    let staging = links_dir.join(format!("{program}_new"));
     let _ = fs::remove_file(&staging);
     let pin_error = |message: String| LoadError::PinLink {
         program,
         path: final_path.clone(),
         message,
     };
-    link.pin(&staging).map_err(|e| pin_error(e.to_string()))?;
+    link.pin(&staging).map_err(|e| pin_error(error_chain(&e)))?;
     fs::rename(&staging, &final_path).map_err(|e| pin_error(e.to_string()))?;
     Ok(())
+}
+
+/// aya's errors keep the errno in their source; a message without it is useless.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
 
 fn verifier_error(program: &'static str, error: ProgramError) -> LoadError {
