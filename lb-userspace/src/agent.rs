@@ -2,8 +2,9 @@
 //! to what they describe. Reads happen at the edges; deciding what to write is the
 //! pure reconciler's job.
 
-use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
 use tracing::{info, warn};
 
@@ -11,8 +12,11 @@ use crate::loader::{self, LoadError, MapSizes, PinLayout};
 use crate::maps::{MapsError, PinnedMaps};
 use crate::model::DesiredState;
 use crate::reconcile;
-use crate::source::{self, SourceOptions};
+use crate::source::{self, files, yaml::Objects, SourceOptions};
 use crate::sys::{self, SysError};
+
+/// How long to wait before retrying a service table the kernel refused.
+const RETRY_INTERVAL: Duration = Duration::from_secs(1);
 
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
@@ -42,37 +46,6 @@ pub enum AgentError {
     Signal(#[source] std::io::Error),
 }
 
-/// What the files looked like when last applied: names, sizes, mtimes, inodes.
-/// Editors and `kubectl`-style tools replace files by rename, which changes the
-/// inode even when size and mtime happen to match.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-struct Fingerprint(Vec<(PathBuf, u64, Option<SystemTime>, u64)>);
-
-fn fingerprint(path: &Path) -> Fingerprint {
-    use std::os::unix::fs::MetadataExt;
-    let mut files = Vec::new();
-    let mut push = |p: &Path| {
-        if let Ok(meta) = std::fs::metadata(p) {
-            files.push((
-                p.to_path_buf(),
-                meta.len(),
-                meta.modified().ok(),
-                meta.ino(),
-            ));
-        }
-    };
-    match std::fs::read_dir(path) {
-        Ok(entries) => {
-            for entry in entries.flatten() {
-                push(&entry.path());
-            }
-        }
-        Err(_) => push(path),
-    }
-    files.sort();
-    Fingerprint(files)
-}
-
 /// Runs until SIGINT/SIGTERM. The hooks and maps stay pinned afterwards: stopping the
 /// agent must not stop the datapath.
 pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
@@ -88,32 +61,31 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
 
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(AgentError::Signal)?;
-    let mut ticker = tokio::time::interval(config.poll_interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut objects = files::watch(config.services_file.clone(), config.poll_interval);
     let options = SourceOptions {
         node_name: config.node_name.clone(),
     };
-    let mut applied: Option<Fingerprint> = None;
+    // Set while the kernel rejected a write; the same objects are retried from a
+    // fresh snapshot until they apply.
+    let mut retry: Option<Arc<Objects>> = None;
     let mut ready = false;
     loop {
-        tokio::select! {
-            _ = ticker.tick() => {}
+        let current = tokio::select! {
+            changed = objects.changed() => {
+                if changed.is_err() {
+                    break;
+                }
+                objects.borrow_and_update().clone()
+            }
+            _ = tokio::time::sleep(RETRY_INTERVAL), if retry.is_some() => retry.take(),
             _ = tokio::signal::ctrl_c() => break,
             _ = sigterm.recv() => break,
-        }
-        let seen = fingerprint(&config.services_file);
-        if applied.as_ref() == Some(&seen) {
-            continue;
-        }
-        let Some(desired) = read_desired(&config.services_file, &options) else {
-            // The whole source is unreadable: keep the datapath as it is and retry on
-            // the next change rather than flushing every Service.
-            applied = Some(seen);
-            continue;
         };
+        let Some(current) = current else { continue };
+        let desired = interpret(&current, &options);
         match sync(&mut maps, &desired) {
             Ok(()) => {
-                applied = Some(seen);
+                retry = None;
                 if !ready {
                     ready = true;
                     info!(
@@ -123,24 +95,19 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                     );
                 }
             }
-            // Kernel write failures are retried on the next tick from a fresh snapshot.
-            Err(e) => warn!("applying the service table failed, will retry: {e}"),
+            Err(e) => {
+                warn!("applying the service table failed, retrying: {e}");
+                retry = Some(current);
+            }
         }
     }
     info!("stopping; hooks and maps stay pinned (`lb cleanup` removes them)");
     Ok(())
 }
 
-/// Reads the manifests and applies kube-proxy's semantics; bad objects are logged and
-/// skipped so the rest still applies.
-fn read_desired(path: &Path, options: &SourceOptions) -> Option<DesiredState> {
-    let objects = match source::yaml::load_path(path) {
-        Ok(objects) => objects,
-        Err(e) => {
-            warn!("{e}");
-            return None;
-        }
-    };
+/// Applies kube-proxy's semantics to the objects; bad objects are logged and skipped
+/// so the rest still applies.
+fn interpret(objects: &Objects, options: &SourceOptions) -> DesiredState {
     for error in &objects.errors {
         warn!("skipped: {error}");
     }
@@ -148,7 +115,7 @@ fn read_desired(path: &Path, options: &SourceOptions) -> Option<DesiredState> {
     for error in &errors {
         warn!("skipped: {error}");
     }
-    Some(desired)
+    desired
 }
 
 fn sync(maps: &mut PinnedMaps, desired: &DesiredState) -> Result<(), MapsError> {

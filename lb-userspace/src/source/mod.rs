@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use crate::model::Frontend;
 
 mod desired;
+pub mod files;
 pub mod yaml;
 
 pub use desired::{build_desired, SourceOptions};
