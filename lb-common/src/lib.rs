@@ -22,8 +22,9 @@ pub mod map_names {
     pub const SOCK_REVNAT: &str = "LB_SOCK_REVNAT";
     pub const AFFINITY: &str = "LB_AFFINITY";
     pub const STATS: &str = "LB_STATS";
-    /// Every map the agent pins, in the order `lb cleanup` removes them.
-    pub const ALL: [&str; 5] = [SERVICES, BACKENDS, SOCK_REVNAT, AFFINITY, STATS];
+    pub const CT: &str = "LB_CT";
+    /// Every map the agent pins.
+    pub const ALL: [&str; 6] = [SERVICES, BACKENDS, SOCK_REVNAT, AFFINITY, STATS, CT];
 }
 
 /// Program names in the kernel object (the Rust function names).
@@ -41,12 +42,23 @@ pub const IPPROTO_UDP: u8 = 17;
 
 /// `ServiceValue::flags`: the Service has `sessionAffinity: ClientIP`.
 pub const SVC_FLAG_AFFINITY: u16 = 1 << 0;
+/// `ServiceValue::flags` (internal master): external traffic must use the
+/// `SCOPE_EXTERNAL` entry of the same frontend.
+pub const SVC_FLAG_EXTERNAL_SCOPE: u16 = 1 << 1;
+/// `ServiceValue::flags`: the frontend is reachable from outside the node (NodePort,
+/// LoadBalancer, externalIPs) and not only from cluster-internal sockets.
+pub const SVC_FLAG_EXTERNAL: u16 = 1 << 2;
+
+/// `Backend::flags`: the endpoint runs on this node, so per-packet NAT needs no SNAT
+/// to bring its replies back through us.
+pub const BACKEND_FLAG_LOCAL: u8 = 1 << 0;
 
 /// Default capacities; the agent may size maps differently at load time.
 pub const DEFAULT_SERVICES_MAX: u32 = 65_536;
 pub const DEFAULT_BACKENDS_MAX: u32 = 65_536;
 pub const DEFAULT_SOCK_REVNAT_MAX: u32 = 262_144;
 pub const DEFAULT_AFFINITY_MAX: u32 = 65_536;
+pub const DEFAULT_CT_MAX: u32 = 262_144;
 
 /// Key of `LB_SERVICES`: one frontend and one of its slots.
 #[repr(C)]
@@ -61,10 +73,20 @@ pub struct ServiceKey {
     pub backend_slot: u16,
     /// `IPPROTO_TCP` or `IPPROTO_UDP`.
     pub proto: u8,
+    /// `SCOPE_INTERNAL` or `SCOPE_EXTERNAL`.
+    pub scope: u8,
     /// Explicit padding; always zero so that hash lookups match.
-    pub _pad: [u8; 3],
+    pub _pad: [u8; 2],
 }
 const _: () = assert!(core::mem::size_of::<ServiceKey>() == 12);
+
+/// `ServiceKey::scope`: the entry every frontend has, used by the socket hooks and by
+/// traffic from inside the cluster.
+pub const SCOPE_INTERNAL: u8 = 0;
+/// `ServiceKey::scope`: a second entry for traffic from outside the cluster, present
+/// only when it must see other backends (`externalTrafficPolicy: Local`); the master
+/// of the internal entry then carries `SVC_FLAG_EXTERNAL_SCOPE`.
+pub const SCOPE_EXTERNAL: u8 = 1;
 
 /// Value of `LB_SERVICES`. Master entries use `count`, `rev_nat_id`, `flags` and
 /// `affinity_timeout_sec`; slot entries use `backend_id` (and repeat `rev_nat_id`).
@@ -102,7 +124,7 @@ pub struct Backend {
     pub port: u16,
     /// `IPPROTO_TCP` or `IPPROTO_UDP`.
     pub proto: u8,
-    /// Reserved for backend state bits; zero today.
+    /// `BACKEND_FLAG_*` bits.
     pub flags: u8,
 }
 const _: () = assert!(core::mem::size_of::<Backend>() == 8);
@@ -144,14 +166,19 @@ const _: () = assert!(core::mem::size_of::<SockRevNatValue>() == 8);
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct AffinityKey {
-    /// `bpf_get_netns_cookie` of the client socket.
-    pub netns_cookie: u64,
+    /// The client: `bpf_get_netns_cookie` of the socket for the socket hooks, or
+    /// `AFFINITY_CLIENT_IP | source address` for the per-packet path (netns cookies
+    /// are small counters and never set the top bit).
+    pub client: u64,
     /// Frontend the affinity belongs to.
     pub rev_nat_id: u16,
     /// Explicit padding.
     pub _pad: [u8; 6],
 }
 const _: () = assert!(core::mem::size_of::<AffinityKey>() == 16);
+
+/// Tag of `AffinityKey::client` values that are IPv4 addresses.
+pub const AFFINITY_CLIENT_IP: u64 = 1 << 63;
 
 /// Value of `LB_AFFINITY`.
 #[repr(C)]
@@ -166,6 +193,67 @@ pub struct AffinityValue {
     pub _pad: u32,
 }
 const _: () = assert!(core::mem::size_of::<AffinityValue>() == 16);
+
+/// Key of `LB_CT` (LRU): one direction of one flow, exactly as its packets carry it.
+/// Each translated flow has two entries: the client's original tuple (`CT_DIR_FORWARD`)
+/// and the tuple the backend's replies carry (`CT_DIR_REPLY`). Both say what to rewrite
+/// the tuple to, so either direction is one lookup and one rewrite.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct CtKey {
+    /// Source IPv4 address, network byte order.
+    pub src_addr: u32,
+    /// Destination IPv4 address, network byte order.
+    pub dst_addr: u32,
+    /// Source port, network byte order.
+    pub src_port: u16,
+    /// Destination port, network byte order.
+    pub dst_port: u16,
+    /// `IPPROTO_TCP` or `IPPROTO_UDP`.
+    pub proto: u8,
+    /// Explicit padding. The direction is not part of the key: a packet's tuple says
+    /// which entry it belongs to, so every packet costs one lookup.
+    pub _pad: [u8; 3],
+}
+const _: () = assert!(core::mem::size_of::<CtKey>() == 16);
+
+pub const CT_DIR_FORWARD: u8 = 0;
+pub const CT_DIR_REPLY: u8 = 1;
+
+/// Value of `LB_CT`: the tuple the packet leaves with, and the flow's state.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct CtValue {
+    /// `bpf_ktime_get_ns` of the last packet in this direction.
+    pub last_seen_ns: u64,
+    /// Rewritten source address, network byte order.
+    pub nat_src_addr: u32,
+    /// Rewritten destination address, network byte order.
+    pub nat_dst_addr: u32,
+    /// Rewritten source port, network byte order.
+    pub nat_src_port: u16,
+    /// Rewritten destination port, network byte order.
+    pub nat_dst_port: u16,
+    /// Backend of the flow (for `lb conntrack` and affinity).
+    pub backend_id: u32,
+    /// Frontend the flow was addressed to.
+    pub rev_nat_id: u16,
+    /// `CT_STATE_*` bits seen so far in this direction.
+    pub state: u8,
+    /// `CT_DIR_FORWARD` or `CT_DIR_REPLY`.
+    pub dir: u8,
+    /// Explicit padding up to the 8-byte alignment of `last_seen_ns`.
+    pub _pad2: u32,
+}
+const _: () = assert!(core::mem::size_of::<CtValue>() == 32);
+
+/// `CtValue::state` bits; the agent's garbage collector derives timeouts from them.
+pub const CT_STATE_SYN: u8 = 1 << 0;
+pub const CT_STATE_ESTABLISHED: u8 = 1 << 1;
+pub const CT_STATE_FIN: u8 = 1 << 2;
+pub const CT_STATE_RST: u8 = 1 << 3;
 
 /// Indexes of the per-CPU `LB_STATS` array (u64 counters). Plain constants rather
 /// than an enum: the index crosses the kernel boundary as a raw `u32`.
@@ -182,8 +270,22 @@ pub mod stat {
     pub const AFFINITY_UPDATE_FAILED: u32 = 4;
     /// recvmsg/getpeername answer rewritten back to the frontend.
     pub const REVERSE_TRANSLATED: u32 = 5;
+    /// TC: first packet of a flow to a frontend translated, conntrack entries created.
+    pub const TC_NEW_FLOW: u32 = 6;
+    /// TC: packet of a known flow rewritten (either direction).
+    pub const TC_CT_HIT: u32 = 7;
+    /// TC: packet to a frontend without usable backend, answered with a reject.
+    pub const TC_NO_BACKEND: u32 = 8;
+    /// TC: conntrack entry could not be created; the packet was dropped.
+    pub const TC_CT_FULL: u32 = 9;
+    /// TC: no free source port for SNAT to a remote backend; dropped.
+    pub const TC_SNAT_EXHAUSTED: u32 = 10;
+    /// TC: headers could not be parsed or rewritten (truncated, bad lengths); passed on.
+    pub const TC_MALFORMED: u32 = 11;
+    /// TC: IP fragment of a frontend flow; passed on untranslated.
+    pub const TC_FRAGMENT: u32 = 12;
     /// Number of counters.
-    pub const COUNT: u32 = 6;
+    pub const COUNT: u32 = 13;
     /// Human names, indexed like the constants.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -192,6 +294,13 @@ pub mod stat {
         "revnat_update_failed",
         "affinity_update_failed",
         "reverse_translated",
+        "tc_new_flow",
+        "tc_ct_hit",
+        "tc_no_backend",
+        "tc_ct_full",
+        "tc_snat_exhausted",
+        "tc_malformed",
+        "tc_fragment",
     ];
 }
 
@@ -206,4 +315,6 @@ mod user {
     unsafe impl aya::Pod for SockRevNatValue {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
+    unsafe impl aya::Pod for CtKey {}
+    unsafe impl aya::Pod for CtValue {}
 }

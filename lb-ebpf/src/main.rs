@@ -1,17 +1,28 @@
 //! Kernel side of the load balancer: cgroup socket hooks that translate a Service VIP
 //! to a backend once per socket, so packets themselves never need NAT.
 //!
-//! Entry points stay thin; the logic lives in `sock` (context access), `lb`
-//! (frontend lookup, backend selection, affinity) and `stats` (counters).
+//! Entry points stay thin. Socket hooks: `sock` (context access), `sock_lb`
+//! (translation). Per-packet path: `packet` (parsing), `ct` (conntrack), `nat`
+//! (rewrite + checksums), `tc_lb` (the flow logic). Shared: `select` (frontend
+//! lookup, backend choice, affinity), `stats`.
 #![no_std]
 #![no_main]
 
-mod lb;
+mod ct;
 mod maps;
+mod nat;
+mod packet;
+mod select;
 mod sock;
+mod sock_lb;
 mod stats;
+mod tc_lb;
 
-use aya_ebpf::{macros::cgroup_sock_addr, programs::SockAddrContext};
+use aya_ebpf::{
+    macros::{cgroup_sock_addr, classifier},
+    programs::{SockAddrContext, TcContext},
+};
+use lb_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 /// cgroup hooks: 1 lets the call proceed, 0 rejects it with the errno set via
 /// `bpf_set_retval` (EPERM if none was set).
@@ -19,24 +30,38 @@ const SYS_PROCEED: i32 = 1;
 
 #[cgroup_sock_addr(connect4)]
 pub fn lb_connect4(ctx: SockAddrContext) -> i32 {
-    lb::translate_forward(&ctx, lb::Hook::Connect)
+    sock_lb::translate_forward(&ctx, sock_lb::Hook::Connect)
 }
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn lb_sendmsg4(ctx: SockAddrContext) -> i32 {
-    lb::translate_forward(&ctx, lb::Hook::SendMsg)
+    sock_lb::translate_forward(&ctx, sock_lb::Hook::SendMsg)
 }
 
 #[cgroup_sock_addr(recvmsg4)]
 pub fn lb_recvmsg4(ctx: SockAddrContext) -> i32 {
-    lb::translate_reverse(&ctx);
+    sock_lb::translate_reverse(&ctx);
     SYS_PROCEED
 }
 
 #[cgroup_sock_addr(getpeername4)]
 pub fn lb_getpeername4(ctx: SockAddrContext) -> i32 {
-    lb::translate_reverse(&ctx);
+    sock_lb::translate_reverse(&ctx);
     SYS_PROCEED
+}
+
+/// TC ingress on node-facing devices: NodePort, LoadBalancer, externalIPs and
+/// ClusterIP traffic from other nodes.
+#[classifier]
+pub fn lb_tc_external(ctx: TcContext) -> i32 {
+    tc_lb::handle(&ctx, SCOPE_EXTERNAL)
+}
+
+/// TC ingress on pod-facing devices: pods whose sockets the cgroup hooks do not see,
+/// and the replies of local backends.
+#[classifier]
+pub fn lb_tc_internal(ctx: TcContext) -> i32 {
+    tc_lb::handle(&ctx, SCOPE_INTERNAL)
 }
 
 #[cfg(not(test))]

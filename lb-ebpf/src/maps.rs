@@ -6,9 +6,9 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use lb_common::{
-    AffinityKey, AffinityValue, Backend, ServiceKey, ServiceValue, SockRevNatKey,
-    SockRevNatValue, DEFAULT_AFFINITY_MAX, DEFAULT_BACKENDS_MAX, DEFAULT_SERVICES_MAX,
-    DEFAULT_SOCK_REVNAT_MAX,
+    AffinityKey, AffinityValue, Backend, CtKey, CtValue, ServiceKey, ServiceValue,
+    SockRevNatKey, SockRevNatValue, DEFAULT_AFFINITY_MAX, DEFAULT_BACKENDS_MAX, DEFAULT_CT_MAX,
+    DEFAULT_SERVICES_MAX, DEFAULT_SOCK_REVNAT_MAX,
 };
 
 #[btf_map]
@@ -34,3 +34,7 @@ pub static LB_AFFINITY: LruHashMap<AffinityKey, AffinityValue, { DEFAULT_AFFINIT
 
 #[btf_map]
 pub static LB_STATS: PerCpuArray<u64, { lb_common::stat::COUNT as usize }> = PerCpuArray::new();
+
+/// LRU: under pressure the oldest flows go, never the packet of a new one.
+#[btf_map]
+pub static LB_CT: LruHashMap<CtKey, CtValue, { DEFAULT_CT_MAX as usize }> = LruHashMap::new();

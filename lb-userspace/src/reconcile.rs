@@ -151,7 +151,8 @@ impl FrontendKey {
             port: self.port,
             backend_slot: slot,
             proto: self.proto,
-            _pad: [0; 3],
+            scope: lb_common::SCOPE_INTERNAL,
+            _pad: [0; 2],
         }
     }
 }
@@ -240,7 +241,7 @@ pub fn plan(desired: &DesiredState, current: &MapSnapshot, capacity: Capacity) -
         if key.backend_slot != 0 {
             *refs.entry(value.backend_id).or_default() += 1;
         }
-        if key._pad != [0; 3] {
+        if key._pad != [0; 2] || key.scope != lb_common::SCOPE_INTERNAL {
             garbage.push((*key, *value));
             continue;
         }
@@ -1029,7 +1030,7 @@ mod tests {
         let a = tcp(1);
         let mut s = program(&state(&[(a, &[1], None)]));
         let bad = ServiceKey {
-            _pad: [1, 0, 0],
+            _pad: [1, 0],
             ..service_key(&tcp(9), 0)
         };
         s.services.insert(bad, ServiceValue::default());

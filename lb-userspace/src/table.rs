@@ -50,7 +50,7 @@ pub fn decode(snapshot: &MapSnapshot) -> Vec<ProgrammedFrontend> {
         let Some(protocol) = Protocol::from_number(key.proto) else {
             continue;
         };
-        if key._pad != [0; 3] {
+        if key._pad != [0; 2] || key.scope != lb_common::SCOPE_INTERNAL {
             continue;
         }
         let frontend = Frontend {

@@ -1,0 +1,120 @@
+//! Conntrack for the per-packet path: one LRU entry per flow direction, keyed by the
+//! tuple as the packet carries it, valued by the tuple to rewrite it to.
+
+use aya_ebpf::helpers::generated::bpf_ktime_get_ns;
+use lb_common::{
+    CtKey, CtValue, CT_STATE_ESTABLISHED, CT_STATE_FIN, CT_STATE_RST, CT_STATE_SYN, IPPROTO_TCP,
+};
+
+use crate::{
+    maps::LB_CT,
+    nat::Tuple,
+    packet::{Flow, TCP_FLAG_ACK, TCP_FLAG_FIN, TCP_FLAG_RST, TCP_FLAG_SYN},
+};
+
+const BPF_NOEXIST: u64 = 1;
+
+#[inline(always)]
+pub fn key_of(flow: &Flow) -> CtKey {
+    CtKey {
+        src_addr: flow.saddr,
+        dst_addr: flow.daddr,
+        src_port: flow.sport,
+        dst_port: flow.dport,
+        proto: flow.proto,
+        _pad: [0; 3],
+    }
+}
+
+#[inline(always)]
+pub fn key_of_tuple(t: &Tuple, proto: u8) -> CtKey {
+    CtKey {
+        src_addr: t.saddr,
+        dst_addr: t.daddr,
+        src_port: t.sport,
+        dst_port: t.dport,
+        proto,
+        _pad: [0; 3],
+    }
+}
+
+#[inline(always)]
+pub fn now() -> u64 {
+    unsafe { bpf_ktime_get_ns() }
+}
+
+/// State bits a TCP packet contributes; the agent's GC turns them into timeouts.
+#[inline(always)]
+pub fn state_of(flow: &Flow) -> u8 {
+    if flow.proto != IPPROTO_TCP {
+        return CT_STATE_ESTABLISHED;
+    }
+    let f = flow.tcp_flags;
+    let mut state = 0;
+    if f & TCP_FLAG_SYN != 0 {
+        state |= CT_STATE_SYN;
+    }
+    if f & TCP_FLAG_ACK != 0 && f & TCP_FLAG_SYN == 0 {
+        state |= CT_STATE_ESTABLISHED;
+    }
+    if f & TCP_FLAG_FIN != 0 {
+        state |= CT_STATE_FIN;
+    }
+    if f & TCP_FLAG_RST != 0 {
+        state |= CT_STATE_RST;
+    }
+    state
+}
+
+/// The translation of a known flow, with its entry refreshed for the GC.
+#[inline(always)]
+pub fn follow(flow: &Flow) -> Option<Tuple> {
+    let entry = LB_CT.get_ptr_mut(key_of(flow))?;
+    // SAFETY: the pointer is valid for this program run; concurrent updates of the
+    // same entry from another CPU only race on the timestamp and state bits, which
+    // are monotonic hints for the GC.
+    let entry = unsafe { &mut *entry };
+    let now = now();
+    // Rewriting the timestamp on every packet dirties a shared cache line; once per
+    // millisecond is plenty for timeouts measured in seconds.
+    if now.wrapping_sub(entry.last_seen_ns) > 1_000_000 {
+        entry.last_seen_ns = now;
+    }
+    let state = state_of(flow);
+    if entry.state & state != state {
+        entry.state |= state;
+    }
+    Some(Tuple {
+        saddr: entry.nat_src_addr,
+        daddr: entry.nat_dst_addr,
+        sport: entry.nat_src_port,
+        dport: entry.nat_dst_port,
+    })
+}
+
+#[inline(always)]
+pub fn entry(to: &Tuple, backend_id: u32, rev_nat_id: u16, state: u8, dir: u8) -> CtValue {
+    CtValue {
+        last_seen_ns: now(),
+        nat_src_addr: to.saddr,
+        nat_dst_addr: to.daddr,
+        nat_src_port: to.sport,
+        nat_dst_port: to.dport,
+        backend_id,
+        rev_nat_id,
+        state,
+        dir,
+        _pad2: 0,
+    }
+}
+
+/// Inserts only if the tuple is free: the atomic claim of a SNAT port.
+#[inline(always)]
+pub fn claim(key: &CtKey, value: &CtValue) -> Result<(), i32> {
+    LB_CT.insert(key, value, BPF_NOEXIST)
+}
+
+#[inline(always)]
+pub fn put(key: &CtKey, value: &CtValue) -> Result<(), i32> {
+    LB_CT.insert(key, value, 0)
+}

@@ -1,0 +1,99 @@
+//! Frontend lookup and backend selection, shared by the socket hooks and the
+//! per-packet path: slot choice, session affinity, and the reject errno.
+
+use aya_ebpf::helpers::generated::bpf_ktime_get_ns;
+use lb_common::{
+    stat, AffinityKey, AffinityValue, Backend, ServiceKey, ServiceValue, SVC_FLAG_AFFINITY,
+};
+
+use crate::{
+    maps::{LB_AFFINITY, LB_BACKENDS, LB_SERVICES},
+    stats,
+};
+
+const NSEC_PER_SEC: u64 = 1_000_000_000;
+
+/// The master entry of a frontend, copied out (hash entries may be replaced later).
+#[inline(always)]
+pub fn frontend(key: &ServiceKey) -> Option<ServiceValue> {
+    // SAFETY: copied out at once.
+    unsafe { LB_SERVICES.get(key) }.copied()
+}
+
+/// A backend for a new connection of `client` (affinity identity) to the frontend.
+/// `entropy` picks the slot when no affinity applies. `None` when the master
+/// promised slots that are missing (the agent is mid-update): counted, and the
+/// caller refuses rather than letting the VIP through to nowhere.
+#[inline(always)]
+pub fn backend(
+    master_key: &ServiceKey,
+    master: &ServiceValue,
+    client: u64,
+    entropy: u32,
+) -> Option<(u32, Backend)> {
+    let picked = if master.flags & SVC_FLAG_AFFINITY == 0 {
+        slot(master_key, master, entropy)
+    } else {
+        with_affinity(master_key, master, client, entropy)
+    };
+    if picked.is_none() {
+        stats::bump(stat::SLOT_MISS);
+    }
+    picked
+}
+
+#[inline(always)]
+fn with_affinity(
+    master_key: &ServiceKey,
+    master: &ServiceValue,
+    client: u64,
+    entropy: u32,
+) -> Option<(u32, Backend)> {
+    let now = unsafe { bpf_ktime_get_ns() };
+    let key = AffinityKey {
+        client,
+        rev_nat_id: master.rev_nat_id,
+        _pad: [0; 6],
+    };
+    // SAFETY: copied out at once.
+    if let Some(remembered) = unsafe { LB_AFFINITY.get(&key) }.copied() {
+        let timeout_ns = master.affinity_timeout_sec as u64 * NSEC_PER_SEC;
+        if now.wrapping_sub(remembered.last_used_ns) <= timeout_ns {
+            // Backend ids belong to one frontend and vanish with the endpoint, so a
+            // hit here is still a live backend of this Service.
+            // SAFETY: copied out at once.
+            if let Some(backend) = unsafe { LB_BACKENDS.get(&remembered.backend_id) }.copied() {
+                remember(&key, remembered.backend_id, now);
+                return Some((remembered.backend_id, backend));
+            }
+        }
+    }
+    let (backend_id, backend) = slot(master_key, master, entropy)?;
+    remember(&key, backend_id, now);
+    Some((backend_id, backend))
+}
+
+#[inline(always)]
+fn remember(key: &AffinityKey, backend_id: u32, now: u64) {
+    let value = AffinityValue {
+        last_used_ns: now,
+        backend_id,
+        _pad: 0,
+    };
+    if LB_AFFINITY.insert(key, &value, 0).is_err() {
+        stats::bump(stat::AFFINITY_UPDATE_FAILED);
+    }
+}
+
+#[inline(always)]
+fn slot(master_key: &ServiceKey, master: &ServiceValue, entropy: u32) -> Option<(u32, Backend)> {
+    let slot_key = ServiceKey {
+        backend_slot: (entropy % master.count as u32) as u16 + 1,
+        ..*master_key
+    };
+    // SAFETY: copied out at once.
+    let slot = unsafe { LB_SERVICES.get(&slot_key) }.copied()?;
+    // SAFETY: copied out at once.
+    let backend = unsafe { LB_BACKENDS.get(&slot.backend_id) }.copied()?;
+    Some((slot.backend_id, backend))
+}

@@ -1,0 +1,168 @@
+//! The per-packet path: DNAT (and SNAT for remote backends) of the first packet of a
+//! flow to a frontend, conntrack for the rest, reverse NAT for the replies. Attached
+//! at TC ingress: on node-facing devices with the external scope, on pod-facing ones
+//! with the internal scope, so a reply is translated where it enters the node.
+
+use aya_ebpf::{helpers::generated::bpf_get_prandom_u32, programs::TcContext};
+use lb_common::{
+    stat, ServiceKey, AFFINITY_CLIENT_IP, BACKEND_FLAG_LOCAL, CT_DIR_FORWARD, CT_DIR_REPLY,
+    SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_FLAG_EXTERNAL_SCOPE,
+};
+
+use crate::{
+    ct,
+    nat::{self, Tuple},
+    packet::{self, Flow, Parsed},
+    select, stats,
+};
+
+pub const TC_ACT_OK: i32 = 0;
+pub const TC_ACT_SHOT: i32 = 2;
+
+/// Source ports for SNAT when the client's own port is taken on the backend side.
+const SNAT_PORT_MIN: u32 = 32_768;
+const SNAT_PORT_SPAN: u32 = 28_232;
+const SNAT_RETRIES: u32 = 8;
+
+/// This node's address for SNAT towards remote backends; set by the agent at load
+/// time (`--node-ip`). 0 disables SNAT.
+#[unsafe(no_mangle)]
+static LB_NODE_IPV4: u32 = 0;
+
+#[inline(always)]
+fn node_ip() -> u32 {
+    // SAFETY: a read-only global the loader patches; volatile so the compiler does
+    // not fold the zero it sees at build time.
+    unsafe { core::ptr::read_volatile(&LB_NODE_IPV4) }
+}
+
+#[inline(always)]
+pub fn handle(ctx: &TcContext, scope: u8) -> i32 {
+    let flow = match packet::parse(ctx) {
+        Parsed::Flow(flow) => flow,
+        Parsed::Ignored => return TC_ACT_OK,
+        Parsed::Fragment => {
+            stats::bump(stat::TC_FRAGMENT);
+            return TC_ACT_OK;
+        }
+        Parsed::Malformed => {
+            stats::bump(stat::TC_MALFORMED);
+            return TC_ACT_OK;
+        }
+    };
+    if let Some(to) = ct::follow(&flow) {
+        stats::bump(stat::TC_CT_HIT);
+        return apply(ctx, &flow, &to);
+    }
+    new_flow(ctx, &flow, scope)
+}
+
+#[inline(always)]
+fn apply(ctx: &TcContext, flow: &Flow, to: &Tuple) -> i32 {
+    if nat::rewrite(ctx, flow, to).is_err() {
+        // A half-rewritten packet would carry a wrong checksum: drop it.
+        stats::bump(stat::TC_MALFORMED);
+        return TC_ACT_SHOT;
+    }
+    TC_ACT_OK
+}
+
+#[inline(always)]
+fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
+    let mut master_key = ServiceKey {
+        address: flow.daddr,
+        port: flow.dport,
+        backend_slot: 0,
+        proto: flow.proto,
+        scope: SCOPE_INTERNAL,
+        _pad: [0; 2],
+    };
+    let Some(mut master) = select::frontend(&master_key) else {
+        return TC_ACT_OK;
+    };
+    if scope == SCOPE_EXTERNAL && master.flags & SVC_FLAG_EXTERNAL_SCOPE != 0 {
+        master_key.scope = SCOPE_EXTERNAL;
+        let Some(external) = select::frontend(&master_key) else {
+            return TC_ACT_OK;
+        };
+        master = external;
+    }
+    if master.count == 0 {
+        stats::bump(stat::TC_NO_BACKEND);
+        return TC_ACT_SHOT;
+    }
+    let client = AFFINITY_CLIENT_IP | flow.saddr as u64;
+    let entropy = unsafe { bpf_get_prandom_u32() };
+    let Some((backend_id, backend)) = select::backend(&master_key, &master, client, entropy)
+    else {
+        stats::bump(stat::TC_NO_BACKEND);
+        return TC_ACT_SHOT;
+    };
+
+    // What the backend's replies will come back to us as, and what they must become.
+    let original_reply = Tuple {
+        saddr: flow.daddr,
+        daddr: flow.saddr,
+        sport: flow.dport,
+        dport: flow.sport,
+    };
+    let state = ct::state_of(flow);
+    let mut forward = Tuple {
+        saddr: flow.saddr,
+        daddr: backend.address,
+        sport: flow.sport,
+        dport: backend.port,
+    };
+    let reply_entry = ct::entry(&original_reply, backend_id, master.rev_nat_id, 0, CT_DIR_REPLY);
+    let node = node_ip();
+    if backend.flags & BACKEND_FLAG_LOCAL != 0 || node == 0 {
+        // Replies of a local backend pass through this node anyway: keep the client's
+        // address (what externalTrafficPolicy: Local promises).
+        let reply_key = ct::key_of_tuple(&reply_tuple(&forward), flow.proto);
+        if ct::put(&reply_key, &reply_entry).is_err() {
+            stats::bump(stat::TC_CT_FULL);
+            return TC_ACT_SHOT;
+        }
+    } else {
+        // A remote backend would answer the client directly, bypassing our reverse
+        // NAT: make the node the source. Keep the client's port when it is free on
+        // the backend side, else try random ones; the NOEXIST insert is the claim.
+        forward.saddr = node;
+        let mut claimed = false;
+        let mut port = flow.sport;
+        for attempt in 0..SNAT_RETRIES {
+            if attempt > 0 {
+                let r = unsafe { bpf_get_prandom_u32() };
+                port = ((SNAT_PORT_MIN + r % SNAT_PORT_SPAN) as u16).to_be();
+            }
+            forward.sport = port;
+            let reply_key = ct::key_of_tuple(&reply_tuple(&forward), flow.proto);
+            if ct::claim(&reply_key, &reply_entry).is_ok() {
+                claimed = true;
+                break;
+            }
+        }
+        if !claimed {
+            stats::bump(stat::TC_SNAT_EXHAUSTED);
+            return TC_ACT_SHOT;
+        }
+    }
+    let forward_entry = ct::entry(&forward, backend_id, master.rev_nat_id, state, CT_DIR_FORWARD);
+    if ct::put(&ct::key_of(flow), &forward_entry).is_err() {
+        stats::bump(stat::TC_CT_FULL);
+        return TC_ACT_SHOT;
+    }
+    stats::bump(stat::TC_NEW_FLOW);
+    apply(ctx, flow, &forward)
+}
+
+/// The tuple of a packet answering one sent with `t`.
+#[inline(always)]
+fn reply_tuple(t: &Tuple) -> Tuple {
+    Tuple {
+        saddr: t.daddr,
+        daddr: t.saddr,
+        sport: t.dport,
+        dport: t.sport,
+    }
+}
