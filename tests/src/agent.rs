@@ -1,0 +1,287 @@
+//! Running the `lb` agent under test, and reading its view of the maps back with
+//! `lb services --json`.
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+
+use crate::cgroup::Cgroup;
+use crate::process::{Child, Spawner};
+use crate::util::{poll, run, unique_name};
+
+/// Loading and attaching the programs and the first sync of a debug build.
+pub const READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// The agent polls its manifests; a change must show in the maps within this.
+pub const SYNC_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Where bpffs is mounted; pin dirs must be below it.
+pub const BPFFS: &str = "/sys/fs/bpf";
+
+/// The `lb` binary: `$LB_BIN`, else `<target dir>/debug/lb` where the target dir is
+/// `$CARGO_TARGET_DIR` or the workspace's `target/`.
+pub fn lb_binary() -> Result<PathBuf> {
+    if let Some(path) = std::env::var_os("LB_BIN") {
+        let path = PathBuf::from(path);
+        if !path.is_file() {
+            bail!("LB_BIN={} does not exist", path.display());
+        }
+        return Ok(path);
+    }
+    let target = match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .expect("tests/ is inside the workspace")
+            .join("target"),
+    };
+    let path = target.join("debug").join("lb");
+    if !path.is_file() {
+        bail!(
+            "the lb binary is missing at {} (run `cargo xtask test`, which builds the eBPF \
+             object and the agent, or set LB_BIN)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// Mount bpffs at /sys/fs/bpf if it is not mounted (a fresh machine has none).
+pub fn ensure_bpffs() -> Result<()> {
+    // Tests run in parallel threads: mount at most once per process.
+    static LOCK: Mutex<()> = Mutex::new(());
+    let _guard = LOCK.lock().unwrap();
+    let mounts = fs::read_to_string("/proc/mounts")?;
+    let mounted = mounts.lines().any(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        f.len() > 2 && f[1] == BPFFS && f[2] == "bpf"
+    });
+    if !mounted {
+        run(std::process::Command::new("mount").args(["-t", "bpf", "bpf", BPFFS]))
+            .context("mounting bpffs")?;
+    }
+    Ok(())
+}
+
+/// One element of `lb services --json`.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+pub struct ServiceEntry {
+    pub frontend: FrontendJson,
+    pub rev_nat_id: u32,
+    pub affinity_timeout_sec: Option<u32>,
+    pub backends: Vec<BackendJson>,
+    #[serde(default)]
+    pub problems: Vec<serde_json::Value>,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+pub struct FrontendJson {
+    pub ip: Ipv4Addr,
+    pub port: u16,
+    pub protocol: String,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+pub struct BackendJson {
+    pub slot: u32,
+    pub id: u32,
+    pub ip: Ipv4Addr,
+    pub port: u16,
+}
+
+impl ServiceEntry {
+    pub fn is(&self, vip: Ipv4Addr, port: u16, protocol: &str) -> bool {
+        self.frontend.ip == vip
+            && self.frontend.port == port
+            && self.frontend.protocol.eq_ignore_ascii_case(protocol)
+    }
+
+    pub fn backend_addrs(&self) -> BTreeSet<SocketAddrV4> {
+        self.backends
+            .iter()
+            .map(|b| SocketAddrV4::new(b.ip, b.port))
+            .collect()
+    }
+}
+
+/// Find a frontend in a `lb services` listing.
+pub fn find_frontend<'a>(
+    entries: &'a [ServiceEntry],
+    vip: Ipv4Addr,
+    port: u16,
+    protocol: &str,
+) -> Option<&'a ServiceEntry> {
+    entries.iter().find(|e| e.is(vip, port, protocol))
+}
+
+/// A running `lb agent`. Dropping it stops the agent, runs `lb cleanup` (detach and
+/// unpin), removes the pin dir, and prints the agent's log (shown by the test harness
+/// only when the test fails).
+pub struct Agent {
+    child: Child,
+    lb: PathBuf,
+    pin_dir: PathBuf,
+    log_on_drop: bool,
+}
+
+impl Agent {
+    /// Start `lb agent` on `services` (file or dir), attaching to `cgroup`, pinning
+    /// under a fresh `/sys/fs/bpf/lb-test-<unique>`.
+    pub fn start(lb: &Path, services: &Path, cgroup: &Cgroup, node_name: &str) -> Result<Self> {
+        ensure_bpffs()?;
+        let pin_dir = Path::new(BPFFS).join(unique_name("lb-test"));
+        fs::create_dir(&pin_dir).with_context(|| format!("creating {}", pin_dir.display()))?;
+        // From here on the pin dir belongs to a guard-less local: build the Agent right
+        // away so Drop covers it, or remove it if the spawn fails.
+        let spawned = Spawner::new(lb)
+            .label("lb agent")
+            .arg("agent")
+            .arg("--services-file")
+            .arg(services)
+            .arg("--cgroup")
+            .arg(cgroup.path())
+            .arg("--pin-dir")
+            .arg(&pin_dir)
+            .args(["--node-name", node_name])
+            // Plain log lines (see also lines::strip_ansi).
+            .env("NO_COLOR", "1")
+            .spawn();
+        match spawned {
+            Ok(child) => Ok(Agent {
+                child,
+                lb: lb.to_path_buf(),
+                pin_dir,
+                log_on_drop: true,
+            }),
+            Err(e) => {
+                let _ = fs::remove_dir_all(&pin_dir);
+                Err(e)
+            }
+        }
+    }
+
+    pub fn pin_dir(&self) -> &Path {
+        &self.pin_dir
+    }
+
+    /// Whether dropping the agent prints its log (default: yes; the test harness only
+    /// shows it for failed tests, but the demo prints it only on error).
+    pub fn set_log_on_drop(&mut self, print: bool) {
+        self.log_on_drop = print;
+    }
+
+    /// The agent's exit status, if it has exited or exits within a moment (a closed
+    /// stderr usually means it is exiting right now).
+    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        self.child
+            .wait_timeout(Duration::from_secs(1))
+            .ok()
+            .flatten()
+    }
+
+    /// Everything the agent logged so far.
+    pub fn log(&self) -> Vec<String> {
+        self.child.stderr.snapshot()
+    }
+
+    /// Wait for `ready and serving` on stderr.
+    pub fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        self.wait_for_line("ready and serving", timeout).map(drop)
+    }
+
+    /// Wait for a stderr line containing `needle` (fails early if the agent exits).
+    pub fn wait_for_line(&self, needle: &str, timeout: Duration) -> Result<String> {
+        self.wait_for_log(&format!("`{needle}`"), timeout, |l| l.contains(needle))
+    }
+
+    /// Wait for a stderr line matching `pred`, described by `what` in errors.
+    pub fn wait_for_log(
+        &self,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&str) -> bool,
+    ) -> Result<String> {
+        self.child
+            .stderr
+            .wait_for(timeout, pred)
+            .with_context(|| format!("waiting for {what} from the agent"))
+    }
+
+    /// `lb services --pin-dir DIR --json`.
+    pub fn services_json(&self) -> Result<Vec<ServiceEntry>> {
+        let out = self.lb_command(&["services", "--json"])?;
+        serde_json::from_str(&out)
+            .with_context(|| format!("`lb services --json` printed unexpected output:\n{out}"))
+    }
+
+    /// `lb services --pin-dir DIR` in its human form.
+    pub fn services_text(&self) -> Result<String> {
+        self.lb_command(&["services"])
+    }
+
+    fn lb_command(&self, args: &[&str]) -> Result<String> {
+        let mut cmd = std::process::Command::new(&self.lb);
+        cmd.args(&args[..1])
+            .arg("--pin-dir")
+            .arg(&self.pin_dir)
+            .args(&args[1..]);
+        run(&mut cmd)
+    }
+
+    /// `lb cleanup --pin-dir DIR`: detach the hooks and unpin everything (Drop does
+    /// this too; tests call it to check what happens after).
+    pub fn cleanup(&self) -> Result<()> {
+        self.lb_command(&["cleanup"]).map(drop)
+    }
+
+    /// Poll `lb services --json` until `pred` holds; returns that listing.
+    pub fn wait_services(
+        &self,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&[ServiceEntry]) -> bool,
+    ) -> Result<Vec<ServiceEntry>> {
+        let mut last = None;
+        let result = poll(what, timeout, || {
+            let entries = self.services_json()?;
+            if pred(&entries) {
+                return Ok(Some(entries));
+            }
+            last = Some(entries);
+            Ok(None)
+        });
+        result.with_context(|| format!("last `lb services --json`: {last:#?}"))
+    }
+
+    /// SIGTERM and wait for the agent to exit; it must exit cleanly.
+    pub fn stop(&mut self) -> Result<()> {
+        let status = self.child.terminate(Duration::from_secs(10))?;
+        if !status.success() {
+            bail!("lb agent exited with {status} after SIGTERM");
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.terminate(Duration::from_secs(5));
+        if let Err(e) = self.cleanup() {
+            eprintln!("warning: lb cleanup failed: {e:#}");
+        }
+        // Whatever `lb cleanup` left: removing the last pin of a link detaches it.
+        if self.pin_dir.exists() {
+            if let Err(e) = fs::remove_dir_all(&self.pin_dir) {
+                eprintln!("warning: cannot remove {}: {e}", self.pin_dir.display());
+            }
+        }
+        if self.log_on_drop && !crate::interrupt::requested() {
+            eprintln!("--- lb agent log ---\n{}\n---", self.child.stderr.text());
+        }
+    }
+}

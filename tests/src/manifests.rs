@@ -1,0 +1,399 @@
+//! Kubernetes manifests for the agent, written as YAML in the shape `kubectl get -o
+//! yaml` prints (apiVersion, kind, metadata with namespace/uid/resourceVersion, spec),
+//! into a directory the agent watches.
+
+use std::fmt::Write as _;
+use std::fs;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use anyhow::{Context, Result};
+
+use crate::util::unique_name;
+
+/// Namespace of every object the tests create.
+pub const NAMESPACE: &str = "demo";
+
+/// One port of a Service.
+#[derive(Clone, Debug)]
+pub struct ServicePort {
+    pub name: String,
+    pub port: u32,
+    pub target_port: u32,
+    pub protocol: &'static str,
+}
+
+impl ServicePort {
+    pub fn tcp(name: &str, port: u32, target_port: u32) -> Self {
+        Self::new(name, port, target_port, "TCP")
+    }
+
+    pub fn udp(name: &str, port: u32, target_port: u32) -> Self {
+        Self::new(name, port, target_port, "UDP")
+    }
+
+    fn new(name: &str, port: u32, target_port: u32, protocol: &'static str) -> Self {
+        ServicePort {
+            name: name.into(),
+            port,
+            target_port,
+            protocol,
+        }
+    }
+}
+
+/// A ClusterIP Service. Port numbers are `u32` so tests can write invalid ones.
+#[derive(Clone, Debug)]
+pub struct Service {
+    pub name: String,
+    pub cluster_ip: String,
+    /// `spec.ipFamilies`, e.g. `["IPv4"]`.
+    pub ip_families: Vec<&'static str>,
+    pub ports: Vec<ServicePort>,
+    /// `sessionAffinity: ClientIP` with this timeout, or `None`.
+    pub affinity_timeout_sec: Option<u32>,
+}
+
+impl Service {
+    pub fn new(name: &str, cluster_ip: Ipv4Addr, ports: Vec<ServicePort>) -> Self {
+        Service {
+            name: name.into(),
+            cluster_ip: cluster_ip.to_string(),
+            ip_families: vec!["IPv4"],
+            ports,
+            affinity_timeout_sec: None,
+        }
+    }
+
+    pub fn with_affinity(mut self, timeout_sec: u32) -> Self {
+        self.affinity_timeout_sec = Some(timeout_sec);
+        self
+    }
+
+    pub fn to_yaml(&self) -> String {
+        let mut y = String::new();
+        y += "apiVersion: v1\nkind: Service\n";
+        y += &metadata(&self.name, &[("app", &self.name)]);
+        y += "spec:\n";
+        let _ = writeln!(y, "  clusterIP: {}", self.cluster_ip);
+        let _ = writeln!(y, "  clusterIPs:\n  - {}", self.cluster_ip);
+        y += "  internalTrafficPolicy: Cluster\n  ipFamilies:\n";
+        for family in &self.ip_families {
+            let _ = writeln!(y, "  - {family}");
+        }
+        y += "  ipFamilyPolicy: SingleStack\n  ports:\n";
+        for p in &self.ports {
+            let _ = writeln!(y, "  - name: {}", p.name);
+            let _ = writeln!(y, "    port: {}", p.port);
+            let _ = writeln!(y, "    protocol: {}", p.protocol);
+            let _ = writeln!(y, "    targetPort: {}", p.target_port);
+        }
+        let _ = writeln!(y, "  selector:\n    app: {}", self.name);
+        match self.affinity_timeout_sec {
+            Some(t) => {
+                y += "  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n";
+                let _ = writeln!(y, "    clientIP:\n      timeoutSeconds: {t}");
+            }
+            None => y += "  sessionAffinity: None\n",
+        }
+        y += "  type: ClusterIP\nstatus:\n  loadBalancer: {}\n";
+        y
+    }
+}
+
+/// `conditions` of one endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conditions {
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+}
+
+impl Conditions {
+    pub const READY: Conditions = Conditions {
+        ready: true,
+        serving: true,
+        terminating: false,
+    };
+    /// Being deleted but still serving (KEP-1669): used only when nothing is ready.
+    pub const TERMINATING_SERVING: Conditions = Conditions {
+        ready: false,
+        serving: true,
+        terminating: true,
+    };
+    /// Not ready and not serving (e.g. failing its readiness probe).
+    pub const NOT_READY: Conditions = Conditions {
+        ready: false,
+        serving: false,
+        terminating: false,
+    };
+}
+
+/// One endpoint of an EndpointSlice: a pod address.
+#[derive(Clone, Debug)]
+pub struct Endpoint {
+    pub ip: Ipv4Addr,
+    pub pod: String,
+    pub node: String,
+    pub conditions: Conditions,
+}
+
+impl Endpoint {
+    pub fn ready(pod: &str, ip: Ipv4Addr) -> Self {
+        Endpoint {
+            ip,
+            pod: pod.into(),
+            node: NODE_NAME.into(),
+            conditions: Conditions::READY,
+        }
+    }
+
+    pub fn with_conditions(mut self, conditions: Conditions) -> Self {
+        self.conditions = conditions;
+        self
+    }
+}
+
+/// Node name the endpoints carry and the agent is started with.
+pub const NODE_NAME: &str = "node-1";
+
+/// A port of an EndpointSlice: named like the Service port it serves.
+#[derive(Clone, Debug)]
+pub struct SlicePort {
+    pub name: String,
+    pub port: u32,
+    pub protocol: &'static str,
+}
+
+impl SlicePort {
+    /// The slice port matching a Service port (same name, the target port).
+    pub fn for_service_port(p: &ServicePort) -> Self {
+        SlicePort {
+            name: p.name.clone(),
+            port: p.target_port,
+            protocol: p.protocol,
+        }
+    }
+}
+
+/// An EndpointSlice of `service` (linked by the `kubernetes.io/service-name` label).
+#[derive(Clone, Debug)]
+pub struct EndpointSlice {
+    pub name: String,
+    pub service: String,
+    pub endpoints: Vec<Endpoint>,
+    pub ports: Vec<SlicePort>,
+}
+
+impl EndpointSlice {
+    /// The slice the EndpointSlice controller would write for `svc`: `<svc>-xxxxx`,
+    /// with one port per Service port.
+    pub fn for_service(svc: &Service, endpoints: Vec<Endpoint>) -> Self {
+        EndpointSlice {
+            name: format!("{}-x7k2p", svc.name),
+            service: svc.name.clone(),
+            endpoints,
+            ports: svc.ports.iter().map(SlicePort::for_service_port).collect(),
+        }
+    }
+
+    pub fn to_yaml(&self) -> String {
+        let mut y = String::new();
+        y += "addressType: IPv4\napiVersion: discovery.k8s.io/v1\n";
+        if self.endpoints.is_empty() {
+            // kubectl prints `endpoints: null` for a slice without endpoints.
+            y += "endpoints: null\n";
+        } else {
+            y += "endpoints:\n";
+        }
+        for e in &self.endpoints {
+            let c = e.conditions;
+            let _ = writeln!(y, "- addresses:\n  - {}", e.ip);
+            let _ = writeln!(
+                y,
+                "  conditions:\n    ready: {}\n    serving: {}\n    terminating: {}",
+                c.ready, c.serving, c.terminating
+            );
+            let _ = writeln!(y, "  nodeName: {}", e.node);
+            let _ = writeln!(
+                y,
+                "  targetRef:\n    kind: Pod\n    name: {}\n    namespace: {NAMESPACE}\n    uid: {}",
+                e.pod,
+                fake_uid(&e.pod)
+            );
+        }
+        y += "kind: EndpointSlice\n";
+        y += &metadata(
+            &self.name,
+            &[
+                (
+                    "endpointslice.kubernetes.io/managed-by",
+                    "endpointslice-controller.k8s.io",
+                ),
+                ("kubernetes.io/service-name", &self.service),
+            ],
+        );
+        if self.ports.is_empty() {
+            y += "ports: null\n";
+        } else {
+            y += "ports:\n";
+        }
+        for p in &self.ports {
+            let _ = writeln!(
+                y,
+                "- name: {}\n  port: {}\n  protocol: {}",
+                p.name, p.port, p.protocol
+            );
+        }
+        y
+    }
+}
+
+/// `metadata:` as the API server returns it.
+fn metadata(name: &str, labels: &[(&str, &str)]) -> String {
+    static VERSION: AtomicU32 = AtomicU32::new(1000);
+    let mut y = String::from("metadata:\n  creationTimestamp: \"2024-05-01T10:00:00Z\"\n");
+    if !labels.is_empty() {
+        y += "  labels:\n";
+        for (k, v) in labels {
+            let _ = writeln!(y, "    {k}: {v}");
+        }
+    }
+    let _ = writeln!(y, "  name: {name}\n  namespace: {NAMESPACE}");
+    let _ = writeln!(
+        y,
+        "  resourceVersion: \"{}\"",
+        VERSION.fetch_add(1, Ordering::Relaxed)
+    );
+    let _ = writeln!(y, "  uid: {}", fake_uid(name));
+    y
+}
+
+/// A stable UUID-shaped uid derived from the name (FNV-1a), so output is reproducible.
+fn fake_uid(name: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in name.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    let hex = format!("{h:016x}{:016x}", h.rotate_left(29) ^ 0x5bd1_e995);
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
+}
+
+/// Join YAML documents into one multi-document file.
+pub fn documents<I: IntoIterator<Item = String>>(docs: I) -> String {
+    docs.into_iter()
+        .map(|d| format!("---\n{d}"))
+        .collect::<Vec<_>>()
+        .join("")
+}
+
+/// A temporary directory of manifests the agent reads (`--services-file DIR`).
+///
+/// Files are replaced atomically: written in a sibling staging directory (same
+/// filesystem, outside the watched directory, and not named `*.yaml` there) and
+/// renamed into place, so the polling agent sees either the old or the new file,
+/// never half of one.
+pub struct ManifestDir {
+    root: PathBuf,
+    dir: PathBuf,
+    staging: PathBuf,
+}
+
+impl ManifestDir {
+    pub fn create() -> Result<Self> {
+        let root = std::env::temp_dir().join(unique_name("lb-test-manifests"));
+        let dir = root.join("manifests");
+        let staging = root.join("staging");
+        fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        fs::create_dir_all(&staging)?;
+        Ok(ManifestDir { root, dir, staging })
+    }
+
+    /// The directory to pass to the agent.
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Create or replace `file_name` (e.g. `web.yaml`) with `content`.
+    pub fn write(&self, file_name: &str, content: &str) -> Result<()> {
+        let tmp = self.staging.join(file_name);
+        fs::write(&tmp, content).with_context(|| format!("writing {}", tmp.display()))?;
+        let dest = self.dir.join(file_name);
+        fs::rename(&tmp, &dest).with_context(|| format!("renaming into {}", dest.display()))
+    }
+
+    pub fn remove(&self, file_name: &str) -> Result<()> {
+        fs::remove_file(self.dir.join(file_name)).with_context(|| format!("removing {file_name}"))
+    }
+}
+
+impl Drop for ManifestDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.root);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn web() -> Service {
+        Service::new(
+            "web",
+            Ipv4Addr::new(10, 96, 0, 10),
+            vec![
+                ServicePort::tcp("http", 80, 8080),
+                ServicePort::udp("dns", 53, 5353),
+            ],
+        )
+    }
+
+    #[test]
+    fn service_yaml_has_kubectl_shape() {
+        let y = web().with_affinity(60).to_yaml();
+        for needle in [
+            "kind: Service\n",
+            "  namespace: demo\n",
+            "  clusterIP: 10.96.0.10\n",
+            "  - name: dns\n    port: 53\n    protocol: UDP\n    targetPort: 5353\n",
+            "  sessionAffinity: ClientIP\n",
+            "      timeoutSeconds: 60\n",
+        ] {
+            assert!(y.contains(needle), "{needle:?} missing in\n{y}");
+        }
+        assert!(web().to_yaml().contains("  sessionAffinity: None\n"));
+    }
+
+    #[test]
+    fn slice_yaml_links_service_and_names_ports() {
+        let eps = vec![Endpoint::ready("pod-b", Ipv4Addr::new(10, 244, 1, 12))
+            .with_conditions(Conditions::TERMINATING_SERVING)];
+        let y = EndpointSlice::for_service(&web(), eps).to_yaml();
+        for needle in [
+            "    kubernetes.io/service-name: web\n",
+            "- addresses:\n  - 10.244.1.12\n",
+            "    ready: false\n    serving: true\n    terminating: true\n",
+            "- name: http\n  port: 8080\n  protocol: TCP\n",
+        ] {
+            assert!(y.contains(needle), "{needle:?} missing in\n{y}");
+        }
+        let empty = EndpointSlice::for_service(&web(), vec![]).to_yaml();
+        assert!(empty.contains("\nendpoints: null\n"), "{empty}");
+    }
+
+    #[test]
+    fn uid_is_uuid_shaped_and_stable() {
+        let uid = fake_uid("pod-a");
+        assert_eq!(uid, fake_uid("pod-a"));
+        let lens: Vec<usize> = uid.split('-').map(str::len).collect();
+        assert_eq!(lens, [8, 4, 4, 4, 12]);
+    }
+}

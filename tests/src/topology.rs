@@ -1,0 +1,209 @@
+//! The test network: one "node" namespace with a bridge, and one namespace per pod,
+//! each joined to the bridge by a veth pair — a node's pod network in miniature.
+//!
+//! ```text
+//!   node ns:   br0 10.244.1.1/24 ── vpod-a ── vpod-b ── ... ── vclient
+//!                                     │          │               │
+//!   pod ns:      eth0 10.244.1.11  10.244.1.12  ...     eth0 10.244.1.20 (client)
+//! ```
+//!
+//! Nothing is connected to the host's own namespace: test traffic cannot leave.
+
+use std::net::Ipv4Addr;
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+
+use crate::netns::NetNs;
+use crate::process::{Child, Spawner};
+use crate::util::unique_name;
+
+/// Gateway of the pod network: the bridge address in the node namespace.
+pub const GATEWAY: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 1);
+/// Service CIDR of the test cluster; every VIP the tests use is inside it.
+pub const SERVICE_CIDR: &str = "10.96.0.0/12";
+/// Address of backend pod `i` (0-based): pod-a is 10.244.1.11, pod-b .12, ...
+pub fn pod_ip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 244, 1, 11 + u8::try_from(i).expect("at most 9 pods"))
+}
+/// Name of backend pod `i`: pod-a, pod-b, ...
+pub fn pod_name(i: usize) -> String {
+    format!(
+        "pod-{}",
+        char::from(b'a' + u8::try_from(i).expect("at most 9 pods"))
+    )
+}
+/// Address of client pod `i`: the first client is 10.244.1.20.
+pub fn client_ip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 244, 1, 20 + u8::try_from(i).expect("at most 9 clients"))
+}
+/// Name of client pod `i`: client, client-2, client-3, ...
+pub fn client_name(i: usize) -> String {
+    if i == 0 {
+        "client".into()
+    } else {
+        format!("client-{}", i + 1)
+    }
+}
+
+/// Timeout for a freshly started lb-echo to bind its ports.
+const ECHO_READY: Duration = Duration::from_secs(10);
+
+/// One pod: its namespace, address and (for backends) the lb-echo server in it.
+pub struct Pod {
+    /// Declared before `ns`: the server is killed before its namespace is deleted.
+    server: Option<Child>,
+    name: String,
+    ip: Ipv4Addr,
+    ns: NetNs,
+}
+
+impl Pod {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn ip(&self) -> Ipv4Addr {
+        self.ip
+    }
+
+    pub fn netns(&self) -> &NetNs {
+        &self.ns
+    }
+
+    /// Start `lb-echo --name <pod> --port P...` in this pod and wait until it is bound.
+    pub fn start_echo(&mut self, echo_bin: &Path, ports: &[u16]) -> Result<()> {
+        let mut spawner = Spawner::new(echo_bin)
+            .label(format!("lb-echo {}", self.name))
+            .netns(&self.ns)?
+            .args(["--name", &self.name]);
+        for port in ports {
+            spawner = spawner.args(["--port", &port.to_string()]);
+        }
+        let server = spawner.spawn()?;
+        server
+            .stdout
+            .wait_for(ECHO_READY, |l| l.contains("listening"))
+            .with_context(|| format!("lb-echo in {} did not start", self.name))?;
+        self.server = Some(server);
+        Ok(())
+    }
+}
+
+/// The whole test network. Dropping it kills the servers and deletes every namespace.
+pub struct Topology {
+    /// Pods are declared before the node so they are torn down first.
+    pods: Vec<Pod>,
+    clients: Vec<Pod>,
+    node: NetNs,
+    base: String,
+}
+
+impl Topology {
+    /// Build a node with `pods` backend pods and `clients` client pods.
+    pub fn build(pods: usize, clients: usize) -> Result<Self> {
+        let base = unique_name("lbt");
+        let node = NetNs::create(&format!("{base}-node"))?;
+        node.ip(&["link", "add", "br0", "type", "bridge"])?;
+        node.ip(&["addr", "add", &format!("{GATEWAY}/24"), "dev", "br0"])?;
+        node.ip(&["link", "set", "br0", "up"])?;
+        // Filled as we go: if a step fails, what exists so far is dropped (cleaned up).
+        let mut topo = Topology {
+            pods: Vec::new(),
+            clients: Vec::new(),
+            node,
+            base,
+        };
+        for i in 0..pods {
+            let pod = topo.add_pod(&pod_name(i), pod_ip(i))?;
+            topo.pods.push(pod);
+        }
+        for i in 0..clients {
+            let client = topo.add_pod(&client_name(i), client_ip(i))?;
+            // Untranslated VIP traffic must fail at once and stay in the namespace:
+            // without this route a packet to a VIP the hooks did not rewrite would leave
+            // through the default route to the node namespace, whose answer (an ICMP
+            // error, rate-limited by route.error_cost, or nothing at all) makes the
+            // connect fail slowly or hang until its timeout. An `unreachable` route
+            // makes the client's own route lookup fail with EHOSTUNREACH synchronously:
+            // the packet is never built, and the tests can tell "not translated"
+            // (EHOSTUNREACH) from "rejected by the hook" (ECONNREFUSED) at once.
+            client
+                .ns
+                .ip(&["route", "add", "unreachable", SERVICE_CIDR])?;
+            topo.clients.push(client);
+        }
+        Ok(topo)
+    }
+
+    /// A namespace joined to the bridge with eth0 = `ip`/24, default route via br0.
+    fn add_pod(&self, name: &str, ip: Ipv4Addr) -> Result<Pod> {
+        let ns = NetNs::create(&format!("{}-{name}", self.base))?;
+        // The bridge-side name only has to be unique in the node namespace (which is
+        // ours alone); IFNAMSIZ allows 15 characters.
+        let host_if = format!("v{name}");
+        ensure!(host_if.len() <= 15, "interface name {host_if} too long");
+        self.node.ip(&[
+            "link",
+            "add",
+            &host_if,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            ns.name(),
+        ])?;
+        self.node
+            .ip(&["link", "set", &host_if, "master", "br0", "up"])?;
+        ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
+        ns.ip(&["link", "set", "eth0", "up"])?;
+        ns.ip(&["route", "add", "default", "via", &GATEWAY.to_string()])?;
+        Ok(Pod {
+            server: None,
+            name: name.to_string(),
+            ip,
+            ns,
+        })
+    }
+
+    /// Start lb-echo on `ports` in every backend pod.
+    pub fn start_echo(&mut self, echo_bin: &Path, ports: &[u16]) -> Result<()> {
+        for pod in &mut self.pods {
+            pod.start_echo(echo_bin, ports)?;
+        }
+        Ok(())
+    }
+
+    pub fn node(&self) -> &NetNs {
+        &self.node
+    }
+
+    pub fn pods(&self) -> &[Pod] {
+        &self.pods
+    }
+
+    pub fn clients(&self) -> &[Pod] {
+        &self.clients
+    }
+
+    /// The first client pod.
+    pub fn client(&self) -> &Pod {
+        &self.clients[0]
+    }
+
+    /// The backend pod called `name`.
+    pub fn pod(&self, name: &str) -> Result<&Pod> {
+        self.pods
+            .iter()
+            .find(|p| p.name == name)
+            .with_context(|| format!("no pod {name} in the topology"))
+    }
+
+    /// Unique prefix of this topology's namespace names.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+}
