@@ -33,7 +33,12 @@ pub mod program_names {
     pub const SENDMSG4: &str = "lb_sendmsg4";
     pub const RECVMSG4: &str = "lb_recvmsg4";
     pub const GETPEERNAME4: &str = "lb_getpeername4";
+    /// The cgroup socket hooks.
     pub const ALL: [&str; 4] = [CONNECT4, SENDMSG4, RECVMSG4, GETPEERNAME4];
+    /// TC ingress on node-facing devices.
+    pub const TC_EXTERNAL: &str = "lb_tc_external";
+    /// TC ingress on pod-facing devices.
+    pub const TC_INTERNAL: &str = "lb_tc_internal";
 }
 
 /// IANA protocol numbers as `bpf_sock_addr.protocol` reports them.

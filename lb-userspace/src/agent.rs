@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tracing::{info, warn};
 
-use crate::loader::{self, LoadError, MapSizes, PinLayout};
+use crate::loader::{self, LoadError, MapSizes, PinLayout, TcConfig};
 use crate::maps::{MapsError, PinnedMaps};
 use crate::model::DesiredState;
 use crate::reconcile;
@@ -27,9 +27,14 @@ pub struct AgentConfig {
     pub pin: PinLayout,
     /// Endpoints on this node are "local" (internalTrafficPolicy: Local).
     pub node_name: String,
+    /// This node's addresses: NodePorts are served on them, and the first one is the
+    /// source address for traffic SNATed to backends on other nodes.
+    pub node_ips: Vec<std::net::Ipv4Addr>,
     /// Kernel object to load instead of the embedded one.
     pub bpf_object: Option<PathBuf>,
     pub sizes: MapSizes,
+    /// Per-packet path attachments (none: socket hooks only).
+    pub tc: TcConfig,
     /// How often the manifest files are checked for changes.
     pub poll_interval: Duration,
 }
@@ -51,7 +56,13 @@ pub enum AgentError {
 pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     sys::ensure_bpffs(config.pin.root())?;
     let object = loader::kernel_object(config.bpf_object.as_deref())?;
-    loader::load_and_attach(&object, &config.pin, config.sizes, &config.cgroup)?;
+    loader::load_and_attach(
+        &object,
+        &config.pin,
+        config.sizes,
+        &config.cgroup,
+        &config.tc,
+    )?;
     let mut maps = PinnedMaps::open(&config.pin)?;
     info!(
         cgroup = %config.cgroup.display(),
@@ -64,6 +75,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let mut objects = files::watch(config.services_file.clone(), config.poll_interval);
     let options = SourceOptions {
         node_name: config.node_name.clone(),
+        node_ips: config.node_ips.clone(),
     };
     // Set while the kernel rejected a write; the same objects are retried from a
     // fresh snapshot until they apply.

@@ -10,7 +10,13 @@ use std::fs::{self, File};
 use std::io;
 use std::path::{Path, PathBuf};
 
-use aya::programs::{links::FdLink, CgroupAttachMode, CgroupSockAddr, ProgramError};
+use std::collections::BTreeSet;
+use std::net::Ipv4Addr;
+
+use aya::programs::{
+    links::FdLink, tc::TcAttachType, CgroupAttachMode, CgroupSockAddr, ProgramError,
+    SchedClassifier,
+};
 use aya::{Ebpf, EbpfLoader};
 use lb_common::{map_names, program_names, PIN_LAYOUT_VERSION};
 
@@ -42,6 +48,17 @@ impl PinLayout {
     }
 }
 
+/// Where and how the per-packet path attaches.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TcConfig {
+    /// Node-facing devices: traffic from outside the cluster and other nodes.
+    pub external_ifaces: Vec<String>,
+    /// Pod-facing devices: pods outside the hooked cgroup, replies of local backends.
+    pub internal_ifaces: Vec<String>,
+    /// Source address for SNAT towards backends on other nodes.
+    pub node_ip: Option<Ipv4Addr>,
+}
+
 /// `max_entries` of the maps the agent sizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MapSizes {
@@ -49,6 +66,7 @@ pub struct MapSizes {
     pub backends: u32,
     pub sock_revnat: u32,
     pub affinity: u32,
+    pub conntrack: u32,
 }
 
 impl Default for MapSizes {
@@ -58,6 +76,7 @@ impl Default for MapSizes {
             backends: lb_common::DEFAULT_BACKENDS_MAX,
             sock_revnat: lb_common::DEFAULT_SOCK_REVNAT_MAX,
             affinity: lb_common::DEFAULT_AFFINITY_MAX,
+            conntrack: lb_common::DEFAULT_CT_MAX,
         }
     }
 }
@@ -107,6 +126,23 @@ pub enum LoadError {
         #[source]
         source: io::Error,
     },
+    #[error(
+        "attaching {program} to {iface} needs TCX (kernel >= 6.6); this kernel only has \
+         netlink clsact, which lb does not drive yet"
+    )]
+    NoTcx { program: &'static str, iface: String },
+    #[error("cannot attach {program} to interface {iface}: {message} (does the interface exist in the agent's network namespace?)")]
+    TcAttach {
+        program: &'static str,
+        iface: String,
+        message: String,
+    },
+    #[error("cannot list or remove stale link pins in {path}: {source}")]
+    StaleLinks {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
     #[error("cannot pin link of {program} at {path}: {message}")]
     PinLink {
         program: &'static str,
@@ -141,6 +177,7 @@ pub fn load_and_attach(
     layout: &PinLayout,
     sizes: MapSizes,
     cgroup: &Path,
+    tc: &TcConfig,
 ) -> Result<(), LoadError> {
     for dir in [layout.maps_dir(), layout.links_dir()] {
         fs::create_dir_all(&dir).map_err(|source| LoadError::PinDir { path: dir, source })?;
@@ -157,7 +194,10 @@ pub fn load_and_attach(
         .map_max_entries(map_names::SERVICES, sizes.services)
         .map_max_entries(map_names::BACKENDS, sizes.backends)
         .map_max_entries(map_names::SOCK_REVNAT, sizes.sock_revnat)
-        .map_max_entries(map_names::AFFINITY, sizes.affinity);
+        .map_max_entries(map_names::AFFINITY, sizes.affinity)
+        .map_max_entries(map_names::CT, sizes.conntrack);
+    let node_ip = tc.node_ip.map_or(0, |ip| u32::from_ne_bytes(ip.octets()));
+    loader.override_global("LB_NODE_IPV4", &node_ip, true);
     let mut ebpf: Ebpf = loader.load(object).map_err(|source| LoadError::Load {
         maps_dir: layout.maps_dir(),
         source: Box::new(source),
@@ -167,48 +207,105 @@ pub fn load_and_attach(
         path: cgroup.to_path_buf(),
         source,
     })?;
+    let links_dir = layout.links_dir();
+    let mut pinned = BTreeSet::new();
     for program in program_names::ALL {
-        attach_one(&mut ebpf, program, &cgroup_file, &layout.links_dir())?;
+        let link = attach_cgroup(&mut ebpf, program, &cgroup_file)?;
+        pinned.insert(pin_link(link, program, &links_dir, program)?);
     }
-    Ok(())
+    let tc_attachments = [
+        (program_names::TC_EXTERNAL, &tc.external_ifaces),
+        (program_names::TC_INTERNAL, &tc.internal_ifaces),
+    ];
+    for (program, ifaces) in tc_attachments {
+        if ifaces.is_empty() {
+            continue;
+        }
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut(program)
+            .ok_or(LoadError::MissingProgram { program })?
+            .try_into()
+            .map_err(|e| program_error(program, e))?;
+        prog.load().map_err(|e| verifier_error(program, e))?;
+        for iface in ifaces {
+            let link = attach_tc(prog, program, iface)?;
+            // bpffs names cannot contain '.', which VLAN devices have.
+            let name = format!("{program}_{}", iface.replace('.', "_"));
+            pinned.insert(pin_link(link, program, &links_dir, &name)?);
+        }
+    }
+    remove_stale_links(&links_dir, &pinned)
 }
 
-fn attach_one(
+fn program_error(program: &'static str, source: ProgramError) -> LoadError {
+    LoadError::Program {
+        program,
+        source: Box::new(source),
+    }
+}
+
+fn attach_cgroup(
     ebpf: &mut Ebpf,
     program: &'static str,
     cgroup: &File,
-    links_dir: &Path,
-) -> Result<(), LoadError> {
-    let as_program_error = |source| LoadError::Program {
-        program,
-        source: Box::new(source),
-    };
+) -> Result<FdLink, LoadError> {
     let prog: &mut CgroupSockAddr = ebpf
         .program_mut(program)
         .ok_or(LoadError::MissingProgram { program })?
         .try_into()
-        .map_err(as_program_error)?;
+        .map_err(|e| program_error(program, e))?;
     prog.load().map_err(|e| verifier_error(program, e))?;
     // With bpf_link the kernel always allows several programs per cgroup and rejects
     // the legacy BPF_F_ALLOW_MULTI flag, so "Single" (flags 0) is the right mode.
     let link_id = prog
         .attach(cgroup, CgroupAttachMode::Single)
-        .map_err(as_program_error)?;
-    let link: FdLink = prog
+        .map_err(|e| program_error(program, e))?;
+    let link = prog
         .take_link(link_id)
-        .map_err(as_program_error)?
-        .try_into()
+        .map_err(|e| program_error(program, e))?;
+    link.try_into()
         .map_err(|e: aya::programs::links::LinkError| LoadError::PinLink {
             program,
-            path: links_dir.join(program),
+            path: PathBuf::from(program),
             message: e.to_string(),
-        })?;
+        })
+}
 
-    // Pin under a temporary name, then rename over the old pin: the old link loses its
-    // last reference (and detaches) only once the new one is live.
-    let final_path = links_dir.join(program);
+fn attach_tc(
+    prog: &mut SchedClassifier,
+    program: &'static str,
+    iface: &str,
+) -> Result<FdLink, LoadError> {
+    let tc_error = |message: String| LoadError::TcAttach {
+        program,
+        iface: iface.to_owned(),
+        message,
+    };
+    let link_id = prog
+        .attach(iface, TcAttachType::Ingress)
+        .map_err(|e| tc_error(error_chain(&e)))?;
+    let link = prog
+        .take_link(link_id)
+        .map_err(|e| tc_error(error_chain(&e)))?;
+    // Only TCX links are bpf_links that can be pinned and so outlive the agent.
+    link.try_into().map_err(|_| LoadError::NoTcx {
+        program,
+        iface: iface.to_owned(),
+    })
+}
+
+/// Pins `link` as `links_dir/name` and returns the path. The pin goes to a
+/// temporary name first and is renamed over the old one: the old link loses its
+/// last reference (and detaches) only once the new one is live.
+fn pin_link(
+    link: FdLink,
+    program: &'static str,
+    links_dir: &Path,
+    name: &str,
+) -> Result<PathBuf, LoadError> {
+    let final_path = links_dir.join(name);
     // bpffs refuses names containing '.', hence the underscore.
-    let staging = links_dir.join(format!("{program}_new"));
+    let staging = links_dir.join(format!("{name}_new"));
     let _ = fs::remove_file(&staging);
     let pin_error = |message: String| LoadError::PinLink {
         program,
@@ -217,6 +314,22 @@ fn attach_one(
     };
     link.pin(&staging).map_err(|e| pin_error(error_chain(&e)))?;
     fs::rename(&staging, &final_path).map_err(|e| pin_error(e.to_string()))?;
+    Ok(final_path)
+}
+
+/// Unpins (and so detaches) links of a previous agent that this one did not
+/// replace, e.g. an interface no longer configured.
+fn remove_stale_links(links_dir: &Path, keep: &BTreeSet<PathBuf>) -> Result<(), LoadError> {
+    let stale_error = |source| LoadError::StaleLinks {
+        path: links_dir.to_path_buf(),
+        source,
+    };
+    for entry in fs::read_dir(links_dir).map_err(stale_error)? {
+        let path = entry.map_err(stale_error)?.path();
+        if !keep.contains(&path) {
+            fs::remove_file(&path).map_err(stale_error)?;
+        }
+    }
     Ok(())
 }
 

@@ -42,17 +42,69 @@ impl fmt::Display for Protocol {
     }
 }
 
-/// What a client addresses: VIP, port, protocol.
+/// Which traffic a frontend entry serves. Every frontend has an `Internal` entry
+/// (sockets on this node, pods, other nodes); an `External` entry exists only when
+/// traffic from outside the cluster must see other backends
+/// (`externalTrafficPolicy: Local`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scope {
+    #[default]
+    Internal,
+    External,
+}
+
+impl Scope {
+    /// `ServiceKey::scope` value.
+    pub fn number(self) -> u8 {
+        match self {
+            Scope::Internal => lb_common::SCOPE_INTERNAL,
+            Scope::External => lb_common::SCOPE_EXTERNAL,
+        }
+    }
+
+    pub fn from_number(n: u8) -> Option<Self> {
+        match n {
+            lb_common::SCOPE_INTERNAL => Some(Scope::Internal),
+            lb_common::SCOPE_EXTERNAL => Some(Scope::External),
+            _ => None,
+        }
+    }
+}
+
+/// What a client addresses: VIP (or node IP, external IP), port, protocol, and
+/// which traffic the entry is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub struct Frontend {
     pub ip: Ipv4Addr,
     pub port: u16,
     pub protocol: Protocol,
+    pub scope: Scope,
+}
+
+impl Frontend {
+    /// The internal-scope entry of `ip:port/protocol`.
+    pub fn internal(ip: Ipv4Addr, port: u16, protocol: Protocol) -> Self {
+        Frontend {
+            ip,
+            port,
+            protocol,
+            scope: Scope::Internal,
+        }
+    }
+
+    pub fn with_scope(self, scope: Scope) -> Self {
+        Frontend { scope, ..self }
+    }
 }
 
 impl fmt::Display for Frontend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}/{}", self.ip, self.port, self.protocol)
+        write!(f, "{}:{}/{}", self.ip, self.port, self.protocol)?;
+        if self.scope == Scope::External {
+            f.write_str(" (external)")?;
+        }
+        Ok(())
     }
 }
 
@@ -61,6 +113,8 @@ impl fmt::Display for Frontend {
 pub struct BackendAddr {
     pub ip: Ipv4Addr,
     pub port: u16,
+    /// The endpoint runs on this node (its replies come back through us without SNAT).
+    pub local: bool,
 }
 
 impl fmt::Display for BackendAddr {

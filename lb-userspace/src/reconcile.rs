@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use lb_common::{map_names, Backend, ServiceKey, ServiceValue, SVC_FLAG_AFFINITY};
 
-use crate::model::{BackendAddr, DesiredState, Frontend, FrontendSpec, Protocol};
+use crate::model::{BackendAddr, DesiredState, Frontend, FrontendSpec, Protocol, Scope};
 
 /// The kernel's service table as read from the pinned maps.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -100,20 +100,34 @@ pub fn backend_value(backend: &BackendAddr, protocol: Protocol) -> Backend {
         address: u32::from_ne_bytes(backend.ip.octets()),
         port: backend.port.to_be(),
         proto: protocol.number(),
-        flags: 0,
+        flags: if backend.local {
+            lb_common::BACKEND_FLAG_LOCAL
+        } else {
+            0
+        },
     }
 }
 
-fn master_value(spec: &FrontendSpec, count: u16, rev_nat_id: u16) -> ServiceValue {
+/// `external_scope`: the frontend also has an external-scope entry that traffic
+/// from outside must use instead of this one.
+fn master_value(
+    spec: &FrontendSpec,
+    count: u16,
+    rev_nat_id: u16,
+    external_scope: bool,
+) -> ServiceValue {
+    let mut flags = 0;
+    if spec.affinity_timeout_sec.is_some() {
+        flags |= SVC_FLAG_AFFINITY;
+    }
+    if external_scope {
+        flags |= lb_common::SVC_FLAG_EXTERNAL_SCOPE;
+    }
     ServiceValue {
         backend_id: 0,
         count,
         rev_nat_id,
-        flags: if spec.affinity_timeout_sec.is_some() {
-            SVC_FLAG_AFFINITY
-        } else {
-            0
-        },
+        flags,
         _pad: 0,
         affinity_timeout_sec: spec.affinity_timeout_sec.unwrap_or(0),
     }
@@ -134,6 +148,7 @@ struct FrontendKey {
     address: u32,
     port: u16,
     proto: u8,
+    scope: u8,
 }
 
 impl FrontendKey {
@@ -142,6 +157,7 @@ impl FrontendKey {
             address: u32::from_ne_bytes(frontend.ip.octets()),
             port: frontend.port.to_be(),
             proto: frontend.protocol.number(),
+            scope: frontend.scope.number(),
         }
     }
 
@@ -151,7 +167,7 @@ impl FrontendKey {
             port: self.port,
             backend_slot: slot,
             proto: self.proto,
-            scope: lb_common::SCOPE_INTERNAL,
+            scope: self.scope,
             _pad: [0; 2],
         }
     }
@@ -205,6 +221,7 @@ impl IdAllocator {
 }
 
 struct Planner<'a> {
+    desired: &'a DesiredState,
     current: &'a MapSnapshot,
     capacity: Capacity,
     ops: Vec<MapOp>,
@@ -241,7 +258,7 @@ pub fn plan(desired: &DesiredState, current: &MapSnapshot, capacity: Capacity) -
         if key.backend_slot != 0 {
             *refs.entry(value.backend_id).or_default() += 1;
         }
-        if key._pad != [0; 2] || key.scope != lb_common::SCOPE_INTERNAL {
+        if key._pad != [0; 2] || Scope::from_number(key.scope).is_none() {
             garbage.push((*key, *value));
             continue;
         }
@@ -250,6 +267,7 @@ pub fn plan(desired: &DesiredState, current: &MapSnapshot, capacity: Capacity) -
                 address: key.address,
                 port: key.port,
                 proto: key.proto,
+                scope: key.scope,
             })
             .or_default();
         if key.backend_slot == 0 {
@@ -264,6 +282,7 @@ pub fn plan(desired: &DesiredState, current: &MapSnapshot, capacity: Capacity) -
         .filter(|(k, _)| k.backend_slot != 0)
         .map(|(_, v)| v.backend_id);
     let mut planner = Planner {
+        desired,
         current,
         capacity,
         ops: Vec::new(),
@@ -419,7 +438,12 @@ impl Planner<'_> {
                 slot_value(id, rev_nat_id),
             );
         }
-        let master = master_value(spec, count, rev_nat_id);
+        let external_scope = frontend.scope == Scope::Internal
+            && self
+                .desired
+                .frontends
+                .contains_key(&frontend.with_scope(Scope::External));
+        let master = master_value(spec, count, rev_nat_id, external_scope);
         if entries.master != Some(master) {
             self.ops.push(MapOp::PutService {
                 key: key.slot(0),
@@ -527,11 +551,7 @@ mod tests {
     };
 
     fn fe(last: u8, port: u16, protocol: Protocol) -> Frontend {
-        Frontend {
-            ip: Ipv4Addr::new(10, 96, 0, last),
-            port,
-            protocol,
-        }
+        Frontend::internal(Ipv4Addr::new(10, 96, 0, last), port, protocol)
     }
 
     fn tcp(last: u8) -> Frontend {
@@ -542,6 +562,7 @@ mod tests {
         BackendAddr {
             ip: Ipv4Addr::new(10, 244, 0, last),
             port,
+            local: false,
         }
     }
 
@@ -610,6 +631,7 @@ mod tests {
                     .map(|b| BackendAddr {
                         ip: b.ip,
                         port: b.port,
+                        local: b.local,
                     })
                     .collect();
                 assert!(
@@ -673,6 +695,7 @@ mod tests {
                     BackendAddr {
                         ip: b.ip,
                         port: b.port,
+                        local: b.local,
                     },
                     b.id,
                 )
@@ -764,6 +787,37 @@ mod tests {
     }
 
     #[test]
+    fn external_scope_entry_is_flagged_on_the_internal_master() {
+        let internal = tcp(9);
+        let external = internal.with_scope(Scope::External);
+        let mut d = state(&[(internal, &[1, 2], None), (external, &[1], None)]);
+        let s = program(&d);
+        assert_programs(&s, &d);
+        let flags = |s: &MapSnapshot, f: Frontend| s.services[&service_key(&f, 0)].flags;
+        assert_ne!(flags(&s, internal) & lb_common::SVC_FLAG_EXTERNAL_SCOPE, 0);
+        assert_eq!(flags(&s, external) & lb_common::SVC_FLAG_EXTERNAL_SCOPE, 0);
+        assert_eq!(service_key(&external, 0).scope, lb_common::SCOPE_EXTERNAL);
+
+        // Dropping the external entry clears the flag before the entry goes, so no
+        // reader follows the flag to a missing entry.
+        d.frontends.remove(&external);
+        let (after, ops) = transition(&s, &d);
+        assert_eq!(
+            flags(&after, internal) & lb_common::SVC_FLAG_EXTERNAL_SCOPE,
+            0
+        );
+        let flag_cleared = ops
+            .iter()
+            .position(|op| matches!(op, MapOp::PutService { key, .. } if *key == service_key(&internal, 0)))
+            .unwrap();
+        let external_gone = ops
+            .iter()
+            .position(|op| matches!(op, MapOp::DeleteService { key } if *key == service_key(&external, 0)))
+            .unwrap();
+        assert!(flag_cleared < external_gone);
+    }
+
+    #[test]
     fn unchanged_state_needs_no_ops() {
         let d = state(&[(tcp(1), &[1, 2], Some(60)), (tcp(2), &[], None)]);
         let s = program(&d);
@@ -792,7 +846,7 @@ mod tests {
                 },
                 MapOp::PutService {
                     key: service_key(&a, 0),
-                    value: master_value(&spec(&[1, 4], None), 2, rev),
+                    value: master_value(&spec(&[1, 4], None), 2, rev, false),
                 },
                 MapOp::DeleteService {
                     key: service_key(&a, 3),
@@ -877,8 +931,10 @@ mod tests {
     fn backend_ids_wrap_past_the_top_and_skip_used_ones() {
         let a = tcp(1);
         let mut s = MapSnapshot::default();
-        s.services
-            .insert(service_key(&a, 0), master_value(&spec(&[1, 2], None), 2, 7));
+        s.services.insert(
+            service_key(&a, 0),
+            master_value(&spec(&[1, 2], None), 2, 7, false),
+        );
         s.services
             .insert(service_key(&a, 1), slot_value(u32::MAX, 7));
         s.services.insert(service_key(&a, 2), slot_value(1, 7));
@@ -985,6 +1041,7 @@ mod tests {
             .map(|i| BackendAddr {
                 ip: Ipv4Addr::from(0x0a00_0000 + i),
                 port: 80,
+                local: false,
             })
             .collect();
         let p = plan(&d, &MapSnapshot::default(), ROOMY);
@@ -1005,13 +1062,15 @@ mod tests {
     fn out_of_frontend_ids() {
         let mut s = MapSnapshot::default();
         for rev in 1..=u16::MAX {
-            let f = Frontend {
-                ip: Ipv4Addr::new(10, 97, (rev >> 8) as u8, rev as u8),
-                port: 80,
-                protocol: Protocol::Tcp,
-            };
-            s.services
-                .insert(service_key(&f, 0), master_value(&spec(&[], None), 0, rev));
+            let f = Frontend::internal(
+                Ipv4Addr::new(10, 97, (rev >> 8) as u8, rev as u8),
+                80,
+                Protocol::Tcp,
+            );
+            s.services.insert(
+                service_key(&f, 0),
+                master_value(&spec(&[], None), 0, rev, false),
+            );
         }
         // Everything old goes away, but only after the new frontend would need its id.
         let p = plan(&state(&[(tcp(1), &[1], None)]), &s, ROOMY);

@@ -9,7 +9,7 @@ use std::net::Ipv4Addr;
 use lb_common::{ServiceValue, SVC_FLAG_AFFINITY};
 use serde::Serialize;
 
-use crate::model::{Frontend, Protocol};
+use crate::model::{Frontend, Protocol, Scope};
 use crate::reconcile::MapSnapshot;
 
 /// One frontend as programmed.
@@ -31,6 +31,8 @@ pub struct ProgrammedBackend {
     pub id: u32,
     pub ip: Ipv4Addr,
     pub port: u16,
+    /// The endpoint runs on this node.
+    pub local: bool,
 }
 
 /// Map byte order back to addresses: both fields are stored in network order.
@@ -50,13 +52,17 @@ pub fn decode(snapshot: &MapSnapshot) -> Vec<ProgrammedFrontend> {
         let Some(protocol) = Protocol::from_number(key.proto) else {
             continue;
         };
-        if key._pad != [0; 2] || key.scope != lb_common::SCOPE_INTERNAL {
+        let Some(scope) = Scope::from_number(key.scope) else {
+            continue;
+        };
+        if key._pad != [0; 2] {
             continue;
         }
         let frontend = Frontend {
             ip: ip_of(key.address),
             port: u16::from_be(key.port),
             protocol,
+            scope,
         };
         let group = groups.entry(frontend).or_default();
         if key.backend_slot == 0 {
@@ -122,6 +128,7 @@ fn decode_one(
             id,
             ip: ip_of(backend.address),
             port: u16::from_be(backend.port),
+            local: backend.flags & lb_common::BACKEND_FLAG_LOCAL != 0,
         });
     }
     let stale: Vec<String> = slots
@@ -210,11 +217,7 @@ mod tests {
     use lb_common::Backend;
 
     fn frontend(ip: [u8; 4], port: u16, protocol: Protocol) -> Frontend {
-        Frontend {
-            ip: Ipv4Addr::from(ip),
-            port,
-            protocol,
-        }
+        Frontend::internal(Ipv4Addr::from(ip), port, protocol)
     }
 
     fn backend(ip: [u8; 4], port: u16) -> Backend {
@@ -281,13 +284,15 @@ mod tests {
                     slot: 1,
                     id: 10,
                     ip: Ipv4Addr::new(10, 0, 0, 1),
-                    port: 8080
+                    port: 8080,
+                    local: false,
                 },
                 ProgrammedBackend {
                     slot: 2,
                     id: 11,
                     ip: Ipv4Addr::new(10, 0, 0, 2),
-                    port: 8080
+                    port: 8080,
+                    local: false,
                 },
             ]
         );
@@ -342,7 +347,7 @@ mod tests {
         let json = serde_json::to_string(&decode(&s)).unwrap();
         assert_eq!(
             json,
-            r#"[{"frontend":{"ip":"10.96.0.10","port":80,"protocol":"TCP"},"rev_nat_id":7,"affinity_timeout_sec":null,"backends":[],"problems":[]}]"#
+            r#"[{"frontend":{"ip":"10.96.0.10","port":80,"protocol":"TCP","scope":"internal"},"rev_nat_id":7,"affinity_timeout_sec":null,"backends":[],"problems":[]}]"#
         );
     }
 }

@@ -1,12 +1,13 @@
 //! `lb`: the agent and its inspection tools.
 
+use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use lb_userspace::agent::{self, AgentConfig};
-use lb_userspace::loader::{self, MapSizes, PinLayout};
+use lb_userspace::loader::{self, MapSizes, PinLayout, TcConfig};
 use lb_userspace::maps::PinnedMaps;
 use lb_userspace::{sys, table};
 
@@ -53,6 +54,19 @@ struct AgentArgs {
     /// This node's name, as in EndpointSlice `nodeName` (default: $NODE_NAME, else the hostname).
     #[arg(long, env = "NODE_NAME")]
     node_name: Option<String>,
+    /// This node's IPv4 address: NodePorts are served on it, and it is the source of
+    /// traffic SNATed to backends on other nodes. Repeat for several addresses; the
+    /// first is the SNAT source.
+    #[arg(long = "node-ip")]
+    node_ips: Vec<Ipv4Addr>,
+    /// Node-facing interface for the per-packet path (NodePort, LoadBalancer,
+    /// externalIPs, traffic from other nodes). Repeatable.
+    #[arg(long = "iface")]
+    ifaces: Vec<String>,
+    /// Pod-facing interface for the per-packet path (pods outside --cgroup, replies of
+    /// local backends). Repeatable.
+    #[arg(long = "pod-iface")]
+    pod_ifaces: Vec<String>,
     /// Load this kernel object instead of the one built into `lb`.
     #[arg(long)]
     bpf_object: Option<PathBuf>,
@@ -67,6 +81,8 @@ struct AgentArgs {
     sock_revnat_map_size: u32,
     #[arg(long, default_value_t = lb_common::DEFAULT_AFFINITY_MAX)]
     affinity_map_size: u32,
+    #[arg(long, default_value_t = lb_common::DEFAULT_CT_MAX)]
+    conntrack_map_size: u32,
 }
 
 fn hostname() -> String {
@@ -148,7 +164,14 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
             backends: args.backends_map_size,
             sock_revnat: args.sock_revnat_map_size,
             affinity: args.affinity_map_size,
+            conntrack: args.conntrack_map_size,
         },
+        tc: TcConfig {
+            external_ifaces: args.ifaces,
+            internal_ifaces: args.pod_ifaces,
+            node_ip: args.node_ips.first().copied(),
+        },
+        node_ips: args.node_ips,
         poll_interval: Duration::from_millis(args.poll_interval_ms),
     };
     let runtime = tokio::runtime::Builder::new_current_thread()

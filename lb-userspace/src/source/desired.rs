@@ -1,5 +1,6 @@
-//! kube-proxy's reading of Services and EndpointSlices, for the ClusterIP frontends
-//! the socket hooks translate.
+//! kube-proxy's reading of Services and EndpointSlices: the ClusterIP frontends the
+//! socket hooks translate, and the NodePort, externalIP and LoadBalancer frontends
+//! the per-packet path serves.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr};
@@ -8,7 +9,7 @@ use k8s_openapi::api::core::v1::{Service, ServicePort};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use super::{ObjectError, Problem};
-use crate::model::{BackendAddr, DesiredState, Frontend, FrontendSpec, Protocol};
+use crate::model::{BackendAddr, DesiredState, Frontend, FrontendSpec, Protocol, Scope};
 
 /// Settings that change how objects are read, not what they say.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -16,6 +17,8 @@ pub struct SourceOptions {
     /// This node's name as EndpointSlices spell it in `endpoints[].nodeName`, for
     /// `internalTrafficPolicy: Local`.
     pub node_name: String,
+    /// This node's addresses: NodePorts are served on each of them.
+    pub node_ips: Vec<Ipv4Addr>,
 }
 
 const SERVICE: &str = "Service";
@@ -43,15 +46,60 @@ fn object_id(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) 
 struct PortPlan {
     name: String,
     protocol: Protocol,
-    frontends: Vec<Frontend>,
+    port: u16,
+    /// Set for `type: NodePort` and `LoadBalancer` Services that have one.
+    node_port: Option<u16>,
 }
 
 /// A Service that passed validation.
 struct ServicePlan {
     id: ObjectId,
     ports: Vec<PortPlan>,
+    cluster_ips: Vec<Ipv4Addr>,
+    /// `spec.externalIPs` and `status.loadBalancer.ingress[].ip` (IPv4 ones).
+    external_ips: Vec<Ipv4Addr>,
     affinity_timeout_sec: Option<u32>,
-    local_only: bool,
+    /// `internalTrafficPolicy: Local`.
+    internal_local: bool,
+    /// `externalTrafficPolicy: Local`.
+    external_local: bool,
+}
+
+impl ServicePlan {
+    /// Every frontend of one port with the backends it gets: cluster IPs follow
+    /// internalTrafficPolicy; node ports, external and load-balancer IPs get all
+    /// endpoints for traffic from inside, and with `externalTrafficPolicy: Local` a
+    /// second, external entry with this node's endpoints only.
+    fn frontends(
+        &self,
+        port: &PortPlan,
+        slices: &[SliceInfo],
+        node_ips: &[Ipv4Addr],
+    ) -> Vec<(Frontend, BTreeSet<BackendAddr>)> {
+        let mut out = Vec::new();
+        let clustered = select_backends(port, self.internal_local, slices);
+        for &ip in &self.cluster_ips {
+            out.push((
+                Frontend::internal(ip, port.port, port.protocol),
+                clustered.clone(),
+            ));
+        }
+        let external = self.external_ips.iter().map(|&ip| (ip, port.port)).chain(
+            port.node_port
+                .into_iter()
+                .flat_map(|np| node_ips.iter().map(move |&ip| (ip, np))),
+        );
+        let all = select_backends(port, false, slices);
+        let local = select_backends(port, true, slices);
+        for (ip, p) in external {
+            let frontend = Frontend::internal(ip, p, port.protocol);
+            out.push((frontend, all.clone()));
+            if self.external_local {
+                out.push((frontend.with_scope(Scope::External), local.clone()));
+            }
+        }
+        out
+    }
 }
 
 /// One endpoint of one slice, with its conditions resolved as kube-proxy does.
@@ -125,13 +173,12 @@ pub fn build_desired(
         let (ns, name) = &plan.id;
         let slices = slices_of.get(&plan.id).map(Vec::as_slice).unwrap_or(&[]);
         for port in &plan.ports {
-            let backends = select_backends(port, plan.local_only, slices);
             let service = if port.name.is_empty() {
                 format!("{ns}/{name}")
             } else {
                 format!("{ns}/{name}:{}", port.name)
             };
-            for &frontend in &port.frontends {
+            for (frontend, backends) in plan.frontends(port, slices, &opts.node_ips) {
                 if let Some((owner_ns, owner_name)) = owners.get(&frontend) {
                     let owner = format!("{owner_ns}/{owner_name}");
                     errors.push(ObjectError::new(
@@ -147,7 +194,7 @@ pub fn build_desired(
                     frontend,
                     FrontendSpec {
                         service: service.clone(),
-                        backends: backends.clone(),
+                        backends,
                         affinity_timeout_sec: plan.affinity_timeout_sec,
                     },
                 );
@@ -222,23 +269,59 @@ fn plan_service(
         None
     };
 
+    let has_node_ports = matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer"));
     let mut ports = Vec::new();
     for sp in spec.ports.iter().flatten() {
-        if let Some(port) = plan_port(sp, &v4, &mut |p| errors.push(error(p))) {
+        if let Some(port) = plan_port(sp, has_node_ports, &mut |p| errors.push(error(p))) {
             ports.push(port);
         }
     }
+
+    let load_balancer_ips = svc
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|ingress| ingress.ip.as_deref())
+        .map(|ip| ("status.loadBalancer.ingress.ip", ip));
+    let external_ips = spec
+        .external_ips
+        .iter()
+        .flatten()
+        .map(|ip| ("spec.externalIPs", ip.as_str()))
+        .chain(load_balancer_ips)
+        .filter_map(|(field, value)| match value.parse::<IpAddr>() {
+            Ok(IpAddr::V4(ip)) => Some(ip),
+            // Another family's address: not ours to proxy, like the IPv6 cluster IPs.
+            Ok(IpAddr::V6(_)) => None,
+            Err(_) => {
+                errors.push(error(Problem::InvalidExternalAddress {
+                    field,
+                    value: value.to_owned(),
+                }));
+                None
+            }
+        })
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+
     Some(ServicePlan {
         id: id.clone(),
         ports,
+        cluster_ips: v4,
+        external_ips,
         affinity_timeout_sec,
-        local_only: spec.internal_traffic_policy.as_deref() == Some("Local"),
+        internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
+        external_local: spec.external_traffic_policy.as_deref() == Some("Local"),
     })
 }
 
 fn plan_port(
     sp: &ServicePort,
-    ips: &[Ipv4Addr],
+    has_node_ports: bool,
     report: &mut dyn FnMut(Problem),
 ) -> Option<PortPlan> {
     let Some(port) = valid_port(sp.port) else {
@@ -256,13 +339,24 @@ fn plan_port(
             return None;
         }
     };
+    let node_port = match sp.node_port {
+        Some(np) if has_node_ports => {
+            let valid = valid_port(np);
+            if valid.is_none() {
+                report(Problem::NodePortOutOfRange {
+                    service_port: sp.port,
+                    port: np,
+                });
+            }
+            valid
+        }
+        _ => None,
+    };
     Some(PortPlan {
         name: sp.name.clone().unwrap_or_default(),
         protocol,
-        frontends: ips
-            .iter()
-            .map(|&ip| Frontend { ip, port, protocol })
-            .collect(),
+        port,
+        node_port,
     })
 }
 
@@ -345,6 +439,7 @@ fn select_backends(
                         BackendAddr {
                             ip: e.ip,
                             port: target,
+                            local: e.local,
                         },
                         e,
                     )
@@ -381,6 +476,7 @@ mod tests {
         assert!(objects.errors.is_empty(), "{:?}", objects.errors);
         let opts = SourceOptions {
             node_name: node.to_owned(),
+            node_ips: vec!["192.168.50.2".parse().unwrap()],
         };
         build_desired(&objects.services, &objects.slices, &opts)
     }
@@ -390,17 +486,22 @@ mod tests {
     }
 
     fn fe(ip: &str, port: u16, protocol: Protocol) -> Frontend {
-        Frontend {
-            ip: ip.parse().unwrap(),
-            port,
-            protocol,
-        }
+        Frontend::internal(ip.parse().unwrap(), port, protocol)
     }
 
     fn be(ip: &str, port: u16) -> BackendAddr {
         BackendAddr {
             ip: ip.parse().unwrap(),
             port,
+            local: false,
+        }
+    }
+
+    /// An endpoint on the node the test builds for.
+    fn local_be(ip: &str, port: u16) -> BackendAddr {
+        BackendAddr {
+            local: true,
+            ..be(ip, port)
         }
     }
 
@@ -494,13 +595,96 @@ items:
         assert_eq!(d.frontends[&http].affinity_timeout_sec, None);
         assert_eq!(
             backends(&d, http),
-            [be("10.244.1.5", 8080), be("10.244.2.7", 8080)]
+            [local_be("10.244.1.5", 8080), be("10.244.2.7", 8080)]
         );
         let metrics = fe("10.96.0.10", 9090, Protocol::Tcp);
         assert_eq!(
             backends(&d, metrics),
-            [be("10.244.1.5", 9100), be("10.244.2.7", 9100)]
+            [local_be("10.244.1.5", 9100), be("10.244.2.7", 9100)]
         );
+    }
+
+    /// WEB as a LoadBalancer Service with a NodePort, an external IP and an
+    /// assigned load-balancer address; `build` runs as node-a at 192.168.50.2.
+    fn web_load_balancer(etp: &str) -> String {
+        WEB.replace(
+            "    - name: http\n      port: 80\n",
+            "    - name: http\n      nodePort: 30080\n      port: 80\n",
+        )
+        .replace("    type: ClusterIP\n  status:\n    loadBalancer: {}", &format!(
+            "    type: LoadBalancer\n    externalTrafficPolicy: {etp}\n    externalIPs: [192.0.2.10, \"2001:db8::1\"]\n  status:\n    loadBalancer:\n      ingress:\n      - ip: 198.51.100.7"
+        ))
+    }
+
+    #[test]
+    fn external_frontends_follow_external_traffic_policy() {
+        let both = [local_be("10.244.1.5", 8080), be("10.244.2.7", 8080)];
+        for etp in ["Cluster", "Local"] {
+            let (d, errors) = build(&web_load_balancer(etp));
+            assert!(errors.is_empty(), "{errors:?}");
+            for (ip, port) in [
+                ("10.96.0.10", 80),
+                ("192.168.50.2", 30080),
+                ("192.0.2.10", 80),
+                ("198.51.100.7", 80),
+            ] {
+                let internal = fe(ip, port, Protocol::Tcp);
+                assert_eq!(backends(&d, internal), both, "{etp} {internal}");
+                let external = internal.with_scope(Scope::External);
+                if etp == "Local" && ip != "10.96.0.10" {
+                    assert_eq!(
+                        backends(&d, external),
+                        [local_be("10.244.1.5", 8080)],
+                        "{external}"
+                    );
+                } else {
+                    assert!(!d.frontends.contains_key(&external), "{etp} {external}");
+                }
+            }
+            // metrics has no nodePort: only its cluster IP and the external addresses.
+            assert!(!d
+                .frontends
+                .contains_key(&fe("192.168.50.2", 9090, Protocol::Tcp)));
+            assert!(d
+                .frontends
+                .contains_key(&fe("192.0.2.10", 9090, Protocol::Tcp)));
+        }
+    }
+
+    #[test]
+    fn etp_local_without_local_endpoints_has_an_empty_external_entry() {
+        let yaml = web_load_balancer("Local").replace("nodeName: node-a", "nodeName: node-c");
+        let (d, _) = build(&yaml);
+        let external = fe("192.168.50.2", 30080, Protocol::Tcp).with_scope(Scope::External);
+        assert!(backends(&d, external).is_empty());
+        assert_eq!(
+            backends(&d, fe("192.168.50.2", 30080, Protocol::Tcp)).len(),
+            2
+        );
+    }
+
+    #[test]
+    fn bad_node_ports_and_external_addresses_are_reported() {
+        let yaml = web_load_balancer("Cluster")
+            .replace("nodePort: 30080", "nodePort: 70000")
+            .replace("192.0.2.10,", "not-an-ip,");
+        let (d, errors) = build(&yaml);
+        let text = messages(&errors).join("\n");
+        assert!(
+            text.contains("Service default/web: nodePort 70000 of port 80 is out of range"),
+            "{text}"
+        );
+        assert!(
+            text.contains("spec.externalIPs \"not-an-ip\" is not an IP address"),
+            "{text}"
+        );
+        // The rest of the Service still applies.
+        assert!(d
+            .frontends
+            .contains_key(&fe("10.96.0.10", 80, Protocol::Tcp)));
+        assert!(d
+            .frontends
+            .contains_key(&fe("198.51.100.7", 80, Protocol::Tcp)));
     }
 
     #[test]
@@ -513,7 +697,7 @@ items:
         assert!(errors.is_empty());
         assert_eq!(
             backends(&d, fe("10.96.0.10", 80, Protocol::Tcp)),
-            [be("10.244.1.5", 8080)]
+            [local_be("10.244.1.5", 8080)]
         );
         // No local endpoint: the frontend stays and refuses connections.
         let (d, _) = build_node(&yaml, "node-z");
@@ -739,7 +923,7 @@ items:
              - {addresses: [10.0.0.2], nodeName: node-a, conditions: {ready: false, serving: true, terminating: true}}",
         )
         .replace("ports: [{port: 80}]", "ports: [{port: 80}]\n  internalTrafficPolicy: Local");
-        assert_eq!(web_backends(&yaml), [be("10.0.0.2", 8080)]);
+        assert_eq!(web_backends(&yaml), [local_be("10.0.0.2", 8080)]);
     }
 
     #[test]

@@ -19,7 +19,12 @@ fn fingerprint(path: &Path) -> Fingerprint {
     let mut files = Vec::new();
     let mut push = |p: &Path| {
         if let Ok(meta) = std::fs::metadata(p) {
-            files.push((p.to_path_buf(), meta.len(), meta.modified().ok(), meta.ino()));
+            files.push((
+                p.to_path_buf(),
+                meta.len(),
+                meta.modified().ok(),
+                meta.ino(),
+            ));
         }
     };
     match std::fs::read_dir(path) {

@@ -134,6 +134,10 @@ pub enum Problem {
          the Service is not proxied until it is fixed"
     )]
     AffinityTimeoutOutOfRange { seconds: i32 },
+    #[error("nodePort {port} of port {service_port} is out of range (1-65535); that NodePort is not proxied")]
+    NodePortOutOfRange { service_port: i32, port: i32 },
+    #[error("{field} {value:?} is not an IP address; that address is not proxied")]
+    InvalidExternalAddress { field: &'static str, value: String },
     #[error("frontend {frontend} is already used by Service {owner}, which keeps it; give one of them another cluster IP or port")]
     DuplicateFrontend { frontend: Frontend, owner: String },
 
