@@ -130,7 +130,10 @@ pub enum LoadError {
         "attaching {program} to {iface} needs TCX (kernel >= 6.6); this kernel only has \
          netlink clsact, which lb does not drive yet"
     )]
-    NoTcx { program: &'static str, iface: String },
+    NoTcx {
+        program: &'static str,
+        iface: String,
+    },
     #[error("cannot attach {program} to interface {iface}: {message} (does the interface exist in the agent's network namespace?)")]
     TcAttach {
         program: &'static str,
@@ -179,30 +182,7 @@ pub fn load_and_attach(
     cgroup: &Path,
     tc: &TcConfig,
 ) -> Result<(), LoadError> {
-    for dir in [layout.maps_dir(), layout.links_dir()] {
-        fs::create_dir_all(&dir).map_err(|source| LoadError::PinDir { path: dir, source })?;
-    }
-    let map_paths: Vec<(&str, PathBuf)> = map_names::ALL
-        .iter()
-        .map(|name| (*name, layout.map_path(name)))
-        .collect();
-    let mut loader = EbpfLoader::new();
-    for (name, path) in &map_paths {
-        loader.map_pin_path(name, path.as_path());
-    }
-    loader
-        .map_max_entries(map_names::SERVICES, sizes.services)
-        .map_max_entries(map_names::BACKENDS, sizes.backends)
-        .map_max_entries(map_names::SOCK_REVNAT, sizes.sock_revnat)
-        .map_max_entries(map_names::AFFINITY, sizes.affinity)
-        .map_max_entries(map_names::CT, sizes.conntrack);
-    let node_ip = tc.node_ip.map_or(0, |ip| u32::from_ne_bytes(ip.octets()));
-    loader.override_global("LB_NODE_IPV4", &node_ip, true);
-    let mut ebpf: Ebpf = loader.load(object).map_err(|source| LoadError::Load {
-        maps_dir: layout.maps_dir(),
-        source: Box::new(source),
-    })?;
-
+    let mut ebpf = load(object, layout, sizes, tc.node_ip)?;
     let cgroup_file = File::open(cgroup).map_err(|source| LoadError::Cgroup {
         path: cgroup.to_path_buf(),
         source,
@@ -235,6 +215,40 @@ pub fn load_and_attach(
         }
     }
     remove_stale_links(&links_dir, &pinned)
+}
+
+/// Creates (or reopens) the pinned maps and prepares the programs without loading
+/// them into the kernel or attaching them; `node_ip` is the SNAT source of the
+/// per-packet path. Tests use this to run programs through BPF_PROG_TEST_RUN.
+pub fn load(
+    object: &[u8],
+    layout: &PinLayout,
+    sizes: MapSizes,
+    node_ip: Option<Ipv4Addr>,
+) -> Result<Ebpf, LoadError> {
+    for dir in [layout.maps_dir(), layout.links_dir()] {
+        fs::create_dir_all(&dir).map_err(|source| LoadError::PinDir { path: dir, source })?;
+    }
+    let map_paths: Vec<(&str, PathBuf)> = map_names::ALL
+        .iter()
+        .map(|name| (*name, layout.map_path(name)))
+        .collect();
+    let mut loader = EbpfLoader::new();
+    for (name, path) in &map_paths {
+        loader.map_pin_path(name, path.as_path());
+    }
+    loader
+        .map_max_entries(map_names::SERVICES, sizes.services)
+        .map_max_entries(map_names::BACKENDS, sizes.backends)
+        .map_max_entries(map_names::SOCK_REVNAT, sizes.sock_revnat)
+        .map_max_entries(map_names::AFFINITY, sizes.affinity)
+        .map_max_entries(map_names::CT, sizes.conntrack);
+    let node_ip = node_ip.map_or(0, |ip| u32::from_ne_bytes(ip.octets()));
+    loader.override_global("LB_NODE_IPV4", &node_ip, true);
+    loader.load(object).map_err(|source| LoadError::Load {
+        maps_dir: layout.maps_dir(),
+        source: Box::new(source),
+    })
 }
 
 fn program_error(program: &'static str, source: ProgramError) -> LoadError {

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray};
-use lb_common::{map_names, stat, Backend, ServiceKey, ServiceValue};
+use lb_common::{map_names, stat, Backend, CtKey, CtValue, ServiceKey, ServiceValue};
 
 use crate::loader::PinLayout;
 use crate::reconcile::{Capacity, MapOp, MapSnapshot};
@@ -39,6 +39,7 @@ pub struct PinnedMaps {
     services: HashMap<MapData, ServiceKey, ServiceValue>,
     backends: HashMap<MapData, u32, Backend>,
     stats: PerCpuArray<MapData, u64>,
+    conntrack: HashMap<MapData, CtKey, CtValue>,
     capacity: Capacity,
 }
 
@@ -62,10 +63,12 @@ impl PinnedMaps {
         let (services, services_max) = open(layout, map_names::SERVICES)?;
         let (backends, backends_max) = open(layout, map_names::BACKENDS)?;
         let (stats, _) = open(layout, map_names::STATS)?;
+        let (conntrack, _) = open(layout, map_names::CT)?;
         Ok(Self {
             services: HashMap::try_from(services).map_err(|e| typed(map_names::SERVICES, e))?,
             backends: HashMap::try_from(backends).map_err(|e| typed(map_names::BACKENDS, e))?,
             stats: PerCpuArray::try_from(stats).map_err(|e| typed(map_names::STATS, e))?,
+            conntrack: HashMap::try_from(conntrack).map_err(|e| typed(map_names::CT, e))?,
             capacity: Capacity {
                 services: services_max,
                 backends: backends_max,
@@ -123,6 +126,28 @@ impl PinnedMaps {
             })?;
         }
         Ok(())
+    }
+
+    /// Every conntrack entry (both directions of every flow).
+    pub fn conntrack(&self) -> Result<Vec<(CtKey, CtValue)>, MapsError> {
+        self.conntrack
+            .iter()
+            .map(|entry| {
+                entry.map_err(|source| MapsError::Read {
+                    map: map_names::CT,
+                    source,
+                })
+            })
+            .collect()
+    }
+
+    /// Removes one conntrack entry; one already gone (LRU eviction) is fine.
+    pub fn remove_conntrack(&mut self, key: &CtKey) -> Result<(), MapsError> {
+        ignore_missing(self.conntrack.remove(key)).map_err(|source| MapsError::Write {
+            map: map_names::CT,
+            op: format!("delete {key:?}"),
+            source,
+        })
     }
 
     /// The `LB_STATS` counters summed over CPUs, with their names.
