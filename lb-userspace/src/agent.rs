@@ -6,8 +6,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
+use crate::conntrack;
 use crate::loader::{self, LoadError, MapSizes, PinLayout, TcConfig};
 use crate::maps::{MapsError, PinnedMaps};
 use crate::model::DesiredState;
@@ -37,6 +38,10 @@ pub struct AgentConfig {
     pub tc: TcConfig,
     /// How often the manifest files are checked for changes.
     pub poll_interval: Duration,
+    /// Conntrack idle timeouts of the per-packet path.
+    pub ct_timeouts: conntrack::Timeouts,
+    /// How often idle conntrack entries are collected.
+    pub ct_gc_interval: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -81,8 +86,18 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     // fresh snapshot until they apply.
     let mut retry: Option<Arc<Objects>> = None;
     let mut ready = false;
+    let mut gc_ticker = tokio::time::interval(config.ct_gc_interval);
+    gc_ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let current = tokio::select! {
+            _ = gc_ticker.tick() => {
+                match collect_idle_flows(&mut maps, &config.ct_timeouts) {
+                    Ok(0) => {}
+                    Ok(n) => debug!(entries = n, "conntrack entries expired"),
+                    Err(e) => warn!("conntrack garbage collection failed: {e}"),
+                }
+                continue;
+            }
             changed = objects.changed() => {
                 if changed.is_err() {
                     break;
@@ -128,6 +143,30 @@ fn interpret(objects: &Objects, options: &SourceOptions) -> DesiredState {
         warn!("skipped: {error}");
     }
     desired
+}
+
+/// Deletes the entries of flows idle past their timeout. An entry is re-read just
+/// before its deletion and kept if a packet touched it since the scan, so a flow
+/// that came back to life at the last moment keeps its backend.
+fn collect_idle_flows(
+    maps: &mut PinnedMaps,
+    timeouts: &conntrack::Timeouts,
+) -> Result<usize, MapsError> {
+    let entries = maps.conntrack()?;
+    let now = conntrack::monotonic_now_ns();
+    let scanned: std::collections::HashMap<_, _> = entries.iter().copied().collect();
+    let mut removed = 0;
+    for key in conntrack::expired(&entries, now, timeouts) {
+        let Some(current) = maps.conntrack_entry(&key)? else {
+            continue;
+        };
+        if current.last_seen_ns != scanned[&key].last_seen_ns {
+            continue;
+        }
+        maps.remove_conntrack(&key)?;
+        removed += 1;
+    }
+    Ok(removed)
 }
 
 fn sync(maps: &mut PinnedMaps, desired: &DesiredState) -> Result<(), MapsError> {

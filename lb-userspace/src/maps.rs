@@ -141,6 +141,18 @@ impl PinnedMaps {
             .collect()
     }
 
+    /// One conntrack entry, if present.
+    pub fn conntrack_entry(&self, key: &CtKey) -> Result<Option<CtValue>, MapsError> {
+        match self.conntrack.get(key, 0) {
+            Ok(value) => Ok(Some(value)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(source) => Err(MapsError::Read {
+                map: map_names::CT,
+                source,
+            }),
+        }
+    }
+
     /// Removes one conntrack entry; one already gone (LRU eviction) is fine.
     pub fn remove_conntrack(&mut self, key: &CtKey) -> Result<(), MapsError> {
         ignore_missing(self.conntrack.remove(key)).map_err(|source| MapsError::Write {

@@ -36,7 +36,7 @@ pub struct ProgrammedBackend {
 }
 
 /// Map byte order back to addresses: both fields are stored in network order.
-pub(crate) fn ip_of(address: u32) -> Ipv4Addr {
+pub fn ip_of(address: u32) -> Ipv4Addr {
     Ipv4Addr::from(address.to_ne_bytes())
 }
 

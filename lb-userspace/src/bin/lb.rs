@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand};
 use lb_userspace::agent::{self, AgentConfig};
 use lb_userspace::loader::{self, MapSizes, PinLayout, TcConfig};
 use lb_userspace::maps::PinnedMaps;
-use lb_userspace::{sys, table};
+use lb_userspace::{conntrack, sys, table};
 
 #[derive(Parser)]
 #[command(
@@ -31,6 +31,11 @@ enum Command {
     Agent(AgentArgs),
     /// Print the service table as the kernel programs see it.
     Services {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print the flows of the per-packet path (NodePort, external IPs, ...).
+    Conntrack {
         #[arg(long)]
         json: bool,
     },
@@ -83,6 +88,21 @@ struct AgentArgs {
     affinity_map_size: u32,
     #[arg(long, default_value_t = lb_common::DEFAULT_CT_MAX)]
     conntrack_map_size: u32,
+    /// Idle timeout of TCP flows that never completed the handshake.
+    #[arg(long, default_value_t = 60)]
+    ct_tcp_syn_timeout: u64,
+    /// Idle timeout of established TCP flows.
+    #[arg(long, default_value_t = 21_600)]
+    ct_tcp_timeout: u64,
+    /// Idle timeout of TCP flows that saw a FIN or RST.
+    #[arg(long, default_value_t = 10)]
+    ct_tcp_closing_timeout: u64,
+    /// Idle timeout of UDP flows.
+    #[arg(long, default_value_t = 60)]
+    ct_udp_timeout: u64,
+    /// How often idle conntrack entries are collected.
+    #[arg(long, default_value_t = 5_000)]
+    ct_gc_interval_ms: u64,
 }
 
 fn hostname() -> String {
@@ -116,6 +136,16 @@ fn main() -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&frontends)?);
             } else {
                 print!("{}", table::render_text(&frontends));
+            }
+            Ok(())
+        }
+        Command::Conntrack { json } => {
+            let maps = PinnedMaps::open(&layout)?;
+            let flows = conntrack::flows(&maps.conntrack()?, conntrack::monotonic_now_ns());
+            if json {
+                println!("{}", serde_json::to_string_pretty(&flows)?);
+            } else {
+                print!("{}", conntrack::render_text(&flows));
             }
             Ok(())
         }
@@ -173,6 +203,13 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
         },
         node_ips: args.node_ips,
         poll_interval: Duration::from_millis(args.poll_interval_ms),
+        ct_timeouts: conntrack::Timeouts {
+            tcp_syn: Duration::from_secs(args.ct_tcp_syn_timeout),
+            tcp_established: Duration::from_secs(args.ct_tcp_timeout),
+            tcp_closing: Duration::from_secs(args.ct_tcp_closing_timeout),
+            udp: Duration::from_secs(args.ct_udp_timeout),
+        },
+        ct_gc_interval: Duration::from_millis(args.ct_gc_interval_ms),
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -1,0 +1,351 @@
+//! Reading the per-packet path's conntrack: pairing the two entries of each flow,
+//! deciding which flows are idle past their timeout. Pure; the agent's garbage
+//! collector and `lb conntrack` do the I/O.
+
+use std::collections::HashMap;
+use std::net::SocketAddrV4;
+use std::time::Duration;
+
+use lb_common::{
+    CtKey, CtValue, CT_DIR_FORWARD, CT_STATE_ESTABLISHED, CT_STATE_FIN, CT_STATE_RST, IPPROTO_TCP,
+};
+use serde::Serialize;
+
+use crate::model::Protocol;
+use crate::table::ip_of;
+
+/// Idle timeouts, per protocol and TCP state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timeouts {
+    /// TCP flows that never saw an ACK (half-open, or a scan).
+    pub tcp_syn: Duration,
+    pub tcp_established: Duration,
+    /// TCP flows that saw a FIN or RST: the endpoints are done with it.
+    pub tcp_closing: Duration,
+    pub udp: Duration,
+}
+
+impl Default for Timeouts {
+    /// Close to Cilium's and the kernel's conntrack defaults.
+    fn default() -> Self {
+        Timeouts {
+            tcp_syn: Duration::from_secs(60),
+            tcp_established: Duration::from_secs(6 * 3600),
+            tcp_closing: Duration::from_secs(10),
+            udp: Duration::from_secs(60),
+        }
+    }
+}
+
+/// One translated flow, as `lb conntrack` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Flow {
+    pub protocol: Protocol,
+    /// The address the client sent from.
+    pub client: SocketAddrV4,
+    /// The address the client sent to (VIP, node IP:nodePort, external IP).
+    pub frontend: SocketAddrV4,
+    pub backend: SocketAddrV4,
+    /// The source the backend sees when it is not the client (remote backend).
+    pub snat: Option<SocketAddrV4>,
+    /// `SYN`, `ESTABLISHED` or `CLOSING`.
+    pub state: &'static str,
+    pub idle_ms: u64,
+    pub backend_id: u32,
+    #[serde(skip)]
+    keys: [Option<CtKey>; 2],
+}
+
+fn addr(ip: u32, port: u16) -> SocketAddrV4 {
+    SocketAddrV4::new(ip_of(ip), u16::from_be(port))
+}
+
+/// The key of the entry that a packet translated by `value` gets answered with.
+fn reply_key_of(key: &CtKey, value: &CtValue) -> CtKey {
+    CtKey {
+        src_addr: value.nat_dst_addr,
+        dst_addr: value.nat_src_addr,
+        src_port: value.nat_dst_port,
+        dst_port: value.nat_src_port,
+        proto: key.proto,
+        _pad: [0; 3],
+    }
+}
+
+fn state_name(proto: u8, state: u8) -> &'static str {
+    if proto != IPPROTO_TCP {
+        "ESTABLISHED"
+    } else if state & (CT_STATE_FIN | CT_STATE_RST) != 0 {
+        "CLOSING"
+    } else if state & CT_STATE_ESTABLISHED != 0 {
+        "ESTABLISHED"
+    } else {
+        "SYN"
+    }
+}
+
+fn timeout_of(flow: &Flow, timeouts: &Timeouts) -> Duration {
+    match (flow.protocol, flow.state) {
+        (Protocol::Udp, _) => timeouts.udp,
+        (Protocol::Tcp, "CLOSING") => timeouts.tcp_closing,
+        (Protocol::Tcp, "ESTABLISHED") => timeouts.tcp_established,
+        (Protocol::Tcp, _) => timeouts.tcp_syn,
+    }
+}
+
+/// Pairs forward and reply entries into flows. `now_ns` is CLOCK_MONOTONIC, the
+/// clock of `bpf_ktime_get_ns`. Entries whose partner is gone (LRU eviction, an
+/// interrupted insert) still appear, with what is known.
+pub fn flows(entries: &[(CtKey, CtValue)], now_ns: u64) -> Vec<Flow> {
+    let by_key: HashMap<CtKey, &CtValue> = entries.iter().map(|(k, v)| (*k, v)).collect();
+    let mut paired_replies = std::collections::HashSet::new();
+    let mut out = Vec::new();
+    for (key, value) in entries.iter().filter(|(_, v)| v.dir == CT_DIR_FORWARD) {
+        let reply_key = reply_key_of(key, value);
+        let reply = by_key.get(&reply_key).copied();
+        if reply.is_some() {
+            paired_replies.insert(reply_key);
+        }
+        let last_seen = value.last_seen_ns.max(reply.map_or(0, |r| r.last_seen_ns));
+        let state = value.state | reply.map_or(0, |r| r.state);
+        let client = addr(key.src_addr, key.src_port);
+        let source_seen = addr(value.nat_src_addr, value.nat_src_port);
+        out.push(Flow {
+            protocol: Protocol::from_number(key.proto).unwrap_or(Protocol::Tcp),
+            client,
+            frontend: addr(key.dst_addr, key.dst_port),
+            backend: addr(value.nat_dst_addr, value.nat_dst_port),
+            snat: (source_seen != client).then_some(source_seen),
+            state: state_name(key.proto, state),
+            idle_ms: now_ns.saturating_sub(last_seen) / 1_000_000,
+            backend_id: value.backend_id,
+            keys: [Some(*key), reply.map(|_| reply_key)],
+        });
+    }
+    // Replies without their forward half: described from the reply's side.
+    for (key, value) in entries
+        .iter()
+        .filter(|(k, v)| v.dir != CT_DIR_FORWARD && !paired_replies.contains(k))
+    {
+        out.push(Flow {
+            protocol: Protocol::from_number(key.proto).unwrap_or(Protocol::Tcp),
+            client: addr(value.nat_dst_addr, value.nat_dst_port),
+            frontend: addr(value.nat_src_addr, value.nat_src_port),
+            backend: addr(key.src_addr, key.src_port),
+            snat: None,
+            state: state_name(key.proto, value.state),
+            idle_ms: now_ns.saturating_sub(value.last_seen_ns) / 1_000_000,
+            backend_id: value.backend_id,
+            keys: [None, Some(*key)],
+        });
+    }
+    out.sort_by_key(|f| (f.frontend, f.client));
+    out
+}
+
+/// The entries of flows idle past their timeout, forward entries first so that a
+/// straggling reply still finds its way back while the GC runs.
+pub fn expired(entries: &[(CtKey, CtValue)], now_ns: u64, timeouts: &Timeouts) -> Vec<CtKey> {
+    let mut forward = Vec::new();
+    let mut reply = Vec::new();
+    for flow in flows(entries, now_ns) {
+        if Duration::from_millis(flow.idle_ms) <= timeout_of(&flow, timeouts) {
+            continue;
+        }
+        forward.extend(flow.keys[0]);
+        reply.extend(flow.keys[1]);
+    }
+    forward.extend(reply);
+    forward
+}
+
+/// CLOCK_MONOTONIC in nanoseconds, the clock `bpf_ktime_get_ns` reads.
+pub fn monotonic_now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid pointer to a timespec; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// An aligned table for people.
+pub fn render_text(flows: &[Flow]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::from("PROTO  CLIENT                 FRONTEND               BACKEND                SNAT                   STATE        IDLE\n");
+    for f in flows {
+        let snat = f.snat.map_or("-".to_string(), |s| s.to_string());
+        let _ = writeln!(
+            out,
+            "{:<6} {:<22} {:<22} {:<22} {:<22} {:<12} {}.{:03}s",
+            f.protocol.to_string(),
+            f.client.to_string(),
+            f.frontend.to_string(),
+            f.backend.to_string(),
+            snat,
+            f.state,
+            f.idle_ms / 1000,
+            f.idle_ms % 1000
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lb_common::{CT_DIR_REPLY, CT_STATE_SYN, IPPROTO_UDP};
+
+    const SEC: u64 = 1_000_000_000;
+
+    fn ip(a: [u8; 4]) -> u32 {
+        u32::from_ne_bytes(a)
+    }
+
+    /// The two entries the TC program writes for client -> frontend, translated to
+    /// `src` -> backend (src = client unless SNAT).
+    fn flow_entries(
+        proto: u8,
+        client: ([u8; 4], u16),
+        frontend: ([u8; 4], u16),
+        src: ([u8; 4], u16),
+        backend: ([u8; 4], u16),
+        seen: (u64, u8, u64, u8),
+    ) -> Vec<(CtKey, CtValue)> {
+        let key = |s: ([u8; 4], u16), d: ([u8; 4], u16)| CtKey {
+            src_addr: ip(s.0),
+            dst_addr: ip(d.0),
+            src_port: s.1.to_be(),
+            dst_port: d.1.to_be(),
+            proto,
+            _pad: [0; 3],
+        };
+        let value = |s: ([u8; 4], u16), d: ([u8; 4], u16), last, state, dir| CtValue {
+            last_seen_ns: last,
+            nat_src_addr: ip(s.0),
+            nat_dst_addr: ip(d.0),
+            nat_src_port: s.1.to_be(),
+            nat_dst_port: d.1.to_be(),
+            backend_id: 7,
+            rev_nat_id: 1,
+            state,
+            dir,
+            _pad2: 0,
+        };
+        vec![
+            (
+                key(client, frontend),
+                value(src, backend, seen.0, seen.1, CT_DIR_FORWARD),
+            ),
+            (
+                key(backend, src),
+                value(frontend, client, seen.2, seen.3, CT_DIR_REPLY),
+            ),
+        ]
+    }
+
+    const CLIENT: ([u8; 4], u16) = ([203, 0, 113, 5], 40000);
+    const FRONTEND: ([u8; 4], u16) = ([192, 168, 50, 1], 30080);
+    const BACKEND: ([u8; 4], u16) = ([10, 244, 2, 11], 8080);
+    const NODE: ([u8; 4], u16) = ([192, 168, 50, 1], 40000);
+
+    #[test]
+    fn pairs_the_two_directions_of_a_snat_flow() {
+        let entries = flow_entries(
+            IPPROTO_TCP,
+            CLIENT,
+            FRONTEND,
+            NODE,
+            BACKEND,
+            (
+                10 * SEC,
+                CT_STATE_SYN | CT_STATE_ESTABLISHED,
+                12 * SEC,
+                CT_STATE_SYN,
+            ),
+        );
+        let flows = flows(&entries, 15 * SEC);
+        assert_eq!(flows.len(), 1);
+        let f = &flows[0];
+        assert_eq!(f.client, "203.0.113.5:40000".parse().unwrap());
+        assert_eq!(f.frontend, "192.168.50.1:30080".parse().unwrap());
+        assert_eq!(f.backend, "10.244.2.11:8080".parse().unwrap());
+        assert_eq!(f.snat, Some("192.168.50.1:40000".parse().unwrap()));
+        assert_eq!(f.state, "ESTABLISHED");
+        // Idle since the later of the two directions.
+        assert_eq!(f.idle_ms, 3000);
+    }
+
+    #[test]
+    fn local_backend_flow_has_no_snat() {
+        let entries = flow_entries(
+            IPPROTO_UDP,
+            CLIENT,
+            FRONTEND,
+            CLIENT,
+            BACKEND,
+            (SEC, 0, SEC, 0),
+        );
+        assert_eq!(flows(&entries, SEC)[0].snat, None);
+    }
+
+    #[test]
+    fn timeouts_follow_protocol_and_state() {
+        let t = Timeouts {
+            tcp_syn: Duration::from_secs(60),
+            tcp_established: Duration::from_secs(3600),
+            tcp_closing: Duration::from_secs(10),
+            udp: Duration::from_secs(30),
+        };
+        let cases = [
+            (IPPROTO_TCP, CT_STATE_SYN, 59, false),
+            (IPPROTO_TCP, CT_STATE_SYN, 61, true),
+            (IPPROTO_TCP, CT_STATE_ESTABLISHED, 61, false),
+            (IPPROTO_TCP, CT_STATE_ESTABLISHED, 3601, true),
+            (IPPROTO_TCP, CT_STATE_ESTABLISHED | CT_STATE_FIN, 11, true),
+            (IPPROTO_TCP, CT_STATE_ESTABLISHED | CT_STATE_RST, 9, false),
+            (IPPROTO_UDP, 0, 29, false),
+            (IPPROTO_UDP, 0, 31, true),
+        ];
+        for (proto, state, idle_s, gone) in cases {
+            let entries = flow_entries(proto, CLIENT, FRONTEND, NODE, BACKEND, (0, state, 0, 0));
+            let expired = expired(&entries, idle_s * SEC, &t);
+            assert_eq!(
+                expired.len(),
+                if gone { 2 } else { 0 },
+                "proto {proto} state {state} idle {idle_s}s"
+            );
+            if gone {
+                assert_eq!(expired[0], entries[0].0, "forward entry first");
+            }
+        }
+    }
+
+    #[test]
+    fn a_fresh_reply_keeps_the_flow_alive() {
+        // Forward direction idle for long, replies still flowing: not expired.
+        let entries = flow_entries(
+            IPPROTO_UDP,
+            CLIENT,
+            FRONTEND,
+            NODE,
+            BACKEND,
+            (0, 0, 100 * SEC, 0),
+        );
+        assert!(expired(&entries, 101 * SEC, &Timeouts::default()).is_empty());
+    }
+
+    #[test]
+    fn orphaned_reply_entries_are_listed_and_expire() {
+        let mut entries = flow_entries(IPPROTO_UDP, CLIENT, FRONTEND, NODE, BACKEND, (0, 0, 0, 0));
+        entries.remove(0);
+        let f = flows(&entries, SEC);
+        assert_eq!(f.len(), 1);
+        assert_eq!(f[0].backend, "10.244.2.11:8080".parse().unwrap());
+        assert_eq!(
+            expired(&entries, 61 * SEC, &Timeouts::default()),
+            vec![entries[0].0]
+        );
+    }
+}
