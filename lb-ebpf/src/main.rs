@@ -12,6 +12,7 @@ mod ct;
 mod maps;
 mod nat;
 mod packet;
+mod reject;
 mod select;
 mod sock;
 mod sock_lb;

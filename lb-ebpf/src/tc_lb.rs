@@ -6,14 +6,14 @@
 use aya_ebpf::{helpers::generated::bpf_get_prandom_u32, programs::TcContext};
 use lb_common::{
     stat, ServiceKey, AFFINITY_CLIENT_IP, BACKEND_FLAG_LOCAL, CT_DIR_FORWARD, CT_DIR_REPLY,
-    SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_FLAG_EXTERNAL_SCOPE,
+    IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_FLAG_EXTERNAL_SCOPE,
 };
 
 use crate::{
     ct,
     nat::{self, Tuple},
     packet::{self, Flow, Parsed},
-    select, stats,
+    reject, select, stats,
 };
 
 pub const TC_ACT_OK: i32 = 0;
@@ -89,7 +89,13 @@ fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
     }
     if master.count == 0 {
         stats::bump(stat::TC_NO_BACKEND);
-        return TC_ACT_SHOT;
+        // externalTrafficPolicy: Local without a local endpoint drops, as kube-proxy
+        // does, so the load balancer's health checks fail over to another node.
+        // A Service without any endpoint rejects.
+        if master_key.scope == SCOPE_EXTERNAL || flow.proto != IPPROTO_TCP {
+            return TC_ACT_SHOT;
+        }
+        return reject::tcp_reset(ctx, flow).unwrap_or(TC_ACT_SHOT);
     }
     let client = AFFINITY_CLIENT_IP | flow.saddr as u64;
     let entropy = unsafe { bpf_get_prandom_u32() };

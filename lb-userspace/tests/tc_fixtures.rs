@@ -17,10 +17,12 @@ use lb_userspace::{reconcile, sys};
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_REDIRECT: u32 = 7;
 const TCP: u8 = 6;
 const UDP: u8 = 17;
 const SYN: u8 = 0x02;
 const ACK: u8 = 0x10;
+const RST: u8 = 0x04;
 
 const NODE: [u8; 4] = [192, 168, 50, 2];
 const CLIENT: [u8; 4] = [203, 0, 113, 5];
@@ -500,12 +502,40 @@ fn fragments_are_passed_untranslated_and_counted() {
 }
 
 #[test]
-fn no_backend_drops_and_counts() {
+fn no_backend_answers_tcp_with_a_reset_sent_back_out() {
     let mut f = Fixture::new();
     f.program(&node_port(Protocol::Tcp, &[], None));
-    let syn = Packet::tcp(CLIENT, 40005, NODE, NODE_PORT, SYN);
-    assert_eq!(f.external(&syn.frame()).0, TC_ACT_SHOT);
+    let mut syn = Packet::tcp(CLIENT, 40005, NODE, NODE_PORT, SYN);
+    syn.payload = Vec::new();
+    let (verdict, out) = f.external(&syn.frame());
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!(out.len(), 14 + 20 + 20, "options and payload trimmed");
+    // Addressed back to the client, from the address it tried.
+    assert_eq!(
+        inspect(&out),
+        Seen {
+            src: NODE,
+            sport: NODE_PORT,
+            dst: CLIENT,
+            dport: 40005
+        }
+    );
+    assert_eq!(&out[0..6], &[0x02, 0, 0, 0, 0, 2], "MACs swapped");
+    let tcp = &out[34..];
+    assert_eq!(tcp[13], RST | ACK);
+    assert_eq!(
+        u32::from_be_bytes(tcp[8..12].try_into().unwrap()),
+        1001,
+        "acks the SYN"
+    );
     assert_eq!(f.stat(stat::TC_NO_BACKEND), 1);
+
+    // A RST is never answered, and UDP has nothing to reset: both are dropped.
+    let rst = Packet::tcp(CLIENT, 40005, NODE, NODE_PORT, RST);
+    assert_eq!(f.external(&rst.frame()).0, TC_ACT_SHOT);
+    f.program(&node_port(Protocol::Udp, &[], None));
+    let udp = Packet::udp(CLIENT, 40005, NODE, NODE_PORT);
+    assert_eq!(f.external(&udp.frame()).0, TC_ACT_SHOT);
 }
 
 #[test]
