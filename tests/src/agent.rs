@@ -148,6 +148,10 @@ impl Agent {
             .arg("--pin-dir")
             .arg(&pin_dir)
             .args(["--node-name", node_name])
+            // Agents run side by side here: kube-proxy's fixed ports would clash, so
+            // health goes to an ephemeral loopback port and metrics are off.
+            .args(["--healthz-bind-address", "127.0.0.1:0"])
+            .args(["--metrics-bind-address", ""])
             // Plain log lines (see also lines::strip_ansi).
             .env("NO_COLOR", "1")
             .spawn();
