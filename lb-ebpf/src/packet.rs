@@ -12,6 +12,11 @@ const TCP_MIN_HLEN: usize = 20;
 const UDP_HLEN: usize = 8;
 /// More-fragments flag and fragment offset bits of `frag_off` (host order).
 const IP_MF_OFFSET_MASK: u16 = 0x3fff;
+const IPPROTO_ICMP: u8 = 1;
+const ICMP_HLEN: usize = 8;
+const ICMP_DEST_UNREACH: u8 = 3;
+const ICMP_TIME_EXCEEDED: u8 = 11;
+const ICMP_PARAMETERPROB: u8 = 12;
 
 pub const IP_CSUM_OFF: usize = ETH_HLEN + 10;
 pub const IP_SRC_OFF: usize = ETH_HLEN + 12;
@@ -48,9 +53,27 @@ impl Flow {
     }
 }
 
+/// An ICMP error quoting a TCP/UDP packet: where its parts are, and the quoted
+/// packet's addresses (network byte order, as on the wire).
+#[derive(Clone, Copy)]
+pub struct IcmpError {
+    pub saddr: u32,
+    pub daddr: u32,
+    pub icmp_off: usize,
+    pub inner_ip_off: usize,
+    pub inner_l4_off: usize,
+    /// The quoted packet.
+    pub inner: Flow,
+    /// The quoted L4 checksum is inside the packet (quotes may stop after 8 bytes).
+    pub inner_csum_present: bool,
+}
+
 pub enum Parsed {
     /// Not IPv4, or not TCP/UDP: nothing for us.
     Ignored,
+    /// Destination unreachable, time exceeded or parameter problem about a TCP/UDP
+    /// packet: belongs to that packet's flow.
+    IcmpError(IcmpError),
     /// An IPv4 fragment: later fragments carry no ports, so it cannot be matched.
     Fragment,
     /// Header lengths that do not add up; left to the stack to discard.
@@ -82,7 +105,7 @@ fn try_parse(ctx: &TcContext) -> Result<Parsed, ()> {
         return Err(());
     }
     let proto = ip[9];
-    if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
+    if proto != IPPROTO_TCP && proto != IPPROTO_UDP && proto != IPPROTO_ICMP {
         return Ok(Parsed::Ignored);
     }
     if u16::from_be_bytes([ip[6], ip[7]]) & IP_MF_OFFSET_MASK != 0 {
@@ -90,6 +113,9 @@ fn try_parse(ctx: &TcContext) -> Result<Parsed, ()> {
     }
     let l4_len = total_len - ihl;
     let l4_off = ETH_HLEN + ihl;
+    if proto == IPPROTO_ICMP {
+        return parse_icmp_error(ctx, &ip, l4_off, ETH_HLEN + total_len);
+    }
     let tcp_flags = if proto == IPPROTO_TCP {
         if l4_len < TCP_MIN_HLEN {
             return Err(());
@@ -110,5 +136,55 @@ fn try_parse(ctx: &TcContext) -> Result<Parsed, ()> {
         proto,
         tcp_flags,
         l4_off,
+    }))
+}
+
+#[inline(always)]
+fn parse_icmp_error(
+    ctx: &TcContext,
+    ip: &[u8; IPV4_MIN_HLEN],
+    icmp_off: usize,
+    end: usize,
+) -> Result<Parsed, ()> {
+    let icmp_type = ctx.load::<u8>(icmp_off).map_err(|_| ())?;
+    if icmp_type != ICMP_DEST_UNREACH
+        && icmp_type != ICMP_TIME_EXCEEDED
+        && icmp_type != ICMP_PARAMETERPROB
+    {
+        return Ok(Parsed::Ignored);
+    }
+    let inner_ip_off = icmp_off + ICMP_HLEN;
+    let inner: [u8; IPV4_MIN_HLEN] = ctx.load(inner_ip_off).map_err(|_| ())?;
+    let inner_ihl = ((inner[0] & 0x0f) as usize) * 4;
+    if inner[0] >> 4 != 4 || inner_ihl < IPV4_MIN_HLEN {
+        return Err(());
+    }
+    let inner_proto = inner[9];
+    if inner_proto != IPPROTO_TCP && inner_proto != IPPROTO_UDP {
+        return Ok(Parsed::Ignored);
+    }
+    let inner_l4_off = inner_ip_off + inner_ihl;
+    // RFC 792 quotes at least the first 8 bytes of the datagram: the ports.
+    if inner_l4_off + 8 > end {
+        return Err(());
+    }
+    let ports: [u16; 2] = ctx.load(inner_l4_off).map_err(|_| ())?;
+    let inner_flow = Flow {
+        saddr: u32::from_ne_bytes([inner[12], inner[13], inner[14], inner[15]]),
+        daddr: u32::from_ne_bytes([inner[16], inner[17], inner[18], inner[19]]),
+        sport: ports[0],
+        dport: ports[1],
+        proto: inner_proto,
+        tcp_flags: 0,
+        l4_off: inner_l4_off,
+    };
+    Ok(Parsed::IcmpError(IcmpError {
+        saddr: u32::from_ne_bytes([ip[12], ip[13], ip[14], ip[15]]),
+        daddr: u32::from_ne_bytes([ip[16], ip[17], ip[18], ip[19]]),
+        icmp_off,
+        inner_ip_off,
+        inner_l4_off,
+        inner_csum_present: inner_flow.l4_csum_off() + 2 <= end,
+        inner: inner_flow,
     }))
 }

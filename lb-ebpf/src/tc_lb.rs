@@ -10,7 +10,7 @@ use lb_common::{
 };
 
 use crate::{
-    ct,
+    ct, icmp,
     nat::{self, Tuple},
     packet::{self, Flow, Parsed},
     reject, select, stats,
@@ -41,6 +41,20 @@ pub fn handle(ctx: &TcContext, scope: u8) -> i32 {
     let flow = match packet::parse(ctx) {
         Parsed::Flow(flow) => flow,
         Parsed::Ignored => return TC_ACT_OK,
+        Parsed::IcmpError(error) => {
+            return match icmp::translate(ctx, &error) {
+                Ok(true) => {
+                    stats::bump(stat::TC_CT_HIT);
+                    TC_ACT_OK
+                }
+                Ok(false) => TC_ACT_OK,
+                // Half rewritten: its checksums no longer hold.
+                Err(_) => {
+                    stats::bump(stat::TC_MALFORMED);
+                    TC_ACT_SHOT
+                }
+            };
+        }
         Parsed::Fragment => {
             stats::bump(stat::TC_FRAGMENT);
             return TC_ACT_OK;

@@ -560,3 +560,126 @@ fn external_traffic_policy_local_uses_the_external_entry_only_from_outside() {
         assert_eq!((out.src, out.dst), (CLIENT, LOCAL_POD), "port {port}");
     }
 }
+
+/// An ICMP error as a host sends it: type/code, quoting `quoted` (a full frame
+/// whose IP packet is quoted, cut to `quote_len` bytes).
+fn icmp_error(
+    src: [u8; 4],
+    dst: [u8; 4],
+    kind: u8,
+    code: u8,
+    quoted: &[u8],
+    quote_len: usize,
+) -> Vec<u8> {
+    let quote = &quoted[14..14 + quote_len];
+    let mut icmp = vec![kind, code, 0, 0, 0, 0, 0, 0];
+    icmp.extend_from_slice(quote);
+    let c = !fold(sum16(&icmp));
+    icmp[2..4].copy_from_slice(&c.to_be_bytes());
+    let mut ip = vec![0x45, 0];
+    ip.extend_from_slice(&((20 + icmp.len()) as u16).to_be_bytes());
+    ip.extend_from_slice(&[0, 0, 0, 0, 64, 1, 0, 0]);
+    ip.extend_from_slice(&src);
+    ip.extend_from_slice(&dst);
+    let c = !fold(sum16(&ip));
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    let mut frame = vec![0x02, 0, 0, 0, 0, 1, 0x02, 0, 0, 0, 0, 2, 0x08, 0x00];
+    frame.extend_from_slice(&ip);
+    frame.extend_from_slice(&icmp);
+    frame
+}
+
+/// Outer addresses, and the quoted packet's addresses, after checking the outer
+/// IP, ICMP and quoted IP checksums (and the quoted L4 checksum when `full_quote`).
+fn inspect_icmp(frame: &[u8], full_quote: bool) -> ([u8; 4], [u8; 4], Seen) {
+    let ip = &frame[14..34];
+    assert_eq!(fold(sum16(ip)), 0xffff, "outer IPv4 checksum");
+    let icmp = &frame[34..];
+    assert_eq!(fold(sum16(icmp)), 0xffff, "ICMP checksum");
+    let quoted = &icmp[8..];
+    assert_eq!(fold(sum16(&quoted[..20])), 0xffff, "quoted IPv4 checksum");
+    let src: [u8; 4] = quoted[12..16].try_into().unwrap();
+    let dst: [u8; 4] = quoted[16..20].try_into().unwrap();
+    let l4 = &quoted[20..];
+    if full_quote {
+        let pseudo = sum16(&src) + sum16(&dst) + u32::from(quoted[9]) + l4.len() as u32;
+        assert_eq!(fold(pseudo + sum16(l4)), 0xffff, "quoted L4 checksum");
+    }
+    (
+        ip[12..16].try_into().unwrap(),
+        ip[16..20].try_into().unwrap(),
+        Seen {
+            src,
+            sport: u16::from_be_bytes([l4[0], l4[1]]),
+            dst,
+            dport: u16::from_be_bytes([l4[2], l4[3]]),
+        },
+    )
+}
+
+#[test]
+fn icmp_errors_from_a_backend_are_translated_for_the_client() {
+    let mut f = Fixture::new();
+    f.program(&node_port(
+        Protocol::Udp,
+        &[backend(LOCAL_POD, 5353, true)],
+        None,
+    ));
+    let request = Packet::udp(CLIENT, 40010, NODE, NODE_PORT);
+    let translated = f.external(&request.frame()).1;
+    // The backend answers what it received with "port unreachable", quoting all of it.
+    let quoted_len = translated.len() - 14;
+    let error = icmp_error(LOCAL_POD, CLIENT, 3, 3, &translated, quoted_len);
+    let (verdict, out) = f.internal(&error);
+    assert_eq!(verdict, TC_ACT_OK);
+    let (outer_src, outer_dst, quoted) = inspect_icmp(&out, true);
+    assert_eq!((outer_src, outer_dst), (NODE, CLIENT));
+    assert_eq!(
+        quoted,
+        Seen {
+            src: CLIENT,
+            sport: 40010,
+            dst: NODE,
+            dport: NODE_PORT
+        }
+    );
+}
+
+#[test]
+fn icmp_errors_on_the_snat_path_reach_the_client() {
+    let mut f = Fixture::new();
+    f.program(&node_port(
+        Protocol::Tcp,
+        &[backend(REMOTE_POD, 8080, false)],
+        None,
+    ));
+    let syn = Packet::tcp(CLIENT, 40011, NODE, NODE_PORT, SYN);
+    let translated = f.external(&syn.frame()).1;
+    // A router between the nodes reports "fragmentation needed", quoting only the
+    // IP header and 8 bytes (no TCP checksum).
+    let router = [192, 168, 50, 254];
+    let error = icmp_error(router, NODE, 3, 4, &translated, 28);
+    let (verdict, out) = f.external(&error);
+    assert_eq!(verdict, TC_ACT_OK);
+    let (outer_src, outer_dst, quoted) = inspect_icmp(&out, false);
+    assert_eq!(outer_src, router, "a router keeps its own address");
+    assert_eq!(outer_dst, CLIENT);
+    assert_eq!(
+        quoted,
+        Seen {
+            src: CLIENT,
+            sport: 40011,
+            dst: NODE,
+            dport: NODE_PORT
+        }
+    );
+}
+
+#[test]
+fn icmp_errors_of_unknown_flows_pass_untouched() {
+    let f = Fixture::new();
+    let unrelated = Packet::udp(CLIENT, 40012, REMOTE_POD, 53).frame();
+    let error = icmp_error(REMOTE_POD, CLIENT, 3, 3, &unrelated, unrelated.len() - 14);
+    let (verdict, out) = f.external(&error);
+    assert_eq!((verdict, out), (TC_ACT_OK, error));
+}

@@ -1,0 +1,135 @@
+//! ICMP errors about translated flows: a backend's "port unreachable" or a router's
+//! "fragmentation needed" quotes the packet as the backend saw it (pod address,
+//! maybe our SNAT port). The client only knows the frontend, so both the quoted
+//! packet and the outer header are rewritten as the reply direction of the flow
+//! would be, or the client's stack could not match the error to its socket.
+
+use aya_ebpf::programs::TcContext;
+use lb_common::{CtKey, CT_DIR_REPLY};
+
+use crate::{
+    maps::LB_CT,
+    packet::{IcmpError, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF},
+};
+
+/// Stores through which skb->csum (CHECKSUM_COMPLETE) stays right.
+const BPF_F_RECOMPUTE_CSUM: u64 = 1;
+const ICMP_CSUM_OFF: usize = 2;
+const IP_CSUM_IN_HDR: usize = 10;
+const IP_SRC_IN_HDR: usize = 12;
+const IP_DST_IN_HDR: usize = 16;
+
+/// `Ok(true)` when the error belonged to one of our flows and was rewritten.
+#[inline(always)]
+pub fn translate(ctx: &TcContext, e: &IcmpError) -> Result<bool, i64> {
+    // The quoted packet went from our side towards the backend; its answers carry
+    // the reverse tuple, which is the flow's reply-direction conntrack key.
+    let key = CtKey {
+        src_addr: e.inner.daddr,
+        dst_addr: e.inner.saddr,
+        src_port: e.inner.dport,
+        dst_port: e.inner.sport,
+        proto: e.inner.proto,
+        _pad: [0; 3],
+    };
+    // SAFETY: copied out at once.
+    let Some(entry) = (unsafe { LB_CT.get(&key) }).copied() else {
+        return Ok(false);
+    };
+    if entry.dir != CT_DIR_REPLY {
+        return Ok(false);
+    }
+    // The reply entry rewrites to (frontend -> client); the quoted packet becomes
+    // (client -> frontend), what the client sent.
+    let (client, client_port) = (entry.nat_dst_addr, entry.nat_dst_port);
+    let (frontend, frontend_port) = (entry.nat_src_addr, entry.nat_src_port);
+
+    let inner_ip_csum_off = e.inner_ip_off + IP_CSUM_IN_HDR;
+    let inner_l4_csum_off = e.inner.l4_csum_off();
+    let old_ip_csum: u16 = ctx.load(inner_ip_csum_off)?;
+    let mut ip_csum = old_ip_csum;
+    let old_l4_csum: u16 = if e.inner_csum_present {
+        ctx.load(inner_l4_csum_off)?
+    } else {
+        0
+    };
+    // A zero UDP checksum means "none" and stays so.
+    let l4_csum_used =
+        e.inner_csum_present && !(e.inner.proto == lb_common::IPPROTO_UDP && old_l4_csum == 0);
+    let mut l4_csum = old_l4_csum;
+    let mut icmp_csum: u16 = ctx.load(e.icmp_off + ICMP_CSUM_OFF)?;
+
+    // Quoted addresses: covered by the quoted IP header checksum and the quoted
+    // L4 checksum's pseudo header; the bytes themselves by the ICMP checksum.
+    for (off, old, new) in [
+        (e.inner_ip_off + IP_SRC_IN_HDR, e.inner.saddr, client),
+        (e.inner_ip_off + IP_DST_IN_HDR, e.inner.daddr, frontend),
+    ] {
+        if old == new {
+            continue;
+        }
+        ip_csum = csum_replace32(ip_csum, old, new);
+        if l4_csum_used {
+            l4_csum = csum_replace32(l4_csum, old, new);
+        }
+        icmp_csum = csum_replace32(icmp_csum, old, new);
+        ctx.store(off, &new, BPF_F_RECOMPUTE_CSUM)?;
+    }
+    // Quoted ports: covered by the quoted L4 checksum and the ICMP checksum.
+    for (off, old, new) in [
+        (e.inner_l4_off, e.inner.sport, client_port),
+        (e.inner_l4_off + 2, e.inner.dport, frontend_port),
+    ] {
+        if old == new {
+            continue;
+        }
+        if l4_csum_used {
+            l4_csum = csum_replace16(l4_csum, old, new);
+        }
+        icmp_csum = csum_replace16(icmp_csum, old, new);
+        ctx.store(off, &new, BPF_F_RECOMPUTE_CSUM)?;
+    }
+    // The quoted checksum fields are ICMP payload too.
+    if ip_csum != old_ip_csum {
+        icmp_csum = csum_replace16(icmp_csum, old_ip_csum, ip_csum);
+        ctx.store(inner_ip_csum_off, &ip_csum, BPF_F_RECOMPUTE_CSUM)?;
+    }
+    if l4_csum != old_l4_csum {
+        icmp_csum = csum_replace16(icmp_csum, old_l4_csum, l4_csum);
+        ctx.store(inner_l4_csum_off, &l4_csum, BPF_F_RECOMPUTE_CSUM)?;
+    }
+    ctx.store(e.icmp_off + ICMP_CSUM_OFF, &icmp_csum, BPF_F_RECOMPUTE_CSUM)?;
+
+    // Outer header: to the client; from the frontend when the backend itself
+    // reported (a router on the way keeps its own address).
+    if e.daddr != client {
+        ctx.l3_csum_replace(IP_CSUM_OFF, e.daddr as u64, client as u64, 4)?;
+        ctx.store(IP_DST_OFF, &client, BPF_F_RECOMPUTE_CSUM)?;
+    }
+    if e.saddr == e.inner.daddr && e.saddr != frontend {
+        ctx.l3_csum_replace(IP_CSUM_OFF, e.saddr as u64, frontend as u64, 4)?;
+        ctx.store(IP_SRC_OFF, &frontend, BPF_F_RECOMPUTE_CSUM)?;
+    }
+    Ok(true)
+}
+
+/// RFC 1624 incremental update: HC' = ~(~HC + ~m + m'), on fields as they lie in
+/// memory (network order); one's-complement sums are byte-order independent.
+#[inline(always)]
+fn csum_replace16(csum: u16, old: u16, new: u16) -> u16 {
+    let sum = (!csum as u32) + (!old as u32) + new as u32;
+    !fold(sum)
+}
+
+#[inline(always)]
+fn csum_replace32(csum: u16, old: u32, new: u32) -> u16 {
+    let csum = csum_replace16(csum, old as u16, new as u16);
+    csum_replace16(csum, (old >> 16) as u16, (new >> 16) as u16)
+}
+
+#[inline(always)]
+fn fold(mut sum: u32) -> u16 {
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum as u16
+}
