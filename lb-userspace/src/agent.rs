@@ -4,14 +4,16 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use lb_common::map_names;
 use tracing::{debug, info, warn};
 
 use crate::conntrack;
 use crate::loader::{self, LoadError, MapSizes, PinLayout, TcConfig};
 use crate::maps::{MapsError, PinnedMaps};
 use crate::model::DesiredState;
+use crate::ops::{self, AgentStatus, BindAddress, OpsServer, Routes, ServeConfig};
 use crate::reconcile;
 use crate::source::{self, files, yaml::Objects, SourceOptions};
 use crate::sys::{self, SysError};
@@ -42,6 +44,11 @@ pub struct AgentConfig {
     pub ct_timeouts: conntrack::Timeouts,
     /// How often idle conntrack entries are collected.
     pub ct_gc_interval: Duration,
+    /// Where /healthz and /metrics listen (None: not served; equal: one listener).
+    pub healthz_addr: BindAddress,
+    pub metrics_addr: BindAddress,
+    /// /healthz answers 503 once a change has waited longer than this to be applied.
+    pub healthz_timeout: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +59,8 @@ pub enum AgentError {
     Load(#[from] LoadError),
     #[error(transparent)]
     Maps(#[from] MapsError),
+    #[error(transparent)]
+    Ops(#[from] ops::OpsError),
     #[error("cannot install signal handler: {0}")]
     Signal(#[source] std::io::Error),
 }
@@ -59,6 +68,12 @@ pub enum AgentError {
 /// Runs until SIGINT/SIGTERM. The hooks and maps stay pinned afterwards: stopping the
 /// agent must not stop the datapath.
 pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
+    let status = Arc::new(AgentStatus::new());
+    // Bound before anything is loaded: a taken port fails the start, not later.
+    for server in ops_servers(&config, &status).await? {
+        info!(addr = %server.local_addr(), "serving health/metrics");
+        tokio::spawn(server.run());
+    }
     sys::ensure_bpffs(config.pin.root())?;
     let object = loader::kernel_object(config.bpf_object.as_deref())?;
     loader::load_and_attach(
@@ -69,6 +84,12 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         &config.tc,
     )?;
     let mut maps = PinnedMaps::open(&config.pin)?;
+    // A second handle for scrapes, so /metrics reads fresh datapath counters.
+    let stats_maps = PinnedMaps::open(&config.pin)?;
+    status.on_scrape(move |status| match stats_maps.stats() {
+        Ok(counters) => status.set_datapath_counters(&counters),
+        Err(e) => debug!("reading the datapath counters: {e}"),
+    });
     info!(
         cgroup = %config.cgroup.display(),
         pin_dir = %config.pin.root().display(),
@@ -109,12 +130,23 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             _ = sigterm.recv() => break,
         };
         let Some(current) = current else { continue };
-        let desired = interpret(&current, &options);
+        status.record_pending();
+        let started = Instant::now();
+        let desired = interpret(&current, &options, &status);
         match sync(&mut maps, &desired) {
-            Ok(()) => {
+            Ok((services, backends)) => {
                 retry = None;
+                let capacity = maps.capacity();
+                status.set_map_usage(map_names::SERVICES, services, capacity.services);
+                status.set_map_usage(map_names::BACKENDS, backends, capacity.backends);
+                status.record_sync(
+                    started.elapsed(),
+                    desired.frontends.len(),
+                    desired.backend_count(),
+                );
                 if !ready {
                     ready = true;
+                    status.mark_initial_sync();
                     info!(
                         frontends = desired.frontends.len(),
                         backends = desired.backend_count(),
@@ -123,6 +155,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 }
             }
             Err(e) => {
+                status.record_sync_error();
                 warn!("applying the service table failed, retrying: {e}");
                 retry = Some(current);
             }
@@ -134,7 +167,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
 
 /// Applies kube-proxy's semantics to the objects; bad objects are logged and skipped
 /// so the rest still applies.
-fn interpret(objects: &Objects, options: &SourceOptions) -> DesiredState {
+fn interpret(objects: &Objects, options: &SourceOptions, status: &AgentStatus) -> DesiredState {
     for error in &objects.errors {
         warn!("skipped: {error}");
     }
@@ -142,7 +175,29 @@ fn interpret(objects: &Objects, options: &SourceOptions) -> DesiredState {
     for error in &errors {
         warn!("skipped: {error}");
     }
+    status.record_object_errors(objects.errors.len() + errors.len());
     desired
+}
+
+/// The health/metrics listeners: one serving both when the addresses are equal.
+async fn ops_servers(
+    config: &AgentConfig,
+    status: &Arc<AgentStatus>,
+) -> Result<Vec<OpsServer>, ops::OpsError> {
+    let serve = ServeConfig::new(config.healthz_timeout);
+    let wanted = match (config.healthz_addr.0, config.metrics_addr.0) {
+        (Some(h), Some(m)) if h == m => vec![(h, Routes::ALL)],
+        (h, m) => h
+            .map(|a| (a, Routes::HEALTHZ))
+            .into_iter()
+            .chain(m.map(|a| (a, Routes::METRICS)))
+            .collect(),
+    };
+    let mut servers = Vec::new();
+    for (addr, routes) in wanted {
+        servers.push(OpsServer::bind(addr, status.clone(), serve.clone().routes(routes)).await?);
+    }
+    Ok(servers)
 }
 
 /// Deletes the entries of flows idle past their timeout. An entry is re-read just
@@ -169,14 +224,16 @@ fn collect_idle_flows(
     Ok(removed)
 }
 
-fn sync(maps: &mut PinnedMaps, desired: &DesiredState) -> Result<(), MapsError> {
-    let current = maps.snapshot()?;
+/// Returns the entries in use afterwards: (services, backends).
+fn sync(maps: &mut PinnedMaps, desired: &DesiredState) -> Result<(usize, usize), MapsError> {
+    let mut current = maps.snapshot()?;
     let plan = reconcile::plan(desired, &current, maps.capacity());
     for rejected in &plan.rejected {
         warn!("{rejected}");
     }
     if !plan.is_empty() {
         maps.apply(&plan.ops)?;
+        reconcile::apply(&mut current, &plan.ops);
         info!(
             operations = plan.ops.len(),
             frontends = desired.frontends.len(),
@@ -184,5 +241,5 @@ fn sync(maps: &mut PinnedMaps, desired: &DesiredState) -> Result<(), MapsError> 
             "service table applied"
         );
     }
-    Ok(())
+    Ok((current.services.len(), current.backends.len()))
 }

@@ -6,6 +6,7 @@ pub mod conntrack;
 pub mod loader;
 pub mod maps;
 pub mod model;
+pub mod ops;
 pub mod reconcile;
 pub mod source;
 pub mod sys;

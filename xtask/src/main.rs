@@ -4,6 +4,7 @@ mod ebpf;
 mod run;
 mod setup;
 mod tasks;
+mod validate;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -41,6 +42,8 @@ enum Cmd {
     },
     /// Setup, build everything, then run the socket-LB demo in network namespaces.
     Demo,
+    /// Check deploy/ and examples/ against the Kubernetes API schemas (kubernetes-validate, strict).
+    ValidateManifests,
     /// Benchmarks (not implemented yet).
     Bench,
 }
@@ -60,6 +63,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::BuildEbpf { debug } => ebpf::build(&root, debug).map(drop),
         Cmd::Test { args } => tasks::test(&root, &args),
         Cmd::Demo => tasks::demo(&root),
+        Cmd::ValidateManifests => validate::validate_manifests(&root),
         Cmd::Bench => {
             println!("not implemented yet: see issue 5");
             std::process::exit(2);

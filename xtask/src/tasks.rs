@@ -65,6 +65,7 @@ fn test_steps(workspace: &Path, extra: &[String]) -> Result<()> {
     }
     run::run(workspace_cargo(workspace, &object).args(["build", "--workspace", "--all-targets"]))?;
     run::run(workspace_cargo(workspace, &object).args(cargo_test_args(extra)))?;
+    crate::validate::validate_manifests(workspace)?;
     Ok(())
 }
 

@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 use lb_userspace::agent::{self, AgentConfig};
 use lb_userspace::loader::{self, MapSizes, PinLayout, TcConfig};
 use lb_userspace::maps::PinnedMaps;
+use lb_userspace::ops::{self, BindAddress};
 use lb_userspace::{conntrack, sys, table};
 
 #[derive(Parser)]
@@ -28,7 +29,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Load and attach the datapath, then keep the maps in sync with the manifests.
-    Agent(AgentArgs),
+    Agent(Box<AgentArgs>),
     /// Print the service table as the kernel programs see it.
     Services {
         #[arg(long)]
@@ -103,6 +104,15 @@ struct AgentArgs {
     /// How often idle conntrack entries are collected.
     #[arg(long, default_value_t = 5_000)]
     ct_gc_interval_ms: u64,
+    /// IP:PORT for GET /healthz (kube-proxy's contract); empty to turn it off.
+    #[arg(long, default_value = ops::DEFAULT_HEALTHZ_ADDR)]
+    healthz_bind_address: BindAddress,
+    /// IP:PORT for GET /metrics (Prometheus); empty to turn it off.
+    #[arg(long, default_value = ops::DEFAULT_METRICS_ADDR)]
+    metrics_bind_address: BindAddress,
+    /// /healthz answers 503 once a change has waited longer than this to be applied.
+    #[arg(long, default_value_t = ops::DEFAULT_HEALTHZ_TIMEOUT.as_secs())]
+    healthz_timeout_secs: u64,
 }
 
 fn hostname() -> String {
@@ -128,7 +138,7 @@ fn main() -> Result<()> {
         .init();
     let layout = PinLayout::new(&cli.pin_dir);
     match cli.command {
-        Command::Agent(args) => run_agent(args, layout),
+        Command::Agent(args) => run_agent(*args, layout),
         Command::Services { json } => {
             let maps = PinnedMaps::open(&layout)?;
             let frontends = table::decode(&maps.snapshot()?);
@@ -210,6 +220,9 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
             udp: Duration::from_secs(args.ct_udp_timeout),
         },
         ct_gc_interval: Duration::from_millis(args.ct_gc_interval_ms),
+        healthz_addr: args.healthz_bind_address,
+        metrics_addr: args.metrics_bind_address,
+        healthz_timeout: Duration::from_secs(args.healthz_timeout_secs),
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -13,6 +13,7 @@ use crate::model::Frontend;
 
 mod desired;
 pub mod files;
+pub mod kube;
 pub mod yaml;
 
 pub use desired::{build_desired, SourceOptions};

@@ -4,7 +4,7 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde_json::Value;
 
@@ -16,6 +16,8 @@ use super::{Location, ObjectError, Problem};
 pub struct Objects {
     pub services: Vec<Service>,
     pub slices: Vec<EndpointSlice>,
+    /// Only the API-server source fills this; files carry no Nodes.
+    pub nodes: Vec<Node>,
     pub errors: Vec<ObjectError>,
 }
 

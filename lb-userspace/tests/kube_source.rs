@@ -1,0 +1,516 @@
+//! The API-server source (`source::kube::watch`) with the real kube client over real
+//! HTTP, against the fake API server in `fake_apiserver`.
+
+mod fake_apiserver;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use fake_apiserver::{node, service, slice, slice_with_labels, Call, FakeApiServer, Res};
+use lb_userspace::source::kube::{self as kube_source, KubeWatchOptions};
+use lb_userspace::source::yaml::Objects;
+use tokio::sync::watch::Receiver;
+use tokio::time::timeout;
+
+type Snapshots = Receiver<Option<Arc<Objects>>>;
+
+/// Upper bound for anything expected to happen; tests normally take far less.
+const WAIT: Duration = Duration::from_secs(8);
+/// Long enough for a snapshot to show up if one were coming (the debounce is 100 ms).
+const QUIET: Duration = Duration::from_millis(400);
+
+const PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+const HEADLESS: &str = "service.kubernetes.io/headless";
+
+fn names<T: kube::ResourceExt>(objects: &[T]) -> Vec<String> {
+    objects
+        .iter()
+        .map(|o| match o.namespace() {
+            Some(ns) => format!("{ns}/{}", o.name_any()),
+            None => o.name_any(),
+        })
+        .collect()
+}
+
+fn services(o: &Objects) -> Vec<String> {
+    names(&o.services)
+}
+
+fn slices(o: &Objects) -> Vec<String> {
+    names(&o.slices)
+}
+
+fn nodes(o: &Objects) -> Vec<String> {
+    names(&o.nodes)
+}
+
+/// The endpoint addresses of slice `name`, `None` when there is no such slice.
+fn addresses(o: &Objects, name: &str) -> Option<Vec<String>> {
+    let slice = o
+        .slices
+        .iter()
+        .find(|s| s.metadata.name.as_deref() == Some(name))?;
+    Some(
+        slice
+            .endpoints
+            .iter()
+            .flatten()
+            .flat_map(|e| e.addresses.iter().cloned())
+            .collect(),
+    )
+}
+
+/// The next published snapshot.
+async fn next(rx: &mut Snapshots) -> Arc<Objects> {
+    timeout(WAIT, rx.changed())
+        .await
+        .expect("a snapshot within the time limit")
+        .expect("the source is running");
+    rx.borrow_and_update()
+        .clone()
+        .expect("once published, snapshots are never None")
+}
+
+/// Snapshots up to and including the first that `pred` accepts.
+async fn until(
+    rx: &mut Snapshots,
+    what: &str,
+    pred: impl Fn(&Objects) -> bool,
+) -> Vec<Arc<Objects>> {
+    let mut seen = Vec::new();
+    let result = timeout(WAIT, async {
+        loop {
+            rx.changed().await.expect("the source is running");
+            let snapshot = rx.borrow_and_update().clone().expect("never None again");
+            let done = pred(&snapshot);
+            seen.push(snapshot);
+            if done {
+                return;
+            }
+        }
+    })
+    .await;
+    if result.is_err() {
+        let last = seen.last().map(|o| (services(o), slices(o)));
+        panic!("no snapshot with {what} within {WAIT:?}; last: {last:?}");
+    }
+    seen
+}
+
+/// Asserts that nothing is published for a while.
+async fn quiet(rx: &mut Snapshots, why: &str) {
+    if timeout(QUIET, rx.changed()).await.is_ok() {
+        let o = rx.borrow_and_update().clone();
+        let o = o.as_deref().map(|o| (services(o), slices(o), nodes(o)));
+        panic!("unexpected snapshot ({why}): {o:?}");
+    }
+}
+
+/// A Service `a` with slice `a-1` (10.0.0.1), and Node `node-1`.
+fn seed(server: &FakeApiServer) {
+    server.apply(Res::Services, service("a", "10.96.0.1", &[]));
+    server.apply(Res::EndpointSlices, slice("a-1", "a", &["10.0.0.1"], &[]));
+    server.apply(Res::Nodes, node("node-1"));
+}
+
+/// Starts the source and returns its first snapshot.
+async fn started(server: &FakeApiServer, options: KubeWatchOptions) -> (Snapshots, Arc<Objects>) {
+    let mut rx = kube_source::watch(server.client(), options);
+    let first = next(&mut rx).await;
+    for res in Res::ALL {
+        server.wait_watching(res, 1, WAIT).await;
+    }
+    (rx, first)
+}
+
+fn count(calls: &[Call], res: Res, watch: bool) -> usize {
+    calls
+        .iter()
+        .filter(|c| c.res == res && c.watch == watch)
+        .count()
+}
+
+#[tokio::test]
+async fn nothing_is_published_until_every_initial_list_completes() {
+    let server = FakeApiServer::start().await;
+    for (name, ip) in [("c", "10.96.0.3"), ("a", "10.96.0.1"), ("b", "10.96.0.2")] {
+        server.apply(Res::Services, service(name, ip, &[]));
+    }
+    server.apply(Res::EndpointSlices, slice("a-1", "a", &["10.0.0.1"], &[]));
+    server.apply(Res::Nodes, node("node-1"));
+    server.hold_lists(Res::Nodes, true);
+
+    let options = KubeWatchOptions {
+        page_size: Some(2),
+        ..KubeWatchOptions::default()
+    };
+    let mut rx = kube_source::watch(server.client(), options);
+    // Services and slices are fully listed once their watches start; Nodes are held.
+    server
+        .wait_call(WAIT, |c| c.res == Res::Services && c.watch)
+        .await;
+    server
+        .wait_call(WAIT, |c| c.res == Res::EndpointSlices && c.watch)
+        .await;
+    server
+        .wait_call(WAIT, |c| c.res == Res::Nodes && !c.watch)
+        .await;
+    assert!(rx.borrow().is_none());
+    quiet(&mut rx, "the Node list is still held").await;
+    assert!(rx.borrow().is_none());
+
+    server.hold_lists(Res::Nodes, false);
+    let first = next(&mut rx).await;
+    assert_eq!(services(&first), ["default/a", "default/b", "default/c"]);
+    assert_eq!(slices(&first), ["default/a-1"]);
+    assert_eq!(addresses(&first, "a-1").unwrap(), ["10.0.0.1"]);
+    assert_eq!(nodes(&first), ["node-1"]);
+    assert!(first.errors.is_empty());
+    assert!(
+        first.nodes[0].metadata.managed_fields.is_none(),
+        "managedFields are dropped"
+    );
+
+    // The three Services came in two pages.
+    let lists = server.calls_of(Res::Services, false);
+    assert_eq!(lists.len(), 2, "{lists:#?}");
+    assert_eq!(lists[0].param("limit"), Some("2"));
+    assert_eq!(lists[0].param("continue"), None);
+    assert!(lists[1].param("continue").is_some(), "{lists:#?}");
+    quiet(&mut rx, "nothing changed after the first snapshot").await;
+}
+
+#[tokio::test]
+async fn changes_are_published_in_order_and_bursts_are_debounced() {
+    let server = FakeApiServer::start().await;
+    seed(&server);
+    let (mut rx, first) = started(&server, KubeWatchOptions::default()).await;
+    assert_eq!(services(&first), ["default/a"]);
+
+    // ADDED
+    server.apply(Res::Services, service("b", "10.96.0.2", &[]));
+    server.apply(Res::EndpointSlices, slice("b-1", "b", &["10.0.1.1"], &[]));
+    until(&mut rx, "Service b and slice b-1", |o| {
+        services(o) == ["default/a", "default/b"] && addresses(o, "b-1").is_some()
+    })
+    .await;
+
+    // MODIFIED
+    server.apply(
+        Res::EndpointSlices,
+        slice("b-1", "b", &["10.0.1.1", "10.0.1.2"], &[]),
+    );
+    let seen = until(&mut rx, "two endpoints in b-1", |o| {
+        addresses(o, "b-1").is_some_and(|a| a == ["10.0.1.1", "10.0.1.2"])
+    })
+    .await;
+    assert_eq!(seen.len(), 1);
+
+    // DELETED
+    server.delete(Res::Services, "default", "b");
+    let seen = until(&mut rx, "Service b gone", |o| services(o) == ["default/a"]).await;
+    assert_eq!(seen.len(), 1);
+    assert_eq!(slices(&seen[0]), ["default/a-1", "default/b-1"]);
+
+    // A burst of 20 changes to one slice.
+    for i in 1..=20 {
+        let address = format!("10.0.2.{i}");
+        server.apply(
+            Res::EndpointSlices,
+            slice("a-1", "a", &[address.as_str()], &[]),
+        );
+    }
+    let seen = until(&mut rx, "the last change of the burst", |o| {
+        addresses(o, "a-1").is_some_and(|a| a == ["10.0.2.20"])
+    })
+    .await;
+    assert!(
+        seen.len() <= 4,
+        "20 changes made {} snapshots; expected them coalesced",
+        seen.len()
+    );
+    // Ordered: intermediate snapshots only ever move forward through the burst.
+    let steps: Vec<u32> = seen
+        .iter()
+        .map(|o| {
+            let a = addresses(o, "a-1").unwrap();
+            a[0].rsplit('.').next().unwrap().parse().unwrap()
+        })
+        .collect();
+    assert!(steps.windows(2).all(|w| w[0] < w[1]), "{steps:?}");
+    let last = seen.last().unwrap();
+    assert_eq!(services(last), ["default/a"]);
+    assert_eq!(slices(last), ["default/a-1", "default/b-1"]);
+    quiet(&mut rx, "the burst is over").await;
+}
+
+#[tokio::test]
+async fn watch_expired_410_relists_and_sees_changes_made_in_the_gap() {
+    let server = FakeApiServer::start().await;
+    seed(&server);
+    server.apply(Res::EndpointSlices, slice("a-2", "a", &["10.0.0.2"], &[]));
+    let (mut rx, first) = started(&server, KubeWatchOptions::default()).await;
+    assert_eq!(slices(&first), ["default/a-1", "default/a-2"]);
+
+    // The slice watch ends with 410 Gone; the client must list again. Hold that list
+    // until the gap's changes are made, so no watch can have seen them.
+    server.hold_lists(Res::EndpointSlices, true);
+    server.expire_watches(Res::EndpointSlices);
+    server
+        .wait_calls(WAIT, |calls| count(calls, Res::EndpointSlices, false) == 2)
+        .await;
+    server.delete(Res::EndpointSlices, "default", "a-2");
+    server.apply(Res::EndpointSlices, slice("a-3", "a", &["10.0.0.3"], &[]));
+    quiet(&mut rx, "the relist is held; the last snapshot stays").await;
+    assert_eq!(
+        slices(rx.borrow().as_deref().unwrap()),
+        ["default/a-1", "default/a-2"]
+    );
+
+    server.hold_lists(Res::EndpointSlices, false);
+    let seen = until(&mut rx, "a-2 gone and a-3 there", |o| {
+        slices(o) == ["default/a-1", "default/a-3"]
+    })
+    .await;
+    assert_eq!(seen.len(), 1, "the relist replaces the cache at once");
+    assert_eq!(services(&seen[0]), ["default/a"]);
+    assert_eq!(nodes(&seen[0]), ["node-1"]);
+    assert_eq!(server.delivered(Res::EndpointSlices, "DELETED", "a-2"), 0);
+    assert_eq!(server.delivered(Res::EndpointSlices, "ADDED", "a-3"), 0);
+    // Only slices were listed again.
+    let calls = server.calls();
+    assert_eq!(count(&calls, Res::Services, false), 1);
+    assert_eq!(count(&calls, Res::Nodes, false), 1);
+
+    // Changes flow again on the new watch.
+    server.wait_watching(Res::EndpointSlices, 1, WAIT).await;
+    server.delete(Res::EndpointSlices, "default", "a-3");
+    until(&mut rx, "a-3 deleted", |o| slices(o) == ["default/a-1"]).await;
+}
+
+#[tokio::test]
+async fn resuming_from_a_compacted_version_gets_410_and_relists() {
+    let server = FakeApiServer::start().await;
+    seed(&server);
+    server.apply(Res::EndpointSlices, slice("a-2", "a", &["10.0.0.2"], &[]));
+    let (mut rx, _) = started(&server, KubeWatchOptions::default()).await;
+    let listed_at = server.calls_of(Res::EndpointSlices, true)[0]
+        .param("resourceVersion")
+        .map(str::to_owned);
+
+    // The watch ends as on a server-side timeout; the client resumes from its
+    // resourceVersion, but meanwhile a-2 was deleted and history compacted.
+    server.hold_watches(Res::EndpointSlices, true);
+    server.drop_watches(Res::EndpointSlices, false);
+    let calls = server
+        .wait_calls(WAIT, |calls| count(calls, Res::EndpointSlices, true) == 2)
+        .await;
+    let resumed = calls
+        .iter()
+        .filter(|c| c.res == Res::EndpointSlices && c.watch)
+        .nth(1)
+        .unwrap();
+    assert_eq!(resumed.param("resourceVersion"), listed_at.as_deref());
+    server.delete(Res::EndpointSlices, "default", "a-2");
+    server.compact(Res::EndpointSlices);
+    server.hold_watches(Res::EndpointSlices, false);
+
+    let seen = until(&mut rx, "a-2 gone", |o| slices(o) == ["default/a-1"]).await;
+    assert_eq!(seen.len(), 1);
+    assert_eq!(count(&server.calls(), Res::EndpointSlices, false), 2);
+    assert_eq!(server.delivered(Res::EndpointSlices, "DELETED", "a-2"), 0);
+}
+
+#[tokio::test]
+async fn a_broken_watch_connection_resumes_without_losing_changes() {
+    let server = FakeApiServer::start().await;
+    seed(&server);
+    let (mut rx, _) = started(&server, KubeWatchOptions::default()).await;
+
+    server.drop_watches(Res::Services, true);
+    server.apply(Res::Services, service("b", "10.96.0.2", &[]));
+    let seen = until(&mut rx, "Service b", |o| {
+        services(o) == ["default/a", "default/b"]
+    })
+    .await;
+    assert!(seen.iter().all(|o| slices(o) == ["default/a-1"]));
+
+    // Resumed from the last resourceVersion, not listed again.
+    let calls = server.calls();
+    assert_eq!(count(&calls, Res::Services, false), 1);
+    let watches = server.calls_of(Res::Services, true);
+    assert_eq!(watches.len(), 2, "{watches:#?}");
+    assert_eq!(
+        watches[0].param("resourceVersion"),
+        watches[1].param("resourceVersion")
+    );
+}
+
+#[tokio::test]
+async fn an_api_server_outage_keeps_the_last_snapshot() {
+    let server = FakeApiServer::start().await;
+    seed(&server);
+    let (mut rx, first) = started(&server, KubeWatchOptions::default()).await;
+
+    server.stop().await;
+    assert!(
+        tokio::net::TcpStream::connect(server.addr()).await.is_err(),
+        "connections are refused"
+    );
+    // Written while no client can connect.
+    server.apply(Res::Services, service("b", "10.96.0.2", &[]));
+    // About a second of outage: nothing is published, the last snapshot stays.
+    assert!(
+        timeout(Duration::from_secs(1), rx.changed()).await.is_err(),
+        "published during the outage"
+    );
+    assert!(Arc::ptr_eq(rx.borrow().as_ref().unwrap(), &first));
+
+    server.resume().await;
+    let seen = until(&mut rx, "Service b after the outage", |o| {
+        services(o) == ["default/a", "default/b"]
+    })
+    .await;
+    for o in &seen {
+        assert_eq!(slices(o), ["default/a-1"], "never an emptied snapshot");
+        assert_eq!(nodes(o), ["node-1"]);
+    }
+    // Changes flow again.
+    server.wait_watching(Res::EndpointSlices, 1, WAIT).await;
+    server.apply(Res::EndpointSlices, slice("a-1", "a", &["10.0.0.9"], &[]));
+    until(&mut rx, "the new endpoint", |o| {
+        addresses(o, "a-1").is_some_and(|a| a == ["10.0.0.9"])
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn requests_use_kube_proxys_label_selectors() {
+    let server = FakeApiServer::start().await;
+    server.apply(Res::Services, service("a", "10.96.0.1", &[]));
+    let other = [(PROXY_NAME, "other-proxy")];
+    server.apply(Res::Services, service("other", "10.96.0.5", &other));
+    server.apply(
+        Res::Services,
+        service("marked", "10.96.0.6", &[(HEADLESS, "")]),
+    );
+    server.apply(Res::EndpointSlices, slice("a-1", "a", &["10.0.0.1"], &[]));
+    server.apply(
+        Res::EndpointSlices,
+        slice("other-1", "other", &["10.0.0.5"], &other),
+    );
+    server.apply(
+        Res::EndpointSlices,
+        slice("h-1", "h", &["10.0.0.6"], &[(HEADLESS, "")]),
+    );
+    server.apply(
+        Res::EndpointSlices,
+        slice_with_labels("orphan", &["10.0.0.7"], &[]),
+    );
+    server.apply(Res::Nodes, node("node-1"));
+    server.apply(Res::Nodes, node("node-2"));
+
+    let options = KubeWatchOptions {
+        node_name: Some("node-1".into()),
+        ..KubeWatchOptions::default()
+    };
+    let (mut rx, first) = started(&server, options).await;
+    assert_eq!(services(&first), ["default/a"]);
+    assert_eq!(slices(&first), ["default/a-1"]);
+    assert_eq!(nodes(&first), ["node-1"]);
+
+    // A Service labelled for another proxy later leaves the selection.
+    server.apply(Res::Services, service("a", "10.96.0.1", &other));
+    let seen = until(&mut rx, "Service a gone", |o| o.services.is_empty()).await;
+    assert_eq!(slices(seen.last().unwrap()), ["default/a-1"]);
+    assert_eq!(server.delivered(Res::Services, "DELETED", "a"), 1);
+
+    let calls = server.calls();
+    assert!(count(&calls, Res::Services, true) >= 1);
+    for call in &calls {
+        let (labels, fields) = (call.param("labelSelector"), call.param("fieldSelector"));
+        match call.res {
+            Res::Services => assert_eq!(
+                (labels, fields),
+                (
+                    Some(
+                        "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless"
+                    ),
+                    None
+                ),
+                "{call:?}"
+            ),
+            Res::EndpointSlices => assert_eq!(
+                (labels, fields),
+                (
+                    Some(
+                        "kubernetes.io/service-name,!service.kubernetes.io/service-proxy-name,\
+                         !service.kubernetes.io/headless"
+                    ),
+                    None
+                ),
+                "{call:?}"
+            ),
+            Res::Nodes => assert_eq!(
+                (labels, fields),
+                (None, Some("metadata.name=node-1")),
+                "{call:?}"
+            ),
+        }
+    }
+    assert_eq!(
+        kube_source::SERVICE_LABEL_SELECTOR,
+        "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless"
+    );
+}
+
+#[tokio::test]
+async fn bookmarks_publish_nothing_but_move_the_resume_point() {
+    let server = FakeApiServer::start().await;
+    seed(&server);
+    let (mut rx, _) = started(&server, KubeWatchOptions::default()).await;
+    assert!(server
+        .calls_of(Res::Services, true)
+        .iter()
+        .all(|c| c.param("allowWatchBookmarks") == Some("true")));
+
+    // Other resources moved the resourceVersion on; bookmarks say so.
+    server.advance(5);
+    let at = server.bookmark(Res::Services);
+    server.bookmark(Res::EndpointSlices);
+    server.bookmark(Res::Nodes);
+    assert_eq!(server.delivered(Res::Services, "BOOKMARK", ""), 1);
+    quiet(&mut rx, "bookmarks change no object").await;
+
+    // The watch ends cleanly; the client resumes from the bookmark's version.
+    server.drop_watches(Res::Services, false);
+    let at = at.to_string();
+    server
+        .wait_call(WAIT, |c| {
+            c.res == Res::Services && c.watch && c.param("resourceVersion") == Some(at.as_str())
+        })
+        .await;
+    quiet(&mut rx, "resuming a watch changes no object").await;
+
+    server.apply(Res::Services, service("b", "10.96.0.2", &[]));
+    let seen = until(&mut rx, "Service b", |o| {
+        services(o) == ["default/a", "default/b"]
+    })
+    .await;
+    assert_eq!(seen.len(), 1);
+}
+
+#[tokio::test]
+async fn a_relist_that_finds_nothing_new_publishes_nothing() {
+    let server = FakeApiServer::start().await;
+    seed(&server);
+    let (mut rx, _) = started(&server, KubeWatchOptions::default()).await;
+
+    server.expire_watches(Res::Services);
+    // The watch after the relist starts once the relist has been taken in.
+    server
+        .wait_calls(WAIT, |calls| count(calls, Res::Services, true) == 2)
+        .await;
+    assert_eq!(server.calls_of(Res::Services, false).len(), 2);
+    quiet(&mut rx, "the relist found the same objects").await;
+}
