@@ -15,16 +15,25 @@ use crate::maps::{MapsError, PinnedMaps};
 use crate::model::DesiredState;
 use crate::ops::{self, AgentStatus, BindAddress, OpsServer, Routes, ServeConfig};
 use crate::reconcile;
-use crate::source::{self, files, yaml::Objects, SourceOptions};
+use crate::source::{self, files, kube, yaml::Objects, SourceOptions};
 use crate::sys::{self, SysError};
 
 /// How long to wait before retrying a service table the kernel refused.
 const RETRY_INTERVAL: Duration = Duration::from_secs(1);
 
+/// Where Services and EndpointSlices come from.
+#[derive(Clone, Debug)]
+pub enum ObjectSource {
+    /// A YAML/JSON manifest file or a directory of them, followed for changes.
+    Files(PathBuf),
+    /// The API server: this kubeconfig, else in-cluster config, else the default
+    /// kubeconfig.
+    Kubernetes { kubeconfig: Option<PathBuf> },
+}
+
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
-    /// A YAML/JSON manifest file or a directory of them.
-    pub services_file: PathBuf,
+    pub source: ObjectSource,
     /// cgroup v2 directory the socket hooks attach to.
     pub cgroup: PathBuf,
     pub pin: PinLayout,
@@ -61,6 +70,8 @@ pub enum AgentError {
     Maps(#[from] MapsError),
     #[error(transparent)]
     Ops(#[from] ops::OpsError),
+    #[error(transparent)]
+    Kube(#[from] kube::KubeSourceError),
     #[error("cannot install signal handler: {0}")]
     Signal(#[source] std::io::Error),
 }
@@ -98,7 +109,21 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
 
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(AgentError::Signal)?;
-    let mut objects = files::watch(config.services_file.clone(), config.poll_interval);
+    let mut objects = match &config.source {
+        ObjectSource::Files(path) => files::watch(path.clone(), config.poll_interval),
+        ObjectSource::Kubernetes { kubeconfig } => {
+            let client = kube::client(kubeconfig.as_deref()).await?;
+            // Nothing is written to the maps until every cache has listed once: the
+            // receiver stays empty until then.
+            kube::watch(
+                client,
+                kube::KubeWatchOptions {
+                    node_name: Some(config.node_name.clone()),
+                    ..Default::default()
+                },
+            )
+        }
+    };
     let options = SourceOptions {
         node_name: config.node_name.clone(),
         node_ips: config.node_ips.clone(),
@@ -168,6 +193,16 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
 /// Applies kube-proxy's semantics to the objects; bad objects are logged and skipped
 /// so the rest still applies.
 fn interpret(objects: &Objects, options: &SourceOptions, status: &AgentStatus) -> DesiredState {
+    let from_node;
+    let options = if options.node_ips.is_empty() && !objects.nodes.is_empty() {
+        from_node = SourceOptions {
+            node_ips: node_addresses(&objects.nodes, &options.node_name),
+            ..options.clone()
+        };
+        &from_node
+    } else {
+        options
+    };
     for error in &objects.errors {
         warn!("skipped: {error}");
     }
@@ -177,6 +212,22 @@ fn interpret(objects: &Objects, options: &SourceOptions, status: &AgentStatus) -
     }
     status.record_object_errors(objects.errors.len() + errors.len());
     desired
+}
+
+/// This node's IPv4 InternalIP/ExternalIP addresses from its Node object: where
+/// NodePorts are served when `--node-ip` does not say.
+fn node_addresses(
+    nodes: &[k8s_openapi::api::core::v1::Node],
+    node_name: &str,
+) -> Vec<std::net::Ipv4Addr> {
+    nodes
+        .iter()
+        .filter(|n| n.metadata.name.as_deref() == Some(node_name))
+        .filter_map(|n| n.status.as_ref()?.addresses.as_ref())
+        .flatten()
+        .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
+        .filter_map(|a| a.address.parse().ok())
+        .collect()
 }
 
 /// The health/metrics listeners: one serving both when the addresses are equal.

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use lb_userspace::agent::{self, AgentConfig};
+use lb_userspace::agent::{self, AgentConfig, ObjectSource};
 use lb_userspace::loader::{self, MapSizes, PinLayout, TcConfig};
 use lb_userspace::maps::PinnedMaps;
 use lb_userspace::ops::{self, BindAddress};
@@ -51,9 +51,14 @@ enum Command {
 
 #[derive(clap::Args)]
 struct AgentArgs {
-    /// Kubernetes YAML/JSON (Service, EndpointSlice, List): a file or a directory.
+    /// Read Services and EndpointSlices from Kubernetes YAML/JSON (Service,
+    /// EndpointSlice, List) in a file or a directory instead of the API server.
+    #[arg(long, conflicts_with = "kubeconfig")]
+    services_file: Option<PathBuf>,
+    /// Follow the API server with this kubeconfig (default without --services-file:
+    /// in-cluster config, else $KUBECONFIG or ~/.kube/config).
     #[arg(long)]
-    services_file: PathBuf,
+    kubeconfig: Option<PathBuf>,
     /// cgroup v2 directory to attach to (default: the cgroup v2 root).
     #[arg(long)]
     cgroup: Option<PathBuf>,
@@ -194,7 +199,12 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
         None => sys::cgroup2_root()?,
     };
     let config = AgentConfig {
-        services_file: args.services_file,
+        source: match args.services_file {
+            Some(path) => ObjectSource::Files(path),
+            None => ObjectSource::Kubernetes {
+                kubeconfig: args.kubeconfig,
+            },
+        },
         cgroup,
         pin: layout,
         node_name: args.node_name.unwrap_or_else(hostname),
