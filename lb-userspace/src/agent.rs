@@ -85,6 +85,22 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         info!(addr = %server.local_addr(), "serving health/metrics");
         tokio::spawn(server.run());
     }
+    // The source first: a bad kubeconfig fails the start before anything attaches.
+    let mut objects = match &config.source {
+        ObjectSource::Files(path) => files::watch(path.clone(), config.poll_interval),
+        ObjectSource::Kubernetes { kubeconfig } => {
+            let client = kube::client(kubeconfig.as_deref()).await?;
+            // Nothing is written to the maps until every cache has listed once: the
+            // receiver stays empty until then.
+            kube::watch(
+                client,
+                kube::KubeWatchOptions {
+                    node_name: Some(config.node_name.clone()),
+                    ..Default::default()
+                },
+            )
+        }
+    };
     sys::ensure_bpffs(config.pin.root())?;
     let object = loader::kernel_object(config.bpf_object.as_deref())?;
     loader::load_and_attach(
@@ -109,21 +125,6 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
 
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(AgentError::Signal)?;
-    let mut objects = match &config.source {
-        ObjectSource::Files(path) => files::watch(path.clone(), config.poll_interval),
-        ObjectSource::Kubernetes { kubeconfig } => {
-            let client = kube::client(kubeconfig.as_deref()).await?;
-            // Nothing is written to the maps until every cache has listed once: the
-            // receiver stays empty until then.
-            kube::watch(
-                client,
-                kube::KubeWatchOptions {
-                    node_name: Some(config.node_name.clone()),
-                    ..Default::default()
-                },
-            )
-        }
-    };
     let options = SourceOptions {
         node_name: config.node_name.clone(),
         node_ips: config.node_ips.clone(),

@@ -1,7 +1,7 @@
 //! Running the `lb` agent under test, and reading its view of the maps back with
 //! `lb services --json`.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::{Path, PathBuf};
@@ -12,6 +12,7 @@ use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 
 use crate::cgroup::Cgroup;
+use crate::netns::NetNs;
 use crate::process::{Child, Spawner};
 use crate::util::{poll, run, unique_name};
 
@@ -84,6 +85,10 @@ pub struct FrontendJson {
     pub ip: Ipv4Addr,
     pub port: u16,
     pub protocol: String,
+    /// `internal` or `external` (the entry for traffic from outside the cluster
+    /// under `externalTrafficPolicy: Local`).
+    #[serde(default)]
+    pub scope: String,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -92,6 +97,9 @@ pub struct BackendJson {
     pub id: u32,
     pub ip: Ipv4Addr,
     pub port: u16,
+    /// The endpoint runs on the agent's node.
+    #[serde(default)]
+    pub local: bool,
 }
 
 impl ServiceEntry {
@@ -119,6 +127,57 @@ pub fn find_frontend<'a>(
     entries.iter().find(|e| e.is(vip, port, protocol))
 }
 
+/// One flow of `lb conntrack --json`.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+pub struct CtFlow {
+    pub protocol: String,
+    pub client: SocketAddrV4,
+    pub frontend: SocketAddrV4,
+    pub backend: SocketAddrV4,
+    /// The source the backend sees when it is not the client (remote backend).
+    pub snat: Option<SocketAddrV4>,
+    pub state: String,
+    pub idle_ms: u64,
+}
+
+/// How to start an agent: what [`Agent::start`] takes, plus the network namespace to
+/// run in (interface names of `--iface`/`--pod-iface` are resolved there) and extra
+/// flags.
+#[derive(Clone)]
+pub struct AgentSpec<'a> {
+    pub services: &'a Path,
+    pub cgroup: &'a Cgroup,
+    pub node_name: &'a str,
+    pub netns: Option<&'a NetNs>,
+    pub extra_args: Vec<String>,
+}
+
+impl<'a> AgentSpec<'a> {
+    pub fn new(services: &'a Path, cgroup: &'a Cgroup, node_name: &'a str) -> Self {
+        AgentSpec {
+            services,
+            cgroup,
+            node_name,
+            netns: None,
+            extra_args: Vec::new(),
+        }
+    }
+
+    pub fn netns(mut self, ns: &'a NetNs) -> Self {
+        self.netns = Some(ns);
+        self
+    }
+
+    pub fn args<I, S>(mut self, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.extra_args.extend(args.into_iter().map(Into::into));
+        self
+    }
+}
+
 /// A running `lb agent`. Dropping it stops the agent, runs `lb cleanup` (detach and
 /// unpin), removes the pin dir, and prints the agent's log (shown by the test harness
 /// only when the test fails).
@@ -133,28 +192,45 @@ impl Agent {
     /// Start `lb agent` on `services` (file or dir), attaching to `cgroup`, pinning
     /// under a fresh `/sys/fs/bpf/lb-test-<unique>`.
     pub fn start(lb: &Path, services: &Path, cgroup: &Cgroup, node_name: &str) -> Result<Self> {
+        Self::start_with(lb, &AgentSpec::new(services, cgroup, node_name))
+    }
+
+    /// Start `lb agent` as `spec` says (network namespace, extra flags).
+    pub fn start_with(lb: &Path, spec: &AgentSpec<'_>) -> Result<Self> {
         ensure_bpffs()?;
         let pin_dir = Path::new(BPFFS).join(unique_name("lb-test"));
         fs::create_dir(&pin_dir).with_context(|| format!("creating {}", pin_dir.display()))?;
         // From here on the pin dir belongs to a guard-less local: build the Agent right
         // away so Drop covers it, or remove it if the spawn fails.
-        let spawned = Spawner::new(lb)
-            .label("lb agent")
-            .arg("agent")
-            .arg("--services-file")
-            .arg(services)
-            .arg("--cgroup")
-            .arg(cgroup.path())
-            .arg("--pin-dir")
-            .arg(&pin_dir)
-            .args(["--node-name", node_name])
-            // Agents run side by side here: kube-proxy's fixed ports would clash, so
-            // health goes to an ephemeral loopback port and metrics are off.
-            .args(["--healthz-bind-address", "127.0.0.1:0"])
-            .args(["--metrics-bind-address", ""])
-            // Plain log lines (see also lines::strip_ansi).
-            .env("NO_COLOR", "1")
-            .spawn();
+        let spawned = (|| {
+            let mut spawner = Spawner::new(lb).label(match spec.netns {
+                Some(_) => format!("lb agent {}", spec.node_name),
+                None => "lb agent".to_string(),
+            });
+            if let Some(ns) = spec.netns {
+                // Only the network namespace changes: bpffs and the cgroup mounts stay
+                // visible (see process.rs for why not `ip netns exec`).
+                spawner = spawner.netns(ns)?;
+            }
+            spawner
+                .arg("agent")
+                .arg("--services-file")
+                .arg(spec.services)
+                .arg("--cgroup")
+                .arg(spec.cgroup.path())
+                .arg("--pin-dir")
+                .arg(&pin_dir)
+                .args(["--node-name", spec.node_name])
+                // Agents run side by side here: kube-proxy's fixed ports would
+                // clash, so health goes to an ephemeral loopback port and metrics
+                // are off.
+                .args(["--healthz-bind-address", "127.0.0.1:0"])
+                .args(["--metrics-bind-address", ""])
+                .args(&spec.extra_args)
+                // Plain log lines (see also lines::strip_ansi).
+                .env("NO_COLOR", "1")
+                .spawn()
+        })();
         match spawned {
             Ok(child) => Ok(Agent {
                 child,
@@ -228,7 +304,23 @@ impl Agent {
         self.lb_command(&["services"])
     }
 
-    fn lb_command(&self, args: &[&str]) -> Result<String> {
+    /// `lb stats --pin-dir DIR --json`: counter name -> value.
+    pub fn stats(&self) -> Result<BTreeMap<String, u64>> {
+        let out = self.lb_command(&["stats", "--json"])?;
+        serde_json::from_str(&out)
+            .with_context(|| format!("`lb stats --json` printed unexpected output:\n{out}"))
+    }
+
+    /// `lb conntrack --pin-dir DIR --json`: the flows of the per-packet path.
+    pub fn conntrack(&self) -> Result<Vec<CtFlow>> {
+        let out = self.lb_command(&["conntrack", "--json"])?;
+        serde_json::from_str(&out)
+            .with_context(|| format!("`lb conntrack --json` printed unexpected output:\n{out}"))
+    }
+
+    /// `lb SUBCOMMAND --pin-dir DIR ARGS...` (run in the test's own namespace: it only
+    /// reads and writes pinned objects); its stdout.
+    pub fn lb_command(&self, args: &[&str]) -> Result<String> {
         let mut cmd = std::process::Command::new(&self.lb);
         cmd.args(&args[..1])
             .arg("--pin-dir")

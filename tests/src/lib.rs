@@ -14,6 +14,7 @@
 
 pub mod agent;
 pub mod cgroup;
+pub mod cluster;
 pub mod interrupt;
 pub mod lines;
 pub mod manifests;

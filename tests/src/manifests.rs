@@ -22,6 +22,8 @@ pub struct ServicePort {
     pub port: u32,
     pub target_port: u32,
     pub protocol: &'static str,
+    /// `nodePort` (for `type: NodePort`/`LoadBalancer` Services).
+    pub node_port: Option<u32>,
 }
 
 impl ServicePort {
@@ -39,7 +41,13 @@ impl ServicePort {
             port,
             target_port,
             protocol,
+            node_port: None,
         }
+    }
+
+    pub fn with_node_port(mut self, node_port: u32) -> Self {
+        self.node_port = Some(node_port);
+        self
     }
 }
 
@@ -53,6 +61,14 @@ pub struct Service {
     pub ports: Vec<ServicePort>,
     /// `sessionAffinity: ClientIP` with this timeout, or `None`.
     pub affinity_timeout_sec: Option<u32>,
+    /// `spec.type`: `ClusterIP` (default), `NodePort` or `LoadBalancer`.
+    pub service_type: &'static str,
+    /// `spec.externalTrafficPolicy` (written for NodePort and LoadBalancer Services).
+    pub external_traffic_policy: &'static str,
+    /// `spec.externalIPs`.
+    pub external_ips: Vec<String>,
+    /// `status.loadBalancer.ingress[].ip`.
+    pub load_balancer_ips: Vec<String>,
 }
 
 impl Service {
@@ -63,7 +79,37 @@ impl Service {
             ip_families: vec!["IPv4"],
             ports,
             affinity_timeout_sec: None,
+            service_type: "ClusterIP",
+            external_traffic_policy: "Cluster",
+            external_ips: Vec::new(),
+            load_balancer_ips: Vec::new(),
         }
+    }
+
+    /// `type: NodePort` (give the ports a node port with
+    /// [`ServicePort::with_node_port`]).
+    pub fn node_port(mut self) -> Self {
+        self.service_type = "NodePort";
+        self
+    }
+
+    /// `type: LoadBalancer` with these addresses in `status.loadBalancer.ingress`.
+    pub fn load_balancer<I: IntoIterator<Item = Ipv4Addr>>(mut self, ips: I) -> Self {
+        self.service_type = "LoadBalancer";
+        self.load_balancer_ips = ips.into_iter().map(|ip| ip.to_string()).collect();
+        self
+    }
+
+    /// `spec.externalIPs`.
+    pub fn with_external_ips<I: IntoIterator<Item = Ipv4Addr>>(mut self, ips: I) -> Self {
+        self.external_ips = ips.into_iter().map(|ip| ip.to_string()).collect();
+        self
+    }
+
+    /// `externalTrafficPolicy: Local`.
+    pub fn external_local(mut self) -> Self {
+        self.external_traffic_policy = "Local";
+        self
     }
 
     pub fn with_affinity(mut self, timeout_sec: u32) -> Self {
@@ -82,9 +128,26 @@ impl Service {
         for family in &self.ip_families {
             let _ = writeln!(y, "  - {family}");
         }
+        if !self.external_ips.is_empty() {
+            y += "  externalIPs:\n";
+            for ip in &self.external_ips {
+                let _ = writeln!(y, "  - {ip}");
+            }
+        }
+        let external = matches!(self.service_type, "NodePort" | "LoadBalancer");
+        if external {
+            let _ = writeln!(
+                y,
+                "  externalTrafficPolicy: {}",
+                self.external_traffic_policy
+            );
+        }
         y += "  ipFamilyPolicy: SingleStack\n  ports:\n";
         for p in &self.ports {
             let _ = writeln!(y, "  - name: {}", p.name);
+            if let Some(node_port) = p.node_port {
+                let _ = writeln!(y, "    nodePort: {node_port}");
+            }
             let _ = writeln!(y, "    port: {}", p.port);
             let _ = writeln!(y, "    protocol: {}", p.protocol);
             let _ = writeln!(y, "    targetPort: {}", p.target_port);
@@ -97,7 +160,15 @@ impl Service {
             }
             None => y += "  sessionAffinity: None\n",
         }
-        y += "  type: ClusterIP\nstatus:\n  loadBalancer: {}\n";
+        let _ = writeln!(y, "  type: {}", self.service_type);
+        if self.load_balancer_ips.is_empty() {
+            y += "status:\n  loadBalancer: {}\n";
+        } else {
+            y += "status:\n  loadBalancer:\n    ingress:\n";
+            for ip in &self.load_balancer_ips {
+                let _ = writeln!(y, "    - ip: {ip}\n      ipMode: VIP");
+            }
+        }
         y
     }
 }
@@ -151,6 +222,12 @@ impl Endpoint {
 
     pub fn with_conditions(mut self, conditions: Conditions) -> Self {
         self.conditions = conditions;
+        self
+    }
+
+    /// `nodeName` (default [`NODE_NAME`]).
+    pub fn on_node(mut self, node: &str) -> Self {
+        self.node = node.into();
         self
     }
 }
@@ -370,6 +447,31 @@ mod tests {
             assert!(y.contains(needle), "{needle:?} missing in\n{y}");
         }
         assert!(web().to_yaml().contains("  sessionAffinity: None\n"));
+    }
+
+    #[test]
+    fn external_service_yaml_has_kubectl_shape() {
+        let svc = Service::new(
+            "web",
+            Ipv4Addr::new(10, 96, 0, 10),
+            vec![ServicePort::tcp("http", 80, 8080).with_node_port(30080)],
+        )
+        .load_balancer([Ipv4Addr::new(192, 168, 50, 201)])
+        .with_external_ips([Ipv4Addr::new(192, 168, 50, 200)])
+        .external_local();
+        let y = svc.to_yaml();
+        for needle in [
+            "  externalIPs:\n  - 192.168.50.200\n",
+            "  externalTrafficPolicy: Local\n",
+            "  - name: http\n    nodePort: 30080\n    port: 80\n",
+            "  type: LoadBalancer\n",
+            "status:\n  loadBalancer:\n    ingress:\n    - ip: 192.168.50.201\n",
+        ] {
+            assert!(y.contains(needle), "{needle:?} missing in\n{y}");
+        }
+        let plain = web().to_yaml();
+        assert!(!plain.contains("externalTrafficPolicy"), "{plain}");
+        assert!(!plain.contains("nodePort"), "{plain}");
     }
 
     #[test]

@@ -1,9 +1,10 @@
 //! Named network namespaces (`ip netns add`), deleted on drop.
 
 use std::fs::File;
+use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 
 use crate::util::ip;
 
@@ -45,6 +46,61 @@ impl NetNs {
         full.extend_from_slice(args);
         ip(&full)
     }
+}
+
+/// Where a namespace's IPv4 interface settings live, relative to /proc/sys.
+const IPV4_CONF: &str = "net/ipv4/conf";
+
+impl NetNs {
+    /// Write sysctls of this namespace: `(path below /proc/sys, value)`, e.g.
+    /// `("net/ipv4/ip_forward", "1")`. A `*` as the interface part of a path
+    /// (`net/ipv4/conf/*/rp_filter`) means every interface present now, `all` and
+    /// `default` included.
+    ///
+    /// /proc/sys/net shows the network namespace of the thread that opens it, so the
+    /// writes run on a short-lived thread that joined only this namespace (no external
+    /// tool, no other namespace touched).
+    pub fn sysctls(&self, settings: &[(&str, &str)]) -> Result<()> {
+        let ns = self.open()?;
+        let settings: Vec<(String, String)> = settings
+            .iter()
+            .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
+            .collect();
+        let name = self.name.clone();
+        std::thread::spawn(move || -> Result<()> {
+            // SAFETY: setns on a descriptor we own; it only changes this thread's
+            // network namespace, and the thread ends right after.
+            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                bail!("setns into {name}: {}", std::io::Error::last_os_error());
+            }
+            for (key, value) in &settings {
+                for path in expand_sysctl(key)? {
+                    std::fs::write(&path, value)
+                        .with_context(|| format!("writing {value} to {path} in {name}"))?;
+                }
+            }
+            Ok(())
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("sysctl thread panicked"))?
+    }
+}
+
+/// `/proc/sys/<key>`, with `conf/*/` expanded to every interface of the calling
+/// thread's namespace.
+fn expand_sysctl(key: &str) -> Result<Vec<String>> {
+    let wildcard = format!("{IPV4_CONF}/*/");
+    let Some(setting) = key.strip_prefix(&wildcard) else {
+        return Ok(vec![format!("/proc/sys/{key}")]);
+    };
+    let dir = format!("/proc/sys/{IPV4_CONF}");
+    let mut paths = Vec::new();
+    for entry in std::fs::read_dir(&dir).with_context(|| format!("listing {dir}"))? {
+        let entry = entry?;
+        paths.push(format!("{dir}/{}/{setting}", entry.file_name().to_string_lossy()));
+    }
+    paths.sort();
+    Ok(paths)
 }
 
 impl Drop for NetNs {

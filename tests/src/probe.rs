@@ -2,6 +2,7 @@
 //! writes it, and the tests and demo, which read it.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::{Ipv4Addr, SocketAddrV4};
 
 use serde::{Deserialize, Serialize};
 
@@ -83,4 +84,147 @@ pub struct UdpConnectedReport {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct HoldHello {
     pub backend: String,
+    /// The connection's local address (`getsockname`, "ip:port").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local: Option<String>,
+}
+
+/// One answer of an lb-echo `--whoami-port`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, PartialOrd, Ord)]
+pub struct WhoamiAnswer {
+    /// The backend that answered.
+    pub backend: String,
+    /// The client address as the backend saw it ("ip:port").
+    pub seen: String,
+    /// The client's own local address ("ip:port").
+    pub local: String,
+    /// TCP: `getpeername()`; UDP: the source of the answer (`recvfrom`).
+    pub peer: String,
+}
+
+impl WhoamiAnswer {
+    /// The IP part of `seen`.
+    pub fn seen_ip(&self) -> Option<Ipv4Addr> {
+        self.seen.parse::<SocketAddrV4>().ok().map(|a| *a.ip())
+    }
+
+    /// Whether the backend saw the client's own port.
+    pub fn port_kept(&self) -> bool {
+        let port = |s: &str| s.parse::<SocketAddrV4>().ok().map(|a| a.port());
+        port(&self.seen).is_some() && port(&self.seen) == port(&self.local)
+    }
+}
+
+/// `lb-probe whoami`: TCP connections (or UDP datagrams) to a whoami port.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct WhoamiReport {
+    #[serde(flatten)]
+    pub tally: Tally,
+    pub answers: Vec<WhoamiAnswer>,
+    /// Longest connect() of all attempts (TCP), failed ones included, in milliseconds.
+    pub max_connect_ms: f64,
+}
+
+impl WhoamiReport {
+    /// Distinct client IPs that `backend` saw.
+    pub fn seen_ips(&self, backend: &str) -> BTreeSet<Ipv4Addr> {
+        self.answers
+            .iter()
+            .filter(|a| a.backend == backend)
+            .filter_map(WhoamiAnswer::seen_ip)
+            .collect()
+    }
+
+    /// Distinct peers (`getpeername`/`recvfrom` source) over all answers.
+    pub fn peers(&self) -> BTreeSet<&str> {
+        self.answers.iter().map(|a| a.peer.as_str()).collect()
+    }
+}
+
+/// `lb-probe bulk`: one TCP connection that sends a pseudo-random stream and checks
+/// that exactly the same bytes come back.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct BulkReport {
+    /// Greeting of the backend (its name); empty if the connection failed first.
+    pub backend: String,
+    pub peer: String,
+    pub local: String,
+    pub bytes_sent: u64,
+    /// Bytes received back and compared equal (a prefix of the stream).
+    pub bytes_verified: u64,
+    /// Offset of the first byte that came back different, if any.
+    pub mismatch_at: Option<u64>,
+    /// Why the transfer stopped early, if it did.
+    pub error: Option<String>,
+    pub elapsed_ms: f64,
+}
+
+impl BulkReport {
+    /// Everything sent came back, byte for byte, and nothing else.
+    pub fn complete(&self, bytes: u64) -> bool {
+        self.error.is_none()
+            && self.mismatch_at.is_none()
+            && self.bytes_sent == bytes
+            && self.bytes_verified == bytes
+    }
+}
+
+/// The byte stream of `lb-probe bulk`: xorshift64* from a seed, so the receiver can
+/// regenerate and compare what it expects without keeping a copy.
+#[derive(Clone, Debug)]
+pub struct PatternStream {
+    state: u64,
+    word: [u8; 8],
+    used: usize,
+}
+
+impl PatternStream {
+    pub fn new(seed: u64) -> Self {
+        PatternStream {
+            // xorshift must not start at 0.
+            state: (seed ^ 0x9e37_79b9_7f4a_7c15) | 1,
+            word: [0; 8],
+            used: 8,
+        }
+    }
+
+    /// Fill `buf` with the next bytes of the stream.
+    pub fn fill(&mut self, buf: &mut [u8]) {
+        for b in buf {
+            if self.used == 8 {
+                self.state ^= self.state >> 12;
+                self.state ^= self.state << 25;
+                self.state ^= self.state >> 27;
+                self.word = self
+                    .state
+                    .wrapping_mul(0x2545_f491_4f6c_dd1d)
+                    .to_le_bytes();
+                self.used = 0;
+            }
+            *b = self.word[self.used];
+            self.used += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PatternStream;
+
+    #[test]
+    fn pattern_is_deterministic_whatever_the_chunking() {
+        let mut whole = vec![0u8; 1000];
+        PatternStream::new(7).fill(&mut whole);
+        let mut pieces = vec![0u8; 1000];
+        let mut s = PatternStream::new(7);
+        for chunk in pieces.chunks_mut(13) {
+            s.fill(chunk);
+        }
+        assert_eq!(whole, pieces);
+        let mut other = vec![0u8; 1000];
+        PatternStream::new(8).fill(&mut other);
+        assert_ne!(whole, other);
+        // Not trivially repetitive.
+        assert!(whole.windows(8).take(100).any(|w| w != &whole[..8]));
+    }
 }

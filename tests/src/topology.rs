@@ -72,8 +72,43 @@ impl Pod {
         &self.ns
     }
 
+    /// Create namespace `ns_name` holding pod `name`: its eth0 (`ip`/24, default
+    /// route via `gateway`) is a veth whose other end, `host_if`, is put in
+    /// `host` as a port of `bridge`.
+    pub fn create(
+        name: &str,
+        ns_name: &str,
+        ip: Ipv4Addr,
+        gateway: Ipv4Addr,
+        host: &NetNs,
+        bridge: &str,
+        host_if: &str,
+    ) -> Result<Pod> {
+        // IFNAMSIZ allows 15 characters.
+        ensure!(host_if.len() <= 15, "interface name {host_if} too long");
+        let ns = NetNs::create(ns_name)?;
+        host.ip(&[
+            "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", ns_name,
+        ])?;
+        host.ip(&["link", "set", host_if, "master", bridge, "up"])?;
+        ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
+        ns.ip(&["link", "set", "eth0", "up"])?;
+        ns.ip(&["route", "add", "default", "via", &gateway.to_string()])?;
+        Ok(Pod {
+            server: None,
+            name: name.to_string(),
+            ip,
+            ns,
+        })
+    }
+
     /// Start `lb-echo --name <pod> --port P...` in this pod and wait until it is bound.
     pub fn start_echo(&mut self, echo_bin: &Path, ports: &[u16]) -> Result<()> {
+        self.start_echo_with(echo_bin, ports, &[])
+    }
+
+    /// [`Pod::start_echo`] with more lb-echo arguments (`--whoami-port P`, ...).
+    pub fn start_echo_with(&mut self, echo_bin: &Path, ports: &[u16], extra: &[String]) -> Result<()> {
         let mut spawner = Spawner::new(echo_bin)
             .label(format!("lb-echo {}", self.name))
             .netns(&self.ns)?
@@ -81,7 +116,7 @@ impl Pod {
         for port in ports {
             spawner = spawner.args(["--port", &port.to_string()]);
         }
-        let server = spawner.spawn()?;
+        let server = spawner.args(extra).spawn()?;
         server
             .stdout
             .wait_for(ECHO_READY, |l| l.contains("listening"))
@@ -139,34 +174,17 @@ impl Topology {
 
     /// A namespace joined to the bridge with eth0 = `ip`/24, default route via br0.
     fn add_pod(&self, name: &str, ip: Ipv4Addr) -> Result<Pod> {
-        let ns = NetNs::create(&format!("{}-{name}", self.base))?;
         // The bridge-side name only has to be unique in the node namespace (which is
-        // ours alone); IFNAMSIZ allows 15 characters.
-        let host_if = format!("v{name}");
-        ensure!(host_if.len() <= 15, "interface name {host_if} too long");
-        self.node.ip(&[
-            "link",
-            "add",
-            &host_if,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            ns.name(),
-        ])?;
-        self.node
-            .ip(&["link", "set", &host_if, "master", "br0", "up"])?;
-        ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
-        ns.ip(&["link", "set", "eth0", "up"])?;
-        ns.ip(&["route", "add", "default", "via", &GATEWAY.to_string()])?;
-        Ok(Pod {
-            server: None,
-            name: name.to_string(),
+        // ours alone).
+        Pod::create(
+            name,
+            &format!("{}-{name}", self.base),
             ip,
-            ns,
-        })
+            GATEWAY,
+            &self.node,
+            "br0",
+            &format!("v{name}"),
+        )
     }
 
     /// Start lb-echo on `ports` in every backend pod.

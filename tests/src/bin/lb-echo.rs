@@ -5,11 +5,19 @@
 //! - TCP: on accept, writes `<name>\n`, then answers each line with `<name> <line>\n`.
 //! - UDP: answers each datagram with `<name>`.
 //!
+//! Optional extra ports (TCP and UDP unless said otherwise):
+//! - `--whoami-port P`: tells the client where it came from, as this pod saw it:
+//!   TCP writes `<name> <peer-ip>:<peer-port>\n` on accept and closes; UDP answers
+//!   each datagram with `<name> <peer-ip>:<peer-port>`. This is how a test checks
+//!   whether a backend saw the client's own address or a SNAT address.
+//! - `--bulk-port P` (TCP only): writes `<name>\n`, then echoes every byte it
+//!   receives until the client closes its side, then closes too.
+//!
 //! The name in every answer is how a test learns which backend it reached. Threads and
 //! std only: it has to start fast and never be the thing under test.
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::{Ipv4Addr, TcpListener, TcpStream, UdpSocket};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Ipv4Addr, Shutdown, TcpListener, TcpStream, UdpSocket};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::thread;
@@ -17,28 +25,40 @@ use std::thread;
 struct Args {
     name: String,
     ports: Vec<u16>,
+    whoami_ports: Vec<u16>,
+    bulk_ports: Vec<u16>,
+}
+
+fn parse_port(v: &str) -> Result<u16, String> {
+    v.parse().map_err(|e| format!("bad port {v}: {e}"))
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut name = None;
     let mut ports = Vec::new();
+    let mut whoami_ports = Vec::new();
+    let mut bulk_ports = Vec::new();
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut value = || args.next().ok_or(format!("{arg} needs a value"));
         match arg.as_str() {
             "--name" => name = Some(value()?),
-            "--port" => {
-                let v = value()?;
-                ports.push(v.parse().map_err(|e| format!("bad port {v}: {e}"))?);
-            }
+            "--port" => ports.push(parse_port(&value()?)?),
+            "--whoami-port" => whoami_ports.push(parse_port(&value()?)?),
+            "--bulk-port" => bulk_ports.push(parse_port(&value()?)?),
             other => return Err(format!("unknown argument {other}")),
         }
     }
     let name = name.ok_or("--name is required")?;
-    if ports.is_empty() {
+    if ports.is_empty() && whoami_ports.is_empty() && bulk_ports.is_empty() {
         return Err("at least one --port is required".into());
     }
-    Ok(Args { name, ports })
+    Ok(Args {
+        name,
+        ports,
+        whoami_ports,
+        bulk_ports,
+    })
 }
 
 fn serve_tcp_conn(name: &str, stream: TcpStream) -> std::io::Result<()> {
@@ -50,50 +70,112 @@ fn serve_tcp_conn(name: &str, stream: TcpStream) -> std::io::Result<()> {
     Ok(())
 }
 
-fn serve_tcp(name: Arc<str>, listener: TcpListener) {
+/// `--whoami-port`: the peer address as this end sees it, then close.
+fn serve_whoami_conn(name: &str, mut stream: TcpStream) -> std::io::Result<()> {
+    let peer = stream.peer_addr()?;
+    stream.write_all(format!("{name} {peer}\n").as_bytes())?;
+    stream.flush()
+}
+
+/// `--bulk-port`: greeting, then every byte back until the client's EOF.
+fn serve_bulk_conn(name: &str, stream: TcpStream) -> std::io::Result<()> {
+    let mut writer = stream.try_clone()?;
+    writer.write_all(format!("{name}\n").as_bytes())?;
+    let mut reader = stream;
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = reader.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        writer.write_all(&buf[..n])?;
+    }
+    writer.shutdown(Shutdown::Write)
+}
+
+type ConnHandler = fn(&str, TcpStream) -> std::io::Result<()>;
+
+fn serve_tcp(name: Arc<str>, listener: TcpListener, handler: ConnHandler) {
     for stream in listener.incoming() {
         let Ok(stream) = stream else { continue };
         let name = Arc::clone(&name);
         // A connection's errors (client reset) only end that connection.
         thread::spawn(move || {
-            let _ = serve_tcp_conn(&name, stream);
+            let _ = handler(&name, stream);
         });
     }
 }
 
-fn serve_udp(name: Arc<str>, socket: UdpSocket) {
+fn serve_udp(name: Arc<str>, socket: UdpSocket, whoami: bool) {
     let mut buf = [0u8; 2048];
     loop {
         let Ok((_, from)) = socket.recv_from(&mut buf) else {
             continue;
         };
-        let _ = socket.send_to(name.as_bytes(), from);
+        let answer = if whoami {
+            format!("{name} {from}")
+        } else {
+            name.to_string()
+        };
+        let _ = socket.send_to(answer.as_bytes(), from);
     }
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Echo,
+    Whoami,
+    Bulk,
 }
 
 fn main() -> ExitCode {
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("lb-echo: {e}\nusage: lb-echo --name NAME --port PORT [--port PORT...]");
+            eprintln!(
+                "lb-echo: {e}\nusage: lb-echo --name NAME --port PORT [--port PORT...] \
+                 [--whoami-port PORT...] [--bulk-port PORT...]"
+            );
             return ExitCode::from(2);
         }
     };
     let name: Arc<str> = args.name.into();
     let mut handles = Vec::new();
-    for port in args.ports {
+    let ports = args
+        .ports
+        .iter()
+        .map(|&p| (p, Kind::Echo))
+        .chain(args.whoami_ports.iter().map(|&p| (p, Kind::Whoami)))
+        .chain(args.bulk_ports.iter().map(|&p| (p, Kind::Bulk)));
+    for (port, kind) in ports {
         let addr = (Ipv4Addr::UNSPECIFIED, port);
-        let (tcp, udp) = match (TcpListener::bind(addr), UdpSocket::bind(addr)) {
-            (Ok(t), Ok(u)) => (t, u),
-            (Err(e), _) | (_, Err(e)) => {
-                eprintln!("lb-echo: cannot bind port {port}: {e}");
+        let tcp = match TcpListener::bind(addr) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("lb-echo: cannot bind TCP port {port}: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let handler: ConnHandler = match kind {
+            Kind::Echo => serve_tcp_conn,
+            Kind::Whoami => serve_whoami_conn,
+            Kind::Bulk => serve_bulk_conn,
+        };
+        let n = Arc::clone(&name);
+        handles.push(thread::spawn(move || serve_tcp(n, tcp, handler)));
+        if matches!(kind, Kind::Bulk) {
+            continue;
+        }
+        let udp = match UdpSocket::bind(addr) {
+            Ok(u) => u,
+            Err(e) => {
+                eprintln!("lb-echo: cannot bind UDP port {port}: {e}");
                 return ExitCode::FAILURE;
             }
         };
         let n = Arc::clone(&name);
-        handles.push(thread::spawn(move || serve_tcp(n, tcp)));
-        let n = Arc::clone(&name);
-        handles.push(thread::spawn(move || serve_udp(n, udp)));
+        let whoami = matches!(kind, Kind::Whoami);
+        handles.push(thread::spawn(move || serve_udp(n, udp, whoami)));
     }
     // Everything is bound: the testbed waits for this line before using the pod.
     println!("listening");

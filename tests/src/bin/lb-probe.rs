@@ -5,14 +5,17 @@
 //! counted by errno name so tests can assert on them.
 
 use std::collections::BTreeSet;
-use std::io::{self, BufRead, BufReader, Write};
-use std::net::{SocketAddr, SocketAddrV4, TcpStream, UdpSocket};
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, SocketAddr, SocketAddrV4, TcpStream, UdpSocket};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use lb_tests::probe::{HoldHello, Tally, TcpReport, UdpConnectedReport, UdpReport};
+use lb_tests::probe::{
+    BulkReport, HoldHello, PatternStream, Tally, TcpReport, UdpConnectedReport, UdpReport,
+    WhoamiAnswer, WhoamiReport,
+};
 use lb_tests::util::io_error_name;
 
 /// A connect that has not completed by then counts as ETIMEDOUT; far above any
@@ -22,6 +25,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const TCP_READ_TIMEOUT: Duration = Duration::from_secs(2);
 /// Wait for a UDP answer; a miss counts as EAGAIN.
 const UDP_RECV_TIMEOUT: Duration = Duration::from_secs(1);
+/// Bulk transfers are written and read in pieces of this size.
+const BULK_CHUNK: usize = 64 * 1024;
 
 #[derive(Parser)]
 #[command(about = "Client probe for the lb testbed; prints a JSON report")]
@@ -38,6 +43,9 @@ enum Mode {
         to: SocketAddrV4,
         #[arg(long, default_value_t = 1)]
         count: u32,
+        /// Give up a connect after this long (counted as ETIMEDOUT).
+        #[arg(long, default_value_t = 2000)]
+        connect_timeout_ms: u64,
     },
     /// N unconnected UDP requests (sendto/recvfrom).
     Udp {
@@ -62,12 +70,43 @@ enum Mode {
         #[arg(long)]
         to: SocketAddrV4,
     },
+    /// N requests to an lb-echo `--whoami-port`: each a new TCP connection, or with
+    /// --udp a datagram from a new unconnected socket. Reports who answered and the
+    /// client address each backend saw.
+    Whoami {
+        #[arg(long)]
+        to: SocketAddrV4,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        #[arg(long)]
+        udp: bool,
+        /// Give up a connect after this long (counted as ETIMEDOUT).
+        #[arg(long, default_value_t = 2000)]
+        connect_timeout_ms: u64,
+    },
+    /// One TCP connection to an lb-echo `--bulk-port`: sends BYTES of a pseudo-random
+    /// stream while reading the echo back, and compares every byte.
+    Bulk {
+        #[arg(long)]
+        to: SocketAddrV4,
+        #[arg(long)]
+        bytes: u64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// A read or write that makes no progress for this long ends the transfer.
+        #[arg(long, default_value_t = 10_000)]
+        stall_timeout_ms: u64,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.mode {
-        Mode::Tcp { to, count } => print_json(&tcp(to, count)),
+        Mode::Tcp {
+            to,
+            count,
+            connect_timeout_ms,
+        } => print_json(&tcp(to, count, Duration::from_millis(connect_timeout_ms))),
         Mode::Udp {
             to,
             count,
@@ -75,6 +114,34 @@ fn main() -> ExitCode {
         } => udp(to, count, per_socket).and_then(|r| print_json(&r)),
         Mode::UdpConnected { to, count } => udp_connected(to, count).and_then(|r| print_json(&r)),
         Mode::Hold { to } => hold(to),
+        Mode::Whoami {
+            to,
+            count,
+            udp,
+            connect_timeout_ms,
+        } => {
+            let report = if udp {
+                whoami_udp(to, count)
+            } else {
+                Ok(whoami_tcp(
+                    to,
+                    count,
+                    Duration::from_millis(connect_timeout_ms),
+                ))
+            };
+            report.and_then(|r| print_json(&r))
+        }
+        Mode::Bulk {
+            to,
+            bytes,
+            seed,
+            stall_timeout_ms,
+        } => print_json(&bulk(
+            to,
+            bytes,
+            seed,
+            Duration::from_millis(stall_timeout_ms),
+        )),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -106,12 +173,12 @@ fn read_line(reader: &mut impl BufRead) -> io::Result<String> {
     Ok(line.trim_end().to_string())
 }
 
-fn tcp(to: SocketAddrV4, count: u32) -> TcpReport {
+fn tcp(to: SocketAddrV4, count: u32, connect_timeout: Duration) -> TcpReport {
     let mut report = TcpReport::default();
     for _ in 0..count {
         report.tally.attempts += 1;
         let start = Instant::now();
-        let conn = TcpStream::connect_timeout(&SocketAddr::V4(to), CONNECT_TIMEOUT);
+        let conn = TcpStream::connect_timeout(&SocketAddr::V4(to), connect_timeout);
         let ms = start.elapsed().as_secs_f64() * 1000.0;
         report.max_connect_ms = report.max_connect_ms.max(ms);
         let stream = match conn {
@@ -209,7 +276,8 @@ fn hold(to: SocketAddrV4) -> Result<()> {
     stream.set_read_timeout(Some(TCP_READ_TIMEOUT))?;
     let mut reader = BufReader::new(&stream);
     let backend = read_line(&mut reader).context("reading the greeting")?;
-    print_json(&HoldHello { backend })?;
+    let local = stream.local_addr().ok().map(|a| a.to_string());
+    print_json(&HoldHello { backend, local })?;
     let mut writer = &stream;
     for line in io::stdin().lock().lines() {
         let line = line?;
@@ -219,5 +287,185 @@ fn hold(to: SocketAddrV4) -> Result<()> {
         writeln!(out, "{reply}")?;
         out.flush()?;
     }
+    Ok(())
+}
+
+/// Split a whoami answer `<name> <ip:port>`.
+fn parse_whoami(text: &str) -> Option<(String, String)> {
+    let (name, seen) = text.trim().split_once(' ')?;
+    Some((name.to_string(), seen.to_string()))
+}
+
+fn whoami_tcp(to: SocketAddrV4, count: u32, connect_timeout: Duration) -> WhoamiReport {
+    let mut report = WhoamiReport::default();
+    for _ in 0..count {
+        report.tally.attempts += 1;
+        let start = Instant::now();
+        let conn = TcpStream::connect_timeout(&SocketAddr::V4(to), connect_timeout);
+        let ms = start.elapsed().as_secs_f64() * 1000.0;
+        report.max_connect_ms = report.max_connect_ms.max(ms);
+        let stream = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                record(&mut report.tally, "connect", &e);
+                continue;
+            }
+        };
+        let addrs = stream.local_addr().and_then(|l| Ok((l, stream.peer_addr()?)));
+        let (local, peer) = match addrs {
+            Ok(a) => a,
+            Err(e) => {
+                record(&mut report.tally, "getsockname/getpeername", &e);
+                continue;
+            }
+        };
+        let line = stream
+            .set_read_timeout(Some(TCP_READ_TIMEOUT))
+            .and_then(|()| read_line(&mut BufReader::new(&stream)));
+        match line {
+            Ok(text) => match parse_whoami(&text) {
+                Some((backend, seen)) => {
+                    report.tally.answer(&backend);
+                    report.answers.push(WhoamiAnswer {
+                        backend,
+                        seen,
+                        local: local.to_string(),
+                        peer: peer.to_string(),
+                    });
+                }
+                None => report
+                    .tally
+                    .error("read", "BADANSWER".into(), &format!("{text:?}")),
+            },
+            Err(e) => record(&mut report.tally, "read", &e),
+        }
+    }
+    report
+}
+
+fn whoami_udp(to: SocketAddrV4, count: u32) -> Result<WhoamiReport> {
+    let mut report = WhoamiReport::default();
+    let mut buf = [0u8; 2048];
+    for _ in 0..count {
+        report.tally.attempts += 1;
+        let socket = new_udp_socket()?;
+        if let Err(e) = socket.send_to(b"whoami", to) {
+            record(&mut report.tally, "sendto", &e);
+            continue;
+        }
+        let local = socket.local_addr()?;
+        match socket.recv_from(&mut buf) {
+            Ok((n, from)) => {
+                let text = String::from_utf8_lossy(&buf[..n]).to_string();
+                match parse_whoami(&text) {
+                    Some((backend, seen)) => {
+                        report.tally.answer(&backend);
+                        report.answers.push(WhoamiAnswer {
+                            backend,
+                            seen,
+                            local: local.to_string(),
+                            peer: from.to_string(),
+                        });
+                    }
+                    None => report
+                        .tally
+                        .error("recvfrom", "BADANSWER".into(), &format!("{text:?}")),
+                }
+            }
+            Err(e) => record(&mut report.tally, "recvfrom", &e),
+        }
+    }
+    Ok(report)
+}
+
+/// Send `bytes` of the pattern on a writer thread while this thread reads the echo
+/// back and compares it; both directions at once, so neither side's buffers fill up.
+fn bulk(to: SocketAddrV4, bytes: u64, seed: u64, stall: Duration) -> BulkReport {
+    let mut report = BulkReport::default();
+    let start = Instant::now();
+    let result = bulk_transfer(to, bytes, seed, stall, &mut report);
+    report.elapsed_ms = start.elapsed().as_secs_f64() * 1000.0;
+    if let Err(e) = result {
+        report.error = Some(format!("{e:#}"));
+    }
+    report
+}
+
+fn bulk_transfer(
+    to: SocketAddrV4,
+    bytes: u64,
+    seed: u64,
+    stall: Duration,
+    report: &mut BulkReport,
+) -> Result<()> {
+    let stream = TcpStream::connect_timeout(&SocketAddr::V4(to), CONNECT_TIMEOUT)
+        .with_context(|| format!("connect {to}"))?;
+    report.local = stream.local_addr()?.to_string();
+    report.peer = stream.peer_addr()?.to_string();
+    stream.set_read_timeout(Some(stall))?;
+    stream.set_write_timeout(Some(stall))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    report.backend = read_line(&mut reader).context("reading the greeting")?;
+
+    let mut writer = stream;
+    let sender = std::thread::spawn(move || -> (u64, Option<String>) {
+        let mut pattern = PatternStream::new(seed);
+        let mut buf = vec![0u8; BULK_CHUNK];
+        let mut sent = 0u64;
+        while sent < bytes {
+            let n = usize::try_from((bytes - sent).min(BULK_CHUNK as u64)).expect("<= chunk");
+            pattern.fill(&mut buf[..n]);
+            if let Err(e) = writer.write_all(&buf[..n]) {
+                return (sent, Some(format!("write after {sent} bytes: {e}")));
+            }
+            sent += n as u64;
+        }
+        // EOF for the server, which then closes its side once it echoed everything.
+        let err = writer
+            .shutdown(Shutdown::Write)
+            .err()
+            .map(|e| format!("shutdown: {e}"));
+        (sent, err)
+    });
+
+    let mut expected = PatternStream::new(seed);
+    let mut want = vec![0u8; BULK_CHUNK];
+    let mut got = vec![0u8; BULK_CHUNK];
+    let mut read_error = None;
+    loop {
+        let n = match reader.read(&mut got) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) => {
+                read_error = Some(format!(
+                    "read after {} bytes: {e} ({})",
+                    report.bytes_verified,
+                    io_error_name(&e)
+                ));
+                break;
+            }
+        };
+        expected.fill(&mut want[..n]);
+        if let Some(i) = (0..n).find(|&i| got[i] != want[i]) {
+            report.mismatch_at = Some(report.bytes_verified + i as u64);
+            report.bytes_verified += i as u64;
+            // Unblock the writer (it may be stuck on a full window) and stop.
+            let _ = reader.get_ref().shutdown(Shutdown::Both);
+            break;
+        }
+        report.bytes_verified += n as u64;
+        if report.bytes_verified > bytes {
+            read_error = Some(format!("received more than the {bytes} bytes sent"));
+            break;
+        }
+    }
+    if read_error.is_some() {
+        let _ = reader.get_ref().shutdown(Shutdown::Both);
+    }
+    let (sent, write_error) = sender
+        .join()
+        .map_err(|_| anyhow::anyhow!("the writer thread panicked"))?;
+    report.bytes_sent = sent;
+    report.error = read_error.or(write_error);
     Ok(())
 }
