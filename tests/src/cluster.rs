@@ -1,0 +1,608 @@
+//! A two-node cluster in network namespaces, for the per-packet (TC) path: nodes on a
+//! shared "switch", each with its own pod bridge, an external client on the switch,
+//! and one `lb agent` per node running inside that node's namespace.
+//!
+//! ```text
+//!   ext client 192.168.50.100 ─┐        switch ns: br0 (L2 only)
+//!                              ├── sw-node1 ── eth0 192.168.50.1  node1 ns
+//!                              │                 br0 10.244.1.1/24 ── vpod-a ── pod-a 10.244.1.11
+//!                              │                                   └─ vclient ── client 10.244.1.20
+//!                              └── sw-node2 ── eth0 192.168.50.2  node2 ns
+//!                                                br0 10.244.2.1/24 ── vpod-b ── pod-b 10.244.2.11
+//! ```
+//!
+//! Each node routes the other node's pod CIDR via the other node's address and
+//! forwards (ip_forward=1, rp_filter=0, send_redirects=0). The external client has no
+//! route to any pod CIDR: a packet the datapath did not translate cannot reach a pod.
+//! It routes the external/LoadBalancer IPs a test asks for (/32) via node1.
+//!
+//! Agents: `--node-ip` the node's address, `--iface eth0` (node-facing), a
+//! `--pod-iface` for every pod's host-side veth, a cgroup of their own that no test
+//! process is in (so the socket hooks never translate anything here: everything goes
+//! through the TC path), and a pin dir of their own.
+//!
+//! Nothing is connected to the host's own namespace, and every resource is owned by a
+//! guard (namespaces, cgroups, pin dirs, processes): dropping the cluster removes
+//! everything, whatever path the test leaves by.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use serde::de::DeserializeOwned;
+
+use crate::agent::{Agent, AgentSpec, CtFlow, ServiceEntry, READY_TIMEOUT, SYNC_TIMEOUT};
+use crate::cgroup::Cgroup;
+use crate::manifests::ManifestDir;
+use crate::netns::NetNs;
+use crate::probe::{BulkReport, TcpReport, WhoamiReport};
+use crate::process::Spawner;
+use crate::testbed::{Hold, Tools, ECHO_TCP_PORT, ECHO_UDP_PORT};
+use crate::topology::Pod;
+use crate::util::{poll, require_root, unique_name};
+
+/// lb-echo port answering `<name> <peer ip:port>` (TCP and UDP) in every backend.
+pub const WHOAMI_PORT: u16 = 9000;
+/// lb-echo port echoing a byte stream back (TCP) in every backend.
+pub const BULK_PORT: u16 = 9001;
+
+/// The external client, on the node network but outside the cluster.
+pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 100);
+
+/// Address of node `i` (0-based) on the node network: node1 is 192.168.50.1.
+pub fn node_ip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(192, 168, 50, 1 + u8::try_from(i).expect("at most 9 nodes"))
+}
+
+/// Name of node `i` as EndpointSlices and `--node-name` spell it: node1, node2.
+pub fn node_name(i: usize) -> String {
+    format!("node{}", i + 1)
+}
+
+/// Pod CIDR of node `i`: 10.244.1.0/24 for node1.
+pub fn pod_cidr(i: usize) -> String {
+    format!("10.244.{}.0/24", i + 1)
+}
+
+/// Pod bridge address of node `i`, the pods' default gateway: 10.244.1.1 for node1.
+pub fn pod_gateway(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 244, 1 + u8::try_from(i).expect("at most 9 nodes"), 1)
+}
+
+/// Connect timeout of probes that expect to be dropped: short, and explicit.
+pub const DROP_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// What a pod is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Runs lb-echo (echo, whoami and bulk ports).
+    Backend,
+    /// Runs probes only (outside every hooked cgroup).
+    Client,
+}
+
+#[derive(Clone, Debug)]
+struct PodSpec {
+    name: String,
+    node: usize,
+    role: Role,
+}
+
+/// What to build; see [`Cluster::builder`].
+#[derive(Clone, Debug)]
+pub struct ClusterBuilder {
+    nodes: usize,
+    pods: Vec<PodSpec>,
+    client_routes: Vec<Ipv4Addr>,
+    accept_local: bool,
+}
+
+impl ClusterBuilder {
+    /// A backend pod `name` on node `node` (0-based), running lb-echo.
+    pub fn backend(mut self, name: &str, node: usize) -> Self {
+        self.pods.push(PodSpec {
+            name: name.into(),
+            node,
+            role: Role::Backend,
+        });
+        self
+    }
+
+    /// A client pod `name` on node `node`: a plain pod that no socket hook sees.
+    pub fn client_pod(mut self, name: &str, node: usize) -> Self {
+        self.pods.push(PodSpec {
+            name: name.into(),
+            node,
+            role: Role::Client,
+        });
+        self
+    }
+
+    /// Give the external client a /32 route to `ip` via node1 (external IPs and
+    /// LoadBalancer IPs "announced" by node1).
+    pub fn client_route_via_node1(mut self, ip: Ipv4Addr) -> Self {
+        self.client_routes.push(ip);
+        self
+    }
+
+    /// Set `net.ipv4.conf.all.accept_local=1` in the node namespaces. Not part of the
+    /// node set-up the datapath is specified against: only to diagnose whether a
+    /// failure is the kernel discarding translated packets whose source is the node's
+    /// own address ("martian source"). Also switched on by `LB_TEST_ACCEPT_LOCAL=1`.
+    pub fn accept_local(mut self, on: bool) -> Self {
+        self.accept_local = on;
+        self
+    }
+
+    pub fn build(self, tools: Tools) -> Result<Cluster> {
+        Cluster::build(self, tools)
+    }
+}
+
+/// One node: its namespace, pods, cgroup and (once started) agent. Field order is
+/// teardown order.
+pub struct Node {
+    agent: Option<Agent>,
+    pods: Vec<Pod>,
+    ns: NetNs,
+    cgroup: Cgroup,
+    index: usize,
+    pod_ifaces: Vec<String>,
+}
+
+impl Node {
+    pub fn name(&self) -> String {
+        node_name(self.index)
+    }
+
+    pub fn ip(&self) -> Ipv4Addr {
+        node_ip(self.index)
+    }
+
+    pub fn netns(&self) -> &NetNs {
+        &self.ns
+    }
+
+    pub fn pods(&self) -> &[Pod] {
+        &self.pods
+    }
+
+    /// The agent's hooked cgroup (empty: no test process runs in it).
+    pub fn cgroup(&self) -> &Cgroup {
+        &self.cgroup
+    }
+
+    pub fn agent(&self) -> &Agent {
+        self.agent.as_ref().expect("agent not started")
+    }
+
+    pub fn agent_mut(&mut self) -> &mut Agent {
+        self.agent.as_mut().expect("agent not started")
+    }
+
+    /// The host-side veths of this node's pods (the `--pod-iface` devices).
+    pub fn pod_ifaces(&self) -> &[String] {
+        &self.pod_ifaces
+    }
+}
+
+/// The whole cluster. Dropping it stops the agents (detaching their programs), kills
+/// the servers and deletes every namespace, cgroup, pin dir and manifest.
+pub struct Cluster {
+    /// First: each node stops its agent, then its pods, namespace and cgroup go.
+    nodes: Vec<Node>,
+    client: NetNs,
+    switch: NetNs,
+    pub manifests: ManifestDir,
+    tools: Tools,
+    base: String,
+}
+
+impl Cluster {
+    /// Two nodes; add pods and routes, then [`ClusterBuilder::build`].
+    pub fn builder() -> ClusterBuilder {
+        ClusterBuilder {
+            nodes: 2,
+            pods: Vec::new(),
+            client_routes: Vec::new(),
+            accept_local: std::env::var("LB_TEST_ACCEPT_LOCAL").is_ok_and(|v| v == "1"),
+        }
+    }
+
+    fn build(spec: ClusterBuilder, tools: Tools) -> Result<Self> {
+        require_root()?;
+        let base = unique_name("lbc");
+        let switch = NetNs::create(&format!("{base}-switch"))?;
+        switch.ip(&["link", "add", "br0", "type", "bridge"])?;
+        switch.ip(&["link", "set", "br0", "up"])?;
+        let client = NetNs::create(&format!("{base}-ext"))?;
+        let manifests = ManifestDir::create()?;
+        // Filled as we go: whatever exists when a step fails is dropped (cleaned up).
+        let mut cluster = Cluster {
+            nodes: Vec::new(),
+            client,
+            switch,
+            manifests,
+            tools,
+            base,
+        };
+        cluster.uplink(&cluster.client, "sw-ext", CLIENT_IP)?;
+        for ip in &spec.client_routes {
+            cluster.client.ip(&[
+                "route",
+                "add",
+                &format!("{ip}/32"),
+                "via",
+                &node_ip(0).to_string(),
+            ])?;
+        }
+        for i in 0..spec.nodes {
+            let node = cluster.add_node(i, &spec)?;
+            cluster.nodes.push(node);
+        }
+        for i in 0..spec.nodes {
+            for j in (0..spec.nodes).filter(|&j| j != i) {
+                cluster.nodes[i].ns.ip(&[
+                    "route",
+                    "add",
+                    &pod_cidr(j),
+                    "via",
+                    &node_ip(j).to_string(),
+                ])?;
+            }
+        }
+        Ok(cluster)
+    }
+
+    /// Connect `ns` to the switch: `eth0` = `ip`/24 in `ns`, `sw_if` on the switch
+    /// bridge.
+    fn uplink(&self, ns: &NetNs, sw_if: &str, ip: Ipv4Addr) -> Result<()> {
+        self.switch.ip(&[
+            "link",
+            "add",
+            sw_if,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            ns.name(),
+        ])?;
+        self.switch
+            .ip(&["link", "set", sw_if, "master", "br0", "up"])?;
+        ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
+        ns.ip(&["link", "set", "eth0", "up"])?;
+        Ok(())
+    }
+
+    fn add_node(&self, i: usize, spec: &ClusterBuilder) -> Result<Node> {
+        let name = node_name(i);
+        let ns = NetNs::create(&format!("{}-{name}", self.base))?;
+        let cgroup = Cgroup::create(&unique_name(&format!("lb-test-{name}")))?;
+        let mut node = Node {
+            agent: None,
+            pods: Vec::new(),
+            ns,
+            cgroup,
+            index: i,
+            pod_ifaces: Vec::new(),
+        };
+        // Before any device exists, so every device inherits `default`.
+        node.ns.sysctls(&[
+            ("net/ipv4/ip_forward", "1"),
+            ("net/ipv4/conf/all/rp_filter", "0"),
+            ("net/ipv4/conf/default/rp_filter", "0"),
+            ("net/ipv4/conf/all/send_redirects", "0"),
+            ("net/ipv4/conf/default/send_redirects", "0"),
+        ])?;
+        if spec.accept_local {
+            node.ns
+                .sysctls(&[("net/ipv4/conf/all/accept_local", "1")])?;
+        }
+        self.uplink(&node.ns, &format!("sw-{name}"), node_ip(i))?;
+        node.ns.ip(&["link", "add", "br0", "type", "bridge"])?;
+        node.ns.ip(&[
+            "addr",
+            "add",
+            &format!("{}/24", pod_gateway(i)),
+            "dev",
+            "br0",
+        ])?;
+        node.ns.ip(&["link", "set", "br0", "up"])?;
+        let mut backends = 0u8;
+        let mut clients = 0u8;
+        for pod in spec.pods.iter().filter(|p| p.node == i) {
+            let host = match pod.role {
+                Role::Backend => {
+                    backends += 1;
+                    10 + backends
+                }
+                Role::Client => {
+                    clients += 1;
+                    19 + clients
+                }
+            };
+            let ip = Ipv4Addr::new(10, 244, 1 + u8::try_from(i)?, host);
+            let host_if = format!("v{}", pod.name);
+            let mut p = Pod::create(
+                &pod.name,
+                &format!("{}-{}", self.base, pod.name),
+                ip,
+                pod_gateway(i),
+                &node.ns,
+                "br0",
+                &host_if,
+            )?;
+            if pod.role == Role::Backend {
+                p.start_echo_with(
+                    &self.tools.echo,
+                    &[ECHO_TCP_PORT, ECHO_UDP_PORT],
+                    &[
+                        "--whoami-port".into(),
+                        WHOAMI_PORT.to_string(),
+                        "--bulk-port".into(),
+                        BULK_PORT.to_string(),
+                    ],
+                )?;
+            }
+            node.pods.push(p);
+            node.pod_ifaces.push(host_if);
+        }
+        // Whatever the inheritance did (eth0 came from another namespace), every
+        // interface ends up with the settings the node needs.
+        node.ns.sysctls(&[
+            ("net/ipv4/conf/*/rp_filter", "0"),
+            ("net/ipv4/conf/*/send_redirects", "0"),
+        ])?;
+        Ok(node)
+    }
+
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    pub fn node(&self, i: usize) -> &Node {
+        &self.nodes[i]
+    }
+
+    pub fn node_mut(&mut self, i: usize) -> &mut Node {
+        &mut self.nodes[i]
+    }
+
+    /// The pod called `name`, on whichever node.
+    pub fn pod(&self, name: &str) -> Result<&Pod> {
+        self.nodes
+            .iter()
+            .flat_map(|n| n.pods.iter())
+            .find(|p| p.name() == name)
+            .with_context(|| format!("no pod {name} in the cluster"))
+    }
+
+    /// The external client's namespace.
+    pub fn client(&self) -> &NetNs {
+        &self.client
+    }
+
+    /// Unique prefix of this cluster's namespace names.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    /// Start an agent in every node, each with `extra(node index)` appended to its
+    /// flags, and wait until all are ready.
+    pub fn start_agents(&mut self, lb: &Path, extra: impl Fn(usize) -> Vec<String>) -> Result<()> {
+        let services = self.manifests.path().to_path_buf();
+        for node in &mut self.nodes {
+            let mut args = vec![
+                "--node-ip".to_string(),
+                node_ip(node.index).to_string(),
+                "--iface".into(),
+                "eth0".into(),
+            ];
+            for iface in &node.pod_ifaces {
+                args.extend(["--pod-iface".to_string(), iface.clone()]);
+            }
+            args.extend(extra(node.index));
+            let name = node_name(node.index);
+            let spec = AgentSpec::new(&services, &node.cgroup, &name)
+                .netns(&node.ns)
+                .args(args);
+            let agent = Agent::start_with(lb, &spec)?;
+            // Stored before waiting, so a failed start is still cleaned up by Drop.
+            node.agent = Some(agent);
+        }
+        for node in &mut self.nodes {
+            let agent = node.agent.as_mut().expect("started above");
+            if let Err(e) = agent.wait_ready(READY_TIMEOUT) {
+                let e = e.context(format!("agent of {}", node_name(node.index)));
+                return Err(match agent.exit_status() {
+                    Some(status) => e.context(format!("lb agent exited ({status})")),
+                    None => e,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Wait until node `node`'s agent programmed `ip:port/protocol` (the entry of
+    /// `scope`, "internal" or "external") with exactly the backends `want`.
+    pub fn wait_frontend(
+        &self,
+        node: usize,
+        frontend: SocketAddrV4,
+        protocol: &str,
+        scope: &str,
+        want: &[SocketAddrV4],
+    ) -> Result<ServiceEntry> {
+        let want: std::collections::BTreeSet<SocketAddrV4> = want.iter().copied().collect();
+        let matches = |e: &ServiceEntry| {
+            e.is(*frontend.ip(), frontend.port(), protocol)
+                && (e.frontend.scope.is_empty() || e.frontend.scope == scope)
+        };
+        let entries = self.node(node).agent().wait_services(
+            &format!(
+                "{} to program {frontend}/{protocol} ({scope}) with backends {want:?}",
+                node_name(node)
+            ),
+            SYNC_TIMEOUT,
+            |entries| {
+                entries
+                    .iter()
+                    .any(|e| matches(e) && e.backend_addrs() == want)
+            },
+        )?;
+        Ok(entries
+            .into_iter()
+            .find(|e| matches(e) && e.backend_addrs() == want)
+            .expect("checked by the predicate"))
+    }
+
+    /// A probe command in namespace `ns`, in no hooked cgroup.
+    fn probe_cmd(&self, ns: &NetNs) -> Result<Spawner> {
+        Spawner::new(&self.tools.probe)
+            .label(format!("lb-probe in {}", ns.name()))
+            .netns(ns)
+    }
+
+    /// Run `lb-probe ARGS` in namespace `ns`; parse its JSON report.
+    pub fn probe_in<T: DeserializeOwned>(
+        &self,
+        ns: &NetNs,
+        args: &[String],
+        timeout: Duration,
+    ) -> Result<T> {
+        let out = self
+            .probe_cmd(ns)?
+            .args(args)
+            .output(timeout)?
+            .checked_stdout()?;
+        serde_json::from_str(out.trim())
+            .with_context(|| format!("lb-probe {args:?} printed unexpected output:\n{out}"))
+    }
+
+    /// `count` whoami requests from `ns` to `to` (TCP, or UDP datagrams).
+    pub fn whoami(
+        &self,
+        ns: &NetNs,
+        to: SocketAddrV4,
+        count: u32,
+        udp: bool,
+        connect_timeout: Duration,
+    ) -> Result<WhoamiReport> {
+        let mut args = vec![
+            "whoami".to_string(),
+            "--to".into(),
+            to.to_string(),
+            "--count".into(),
+            count.to_string(),
+            "--connect-timeout-ms".into(),
+            connect_timeout.as_millis().to_string(),
+        ];
+        if udp {
+            args.push("--udp".into());
+        }
+        let per_attempt = connect_timeout.max(Duration::from_secs(2)) + Duration::from_millis(500);
+        self.probe_in(ns, &args, Duration::from_secs(30) + per_attempt * count)
+    }
+
+    /// `count` TCP connections from `ns` to an echo port `to`.
+    pub fn tcp(
+        &self,
+        ns: &NetNs,
+        to: SocketAddrV4,
+        count: u32,
+        connect_timeout: Duration,
+    ) -> Result<TcpReport> {
+        let args = vec![
+            "tcp".to_string(),
+            "--to".into(),
+            to.to_string(),
+            "--count".into(),
+            count.to_string(),
+            "--connect-timeout-ms".into(),
+            connect_timeout.as_millis().to_string(),
+        ];
+        let per_attempt = connect_timeout.max(Duration::from_secs(2)) + Duration::from_millis(500);
+        self.probe_in(ns, &args, Duration::from_secs(30) + per_attempt * count)
+    }
+
+    /// Open a long-lived TCP connection from `ns` to an echo port `to`.
+    pub fn hold(&self, ns: &NetNs, to: SocketAddrV4) -> Result<Hold> {
+        let child = self
+            .probe_cmd(ns)?
+            .args(["hold", "--to", &to.to_string()])
+            .stdin_piped()
+            .spawn()?;
+        Hold::new(child)
+    }
+
+    /// Send `bytes` through a bulk port `to` from `ns` and verify the echo.
+    pub fn bulk(&self, ns: &NetNs, to: SocketAddrV4, bytes: u64, seed: u64) -> Result<BulkReport> {
+        let args = vec![
+            "bulk".to_string(),
+            "--to".into(),
+            to.to_string(),
+            "--bytes".into(),
+            bytes.to_string(),
+            "--seed".into(),
+            seed.to_string(),
+        ];
+        // Local veths move hundreds of MB/s even in a debug build; the probe's own
+        // stall timeout (10 s without progress) ends a stuck transfer well before this.
+        self.probe_in(ns, &args, Duration::from_secs(120))
+    }
+
+    /// Poll node `node`'s `lb conntrack --json` until `pred` holds; the listing.
+    pub fn wait_conntrack(
+        &self,
+        node: usize,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&[CtFlow]) -> bool,
+    ) -> Result<Vec<CtFlow>> {
+        let agent = self.node(node).agent();
+        let mut last = None;
+        let result = poll(what, timeout, || {
+            let flows = agent.conntrack()?;
+            if pred(&flows) {
+                return Ok(Some(flows));
+            }
+            last = Some(flows);
+            Ok(None)
+        });
+        result.with_context(|| format!("last `lb conntrack --json`: {last:#?}"))
+    }
+
+    /// Counters of node `node`'s datapath, for failure messages.
+    pub fn stats_text(&self, node: usize) -> String {
+        match self.node(node).agent.as_ref().map(Agent::stats) {
+            Some(Ok(stats)) => stats
+                .iter()
+                .filter(|(_, v)| **v != 0)
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(" "),
+            Some(Err(e)) => format!("(lb stats failed: {e:#})"),
+            None => "(no agent)".into(),
+        }
+    }
+
+    /// One counter of node `node`'s datapath.
+    pub fn stat(&self, node: usize, name: &str) -> Result<u64> {
+        let stats = self.node(node).agent().stats()?;
+        match stats.get(name) {
+            Some(v) => Ok(*v),
+            None => bail!("no counter {name} in `lb stats`: {stats:?}"),
+        }
+    }
+
+    /// Both nodes' counters, for failure messages.
+    pub fn all_stats(&self) -> String {
+        (0..self.nodes.len())
+            .map(|i| format!("{}: {}", node_name(i), self.stats_text(i)))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
