@@ -209,24 +209,43 @@ impl Packet {
             l4[csum_at..csum_at + 2].copy_from_slice(&c.to_be_bytes());
         }
 
-        let ihl = 20 + self.ip_options.len();
-        assert_eq!(ihl % 4, 0);
-        let mut ip = vec![0x40 | (ihl / 4) as u8, 0];
-        ip.extend_from_slice(&((ihl + l4.len()) as u16).to_be_bytes());
-        ip.extend_from_slice(&[0x12, 0x34]);
-        ip.extend_from_slice(&self.frag_off.to_be_bytes());
-        ip.extend_from_slice(&[64, self.proto, 0, 0]);
-        ip.extend_from_slice(&self.src);
-        ip.extend_from_slice(&self.dst);
-        ip.extend_from_slice(&self.ip_options);
-        let c = fold(sum16(&ip));
-        ip[10..12].copy_from_slice(&(!c).to_be_bytes());
-
-        let mut frame = vec![0x02, 0, 0, 0, 0, 1, 0x02, 0, 0, 0, 0, 2, 0x08, 0x00];
-        frame.extend_from_slice(&ip);
-        frame.extend_from_slice(&l4);
-        frame
+        ipv4_frame(
+            self.src,
+            self.dst,
+            self.proto,
+            &self.ip_options,
+            self.frag_off,
+            &l4,
+        )
     }
+}
+
+/// Ethernet + IPv4 (valid header checksum) around `l4`.
+fn ipv4_frame(
+    src: [u8; 4],
+    dst: [u8; 4],
+    proto: u8,
+    options: &[u8],
+    frag_off: u16,
+    l4: &[u8],
+) -> Vec<u8> {
+    let ihl = 20 + options.len();
+    assert_eq!(ihl % 4, 0);
+    let mut ip = vec![0x40 | (ihl / 4) as u8, 0];
+    ip.extend_from_slice(&((ihl + l4.len()) as u16).to_be_bytes());
+    ip.extend_from_slice(&[0x12, 0x34]);
+    ip.extend_from_slice(&frag_off.to_be_bytes());
+    ip.extend_from_slice(&[64, proto, 0, 0]);
+    ip.extend_from_slice(&src);
+    ip.extend_from_slice(&dst);
+    ip.extend_from_slice(options);
+    let c = fold(sum16(&ip));
+    ip[10..12].copy_from_slice(&(!c).to_be_bytes());
+
+    let mut frame = vec![0x02, 0, 0, 0, 0, 1, 0x02, 0, 0, 0, 0, 2, 0x08, 0x00];
+    frame.extend_from_slice(&ip);
+    frame.extend_from_slice(l4);
+    frame
 }
 
 fn sum16(bytes: &[u8]) -> u32 {
@@ -258,24 +277,27 @@ struct Seen {
 }
 
 fn inspect(frame: &[u8]) -> Seen {
-    let ip = &frame[14..];
-    let ihl = usize::from(ip[0] & 0x0f) * 4;
+    addresses(&frame[14..], true)
+}
+
+/// The addresses of the IPv4 packet that `packet` starts with, after checking its
+/// header checksum and, with `verify_l4`, its L4 checksum (a zero UDP checksum
+/// means none). A packet quoted in an ICMP error may be cut short.
+fn addresses(packet: &[u8], verify_l4: bool) -> Seen {
+    let ihl = usize::from(packet[0] & 0x0f) * 4;
     assert_eq!(
-        fold(sum16(&ip[..ihl])),
+        fold(sum16(&packet[..ihl])),
         0xffff,
         "IPv4 header checksum is wrong"
     );
-    let total = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
-    let l4 = &ip[ihl..total];
-    let src: [u8; 4] = ip[12..16].try_into().unwrap();
-    let dst: [u8; 4] = ip[16..20].try_into().unwrap();
-    let proto = ip[9];
-    let stored = if proto == TCP {
-        u16::from_be_bytes([l4[16], l4[17]])
-    } else {
-        u16::from_be_bytes([l4[6], l4[7]])
-    };
-    if !(proto == UDP && stored == 0) {
+    let total = usize::from(u16::from_be_bytes([packet[2], packet[3]]));
+    let l4 = &packet[ihl..total.min(packet.len())];
+    let src: [u8; 4] = packet[12..16].try_into().unwrap();
+    let dst: [u8; 4] = packet[16..20].try_into().unwrap();
+    let proto = packet[9];
+    let checksum_at = if proto == TCP { 16 } else { 6 };
+    let has_checksum = verify_l4 && u16::from_be_bytes([l4[checksum_at], l4[checksum_at + 1]]) != 0;
+    if verify_l4 && (proto == TCP || has_checksum) {
         let pseudo = sum16(&src) + sum16(&dst) + u32::from(proto) + l4.len() as u32;
         assert_eq!(fold(pseudo + sum16(l4)), 0xffff, "L4 checksum is wrong");
     }
@@ -576,17 +598,7 @@ fn icmp_error(
     icmp.extend_from_slice(quote);
     let c = !fold(sum16(&icmp));
     icmp[2..4].copy_from_slice(&c.to_be_bytes());
-    let mut ip = vec![0x45, 0];
-    ip.extend_from_slice(&((20 + icmp.len()) as u16).to_be_bytes());
-    ip.extend_from_slice(&[0, 0, 0, 0, 64, 1, 0, 0]);
-    ip.extend_from_slice(&src);
-    ip.extend_from_slice(&dst);
-    let c = !fold(sum16(&ip));
-    ip[10..12].copy_from_slice(&c.to_be_bytes());
-    let mut frame = vec![0x02, 0, 0, 0, 0, 1, 0x02, 0, 0, 0, 0, 2, 0x08, 0x00];
-    frame.extend_from_slice(&ip);
-    frame.extend_from_slice(&icmp);
-    frame
+    ipv4_frame(src, dst, 1, &[], 0, &icmp)
 }
 
 /// Outer addresses, and the quoted packet's addresses, after checking the outer
@@ -596,24 +608,10 @@ fn inspect_icmp(frame: &[u8], full_quote: bool) -> ([u8; 4], [u8; 4], Seen) {
     assert_eq!(fold(sum16(ip)), 0xffff, "outer IPv4 checksum");
     let icmp = &frame[34..];
     assert_eq!(fold(sum16(icmp)), 0xffff, "ICMP checksum");
-    let quoted = &icmp[8..];
-    assert_eq!(fold(sum16(&quoted[..20])), 0xffff, "quoted IPv4 checksum");
-    let src: [u8; 4] = quoted[12..16].try_into().unwrap();
-    let dst: [u8; 4] = quoted[16..20].try_into().unwrap();
-    let l4 = &quoted[20..];
-    if full_quote {
-        let pseudo = sum16(&src) + sum16(&dst) + u32::from(quoted[9]) + l4.len() as u32;
-        assert_eq!(fold(pseudo + sum16(l4)), 0xffff, "quoted L4 checksum");
-    }
     (
         ip[12..16].try_into().unwrap(),
         ip[16..20].try_into().unwrap(),
-        Seen {
-            src,
-            sport: u16::from_be_bytes([l4[0], l4[1]]),
-            dst,
-            dport: u16::from_be_bytes([l4[2], l4[3]]),
-        },
+        addresses(&icmp[8..], full_quote),
     )
 }
 
