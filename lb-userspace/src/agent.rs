@@ -42,6 +42,8 @@ pub struct AgentConfig {
     /// This node's addresses: NodePorts are served on them, and the first one is the
     /// source address for traffic SNATed to backends on other nodes.
     pub node_ips: Vec<std::net::Ipv4Addr>,
+    /// NodePorts outside this range are refused.
+    pub node_port_range: source::NodePortRange,
     /// Kernel object to load instead of the embedded one.
     pub bpf_object: Option<PathBuf>,
     pub sizes: MapSizes,
@@ -128,6 +130,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let options = SourceOptions {
         node_name: config.node_name.clone(),
         node_ips: config.node_ips.clone(),
+        node_port_range: config.node_port_range,
     };
     // Set while the kernel rejected a write; the same objects are retried from a
     // fresh snapshot until they apply.

@@ -10,6 +10,7 @@ use lb_userspace::agent::{self, AgentConfig, ObjectSource};
 use lb_userspace::loader::{self, MapSizes, PinLayout, TcConfig};
 use lb_userspace::maps::PinnedMaps;
 use lb_userspace::ops::{self, BindAddress};
+use lb_userspace::source::NodePortRange;
 use lb_userspace::{conntrack, sys, table};
 
 #[derive(Parser)]
@@ -70,6 +71,9 @@ struct AgentArgs {
     /// first is the SNAT source.
     #[arg(long = "node-ip")]
     node_ips: Vec<Ipv4Addr>,
+    /// The cluster's NodePort range (kube-apiserver's --service-node-port-range).
+    #[arg(long, default_value = "30000-32767")]
+    nodeport_range: NodePortRange,
     /// Node-facing interface for the per-packet path (NodePort, LoadBalancer,
     /// externalIPs, traffic from other nodes). Repeatable.
     #[arg(long = "iface")]
@@ -222,6 +226,7 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
             node_ip: args.node_ips.first().copied(),
         },
         node_ips: args.node_ips,
+        node_port_range: args.nodeport_range,
         poll_interval: Duration::from_millis(args.poll_interval_ms),
         ct_timeouts: conntrack::Timeouts {
             tcp_syn: Duration::from_secs(args.ct_tcp_syn_timeout),

@@ -19,6 +19,57 @@ pub struct SourceOptions {
     pub node_name: String,
     /// This node's addresses: NodePorts are served on each of them.
     pub node_ips: Vec<Ipv4Addr>,
+    /// The cluster's `--service-node-port-range`; NodePorts outside it are refused
+    /// so a Service cannot take over a port the node itself uses.
+    pub node_port_range: NodePortRange,
+}
+
+/// An inclusive port range, `30000-32767` unless the cluster says otherwise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodePortRange {
+    pub first: u16,
+    pub last: u16,
+}
+
+impl Default for NodePortRange {
+    fn default() -> Self {
+        NodePortRange {
+            first: 30000,
+            last: 32767,
+        }
+    }
+}
+
+impl std::str::FromStr for NodePortRange {
+    type Err = String;
+
+    /// `FIRST-LAST`, as kube-apiserver's `--service-node-port-range` takes it.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (first, last) = s
+            .split_once('-')
+            .ok_or_else(|| format!("{s:?}: expected FIRST-LAST, e.g. 30000-32767"))?;
+        let port = |p: &str| {
+            p.trim()
+                .parse::<u16>()
+                .ok()
+                .filter(|&p| p != 0)
+                .ok_or_else(|| format!("{p:?} is not a port (1-65535)"))
+        };
+        let range = NodePortRange {
+            first: port(first)?,
+            last: port(last)?,
+        };
+        if range.first > range.last {
+            return Err(format!("{s:?}: the first port is above the last"));
+        }
+        Ok(range)
+    }
+}
+
+impl std::fmt::Display for NodePortRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}", self.first, self.last)
+    }
 }
 
 const SERVICE: &str = "Service";
@@ -137,7 +188,7 @@ pub fn build_desired(
 
     let plans: Vec<ServicePlan> = sorted
         .iter()
-        .filter_map(|(id, svc)| plan_service(id, svc, &mut errors))
+        .filter_map(|(id, svc)| plan_service(id, svc, opts, &mut errors))
         .collect();
     let proxied: BTreeSet<&ObjectId> = plans.iter().map(|p| &p.id).collect();
 
@@ -208,6 +259,7 @@ pub fn build_desired(
 fn plan_service(
     id: &ObjectId,
     svc: &Service,
+    opts: &SourceOptions,
     errors: &mut Vec<ObjectError>,
 ) -> Option<ServicePlan> {
     let (ns, name) = id;
@@ -272,7 +324,8 @@ fn plan_service(
     let has_node_ports = matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer"));
     let mut ports = Vec::new();
     for sp in spec.ports.iter().flatten() {
-        if let Some(port) = plan_port(sp, has_node_ports, &mut |p| errors.push(error(p))) {
+        let node_ports = has_node_ports.then_some(&opts.node_port_range);
+        if let Some(port) = plan_port(sp, node_ports, &mut |p| errors.push(error(p))) {
             ports.push(port);
         }
     }
@@ -321,7 +374,7 @@ fn plan_service(
 
 fn plan_port(
     sp: &ServicePort,
-    has_node_ports: bool,
+    node_port_range: Option<&NodePortRange>,
     report: &mut dyn FnMut(Problem),
 ) -> Option<PortPlan> {
     let Some(port) = valid_port(sp.port) else {
@@ -339,17 +392,25 @@ fn plan_port(
             return None;
         }
     };
-    let node_port = match sp.node_port {
-        Some(np) if has_node_ports => {
-            let valid = valid_port(np);
-            if valid.is_none() {
+    let node_port = match (sp.node_port, node_port_range) {
+        (Some(np), Some(range)) => match valid_port(np) {
+            None => {
                 report(Problem::NodePortOutOfRange {
                     service_port: sp.port,
                     port: np,
                 });
+                None
             }
-            valid
-        }
+            Some(p) if p < range.first || p > range.last => {
+                report(Problem::NodePortOutsideRange {
+                    service_port: sp.port,
+                    port: p,
+                    range: range.to_string(),
+                });
+                None
+            }
+            valid => valid,
+        },
         _ => None,
     };
     Some(PortPlan {
@@ -477,6 +538,7 @@ mod tests {
         let opts = SourceOptions {
             node_name: node.to_owned(),
             node_ips: vec!["192.168.50.2".parse().unwrap()],
+            node_port_range: NodePortRange::default(),
         };
         build_desired(&objects.services, &objects.slices, &opts)
     }
@@ -648,6 +710,42 @@ items:
             assert!(d
                 .frontends
                 .contains_key(&fe("192.0.2.10", 9090, Protocol::Tcp)));
+        }
+    }
+
+    #[test]
+    fn node_ports_outside_the_range_are_refused() {
+        let yaml = web_load_balancer("Cluster").replace("nodePort: 30080", "nodePort: 22");
+        let (d, errors) = build(&yaml);
+        let text = messages(&errors).join("\n");
+        assert!(
+            text.contains("nodePort 22 of port 80 is outside the NodePort range 30000-32767"),
+            "{text}"
+        );
+        assert!(!d
+            .frontends
+            .contains_key(&fe("192.168.50.2", 22, Protocol::Tcp)));
+        // The rest of the Service still applies.
+        assert!(d
+            .frontends
+            .contains_key(&fe("192.0.2.10", 80, Protocol::Tcp)));
+    }
+
+    #[test]
+    fn node_port_ranges_parse() {
+        assert_eq!(
+            "30000-32767".parse::<NodePortRange>().unwrap(),
+            NodePortRange::default()
+        );
+        assert_eq!(
+            "20000-20010".parse::<NodePortRange>().unwrap(),
+            NodePortRange {
+                first: 20000,
+                last: 20010
+            }
+        );
+        for bad in ["30000", "0-10", "40000-30000", "1-70000", "a-b"] {
+            assert!(bad.parse::<NodePortRange>().is_err(), "{bad}");
         }
     }
 

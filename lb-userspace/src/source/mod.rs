@@ -16,7 +16,7 @@ pub mod files;
 pub mod kube;
 pub mod yaml;
 
-pub use desired::{build_desired, SourceOptions};
+pub use desired::{build_desired, NodePortRange, SourceOptions};
 
 /// Where a loaded document came from; only set for errors found while loading.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -137,6 +137,12 @@ pub enum Problem {
     AffinityTimeoutOutOfRange { seconds: i32 },
     #[error("nodePort {port} of port {service_port} is out of range (1-65535); that NodePort is not proxied")]
     NodePortOutOfRange { service_port: i32, port: i32 },
+    #[error("nodePort {port} of port {service_port} is outside the NodePort range {range}; that NodePort is not proxied (see --nodeport-range)")]
+    NodePortOutsideRange {
+        service_port: i32,
+        port: u16,
+        range: String,
+    },
     #[error("{field} {value:?} is not an IP address; that address is not proxied")]
     InvalidExternalAddress { field: &'static str, value: String },
     #[error("frontend {frontend} is already used by Service {owner}, which keeps it; give one of them another cluster IP or port")]
