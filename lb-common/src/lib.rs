@@ -23,8 +23,17 @@ pub mod map_names {
     pub const AFFINITY: &str = "LB_AFFINITY";
     pub const STATS: &str = "LB_STATS";
     pub const CT: &str = "LB_CT";
+    pub const SVC_STATS: &str = "LB_SVC_STATS";
     /// Every map the agent pins.
-    pub const ALL: [&str; 6] = [SERVICES, BACKENDS, SOCK_REVNAT, AFFINITY, STATS, CT];
+    pub const ALL: [&str; 7] = [
+        SERVICES,
+        BACKENDS,
+        SOCK_REVNAT,
+        AFFINITY,
+        STATS,
+        CT,
+        SVC_STATS,
+    ];
 }
 
 /// Program names in the kernel object (the Rust function names).
@@ -260,6 +269,18 @@ pub const CT_STATE_ESTABLISHED: u8 = 1 << 1;
 pub const CT_STATE_FIN: u8 = 1 << 2;
 pub const CT_STATE_RST: u8 = 1 << 3;
 
+/// Value of the per-CPU `LB_SVC_STATS` hash, keyed by a frontend's `rev_nat_id`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SvcStats {
+    /// Connections (socket connects, UDP sockets, per-packet flows) sent to a backend.
+    pub connections: u64,
+    /// Connections refused or dropped for want of a usable backend.
+    pub no_backend: u64,
+}
+const _: () = assert!(core::mem::size_of::<SvcStats>() == 16);
+
 /// Indexes of the per-CPU `LB_STATS` array (u64 counters). Plain constants rather
 /// than an enum: the index crosses the kernel boundary as a raw `u32`.
 pub mod stat {
@@ -322,4 +343,5 @@ mod user {
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for CtKey {}
     unsafe impl aya::Pod for CtValue {}
+    unsafe impl aya::Pod for SvcStats {}
 }

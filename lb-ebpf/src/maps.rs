@@ -2,12 +2,12 @@
 //! defaults; the agent sets the real `max_entries` at load time.
 
 use aya_ebpf::{
-    btf_maps::{HashMap, LruHashMap, PerCpuArray},
+    btf_maps::{HashMap, LruHashMap, PerCpuArray, PerCpuHashMap},
     macros::btf_map,
 };
 use lb_common::{
     AffinityKey, AffinityValue, Backend, CtKey, CtValue, ServiceKey, ServiceValue,
-    SockRevNatKey, SockRevNatValue, DEFAULT_AFFINITY_MAX, DEFAULT_BACKENDS_MAX, DEFAULT_CT_MAX,
+    SockRevNatKey, SockRevNatValue, SvcStats, DEFAULT_AFFINITY_MAX, DEFAULT_BACKENDS_MAX, DEFAULT_CT_MAX,
     DEFAULT_SERVICES_MAX, DEFAULT_SOCK_REVNAT_MAX,
 };
 
@@ -38,3 +38,13 @@ pub static LB_STATS: PerCpuArray<u64, { lb_common::stat::COUNT as usize }> = Per
 /// LRU: under pressure the oldest flows go, never the packet of a new one.
 #[btf_map]
 pub static LB_CT: LruHashMap<CtKey, CtValue, { DEFAULT_CT_MAX as usize }> = LruHashMap::new();
+
+/// Per-service counters. Not preallocated: memory follows the Services that saw
+/// traffic times the CPUs, not the map size times the CPUs.
+#[btf_map]
+pub static LB_SVC_STATS: PerCpuHashMap<
+    u16,
+    SvcStats,
+    { DEFAULT_SERVICES_MAX as usize },
+    { aya_ebpf::bindings::BPF_F_NO_PREALLOC as usize },
+> = PerCpuHashMap::new();

@@ -45,7 +45,7 @@ pub fn translate_forward(ctx: &SockAddrContext, hook: Hook) -> i32 {
         return SYS_PROCEED;
     };
     if master.count == 0 {
-        return refuse();
+        return refuse(master.rev_nat_id);
     }
 
     let cookie = sock::socket_cookie(ctx);
@@ -60,7 +60,7 @@ pub fn translate_forward(ctx: &SockAddrContext, hook: Hook) -> i32 {
     };
     let client = sock::netns_cookie(ctx);
     let Some((_, backend)) = select::backend(&master_key, &master, client, entropy) else {
-        return refuse();
+        return refuse(master.rev_nat_id);
     };
 
     let revnat_key = SockRevNatKey {
@@ -80,6 +80,7 @@ pub fn translate_forward(ctx: &SockAddrContext, hook: Hook) -> i32 {
 
     sock::write(ctx, backend.address, backend.port);
     stats::bump(stat::TRANSLATED);
+    stats::service(master.rev_nat_id, false);
     SYS_PROCEED
 }
 
@@ -105,8 +106,9 @@ pub fn translate_reverse(ctx: &SockAddrContext) {
 /// kube-proxy answers a Service without endpoints with REJECT; the socket
 /// equivalent is failing the call with ECONNREFUSED right away.
 #[inline(always)]
-fn refuse() -> i32 {
+fn refuse(rev_nat_id: u16) -> i32 {
     stats::bump(stat::NO_BACKEND);
+    stats::service(rev_nat_id, true);
     // SAFETY: plain helper call; connect4/sendmsg4 may set the syscall's return value.
     unsafe { bpf_set_retval(-ECONNREFUSED) };
     SYS_REJECT

@@ -1,6 +1,10 @@
 //! Per-CPU event counters (`lb stats` sums them).
 
-use crate::maps::LB_STATS;
+use lb_common::SvcStats;
+
+use crate::maps::{LB_STATS, LB_SVC_STATS};
+
+const BPF_NOEXIST: u64 = 1;
 
 #[inline(always)]
 pub fn bump(index: u32) {
@@ -8,4 +12,26 @@ pub fn bump(index: u32) {
         // SAFETY: per-CPU slot, only this CPU writes it while the program runs.
         unsafe { *counter += 1 };
     }
+}
+
+/// Counts one connection of a frontend (`refused`: for want of a backend).
+#[inline(always)]
+pub fn service(rev_nat_id: u16, refused: bool) {
+    if let Some(entry) = LB_SVC_STATS.get_ptr_mut(rev_nat_id) {
+        // SAFETY: this CPU's slot of a per-CPU value.
+        let entry = unsafe { &mut *entry };
+        if refused {
+            entry.no_backend += 1;
+        } else {
+            entry.connections += 1;
+        }
+        return;
+    }
+    let first = SvcStats {
+        connections: (!refused) as u64,
+        no_backend: refused as u64,
+    };
+    // Another CPU may create the entry at the same time; losing that race loses one
+    // count, which a counter of connections can afford.
+    let _ = LB_SVC_STATS.insert(rev_nat_id, first, BPF_NOEXIST);
 }

@@ -103,6 +103,7 @@ fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
     }
     if master.count == 0 {
         stats::bump(stat::TC_NO_BACKEND);
+        stats::service(master.rev_nat_id, true);
         // externalTrafficPolicy: Local without a local endpoint drops, as kube-proxy
         // does, so the load balancer's health checks fail over to another node.
         // A Service without any endpoint rejects.
@@ -173,6 +174,7 @@ fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
         return TC_ACT_SHOT;
     }
     stats::bump(stat::TC_NEW_FLOW);
+    stats::service(master.rev_nat_id, false);
     apply(ctx, flow, &forward)
 }
 

@@ -289,6 +289,13 @@ fn sync(maps: &mut PinnedMaps, desired: &DesiredState) -> Result<(usize, usize),
     if !plan.is_empty() {
         maps.apply(&plan.ops)?;
         reconcile::apply(&mut current, &plan.ops);
+        let live = current
+            .services
+            .iter()
+            .filter(|(key, _)| key.backend_slot == 0)
+            .map(|(_, master)| master.rev_nat_id)
+            .collect();
+        maps.prune_service_stats(&live)?;
         info!(
             operations = plan.ops.len(),
             frontends = desired.frontends.len(),

@@ -242,7 +242,9 @@ pub fn load(
         .map_max_entries(map_names::BACKENDS, sizes.backends)
         .map_max_entries(map_names::SOCK_REVNAT, sizes.sock_revnat)
         .map_max_entries(map_names::AFFINITY, sizes.affinity)
-        .map_max_entries(map_names::CT, sizes.conntrack);
+        .map_max_entries(map_names::CT, sizes.conntrack)
+        // One counter entry per frontend at most.
+        .map_max_entries(map_names::SVC_STATS, sizes.services);
     let node_ip = node_ip.map_or(0, |ip| u32::from_ne_bytes(ip.octets()));
     loader.override_global("LB_NODE_IPV4", &node_ip, true);
     loader.load(object).map_err(|source| LoadError::Load {

@@ -2,8 +2,8 @@
 
 use std::path::PathBuf;
 
-use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray};
-use lb_common::{map_names, stat, Backend, CtKey, CtValue, ServiceKey, ServiceValue};
+use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap};
+use lb_common::{map_names, stat, Backend, CtKey, CtValue, ServiceKey, ServiceValue, SvcStats};
 
 use crate::loader::PinLayout;
 use crate::reconcile::{Capacity, MapOp, MapSnapshot};
@@ -40,6 +40,7 @@ pub struct PinnedMaps {
     backends: HashMap<MapData, u32, Backend>,
     stats: PerCpuArray<MapData, u64>,
     conntrack: HashMap<MapData, CtKey, CtValue>,
+    service_stats: PerCpuHashMap<MapData, u16, SvcStats>,
     capacity: Capacity,
 }
 
@@ -64,11 +65,14 @@ impl PinnedMaps {
         let (backends, backends_max) = open(layout, map_names::BACKENDS)?;
         let (stats, _) = open(layout, map_names::STATS)?;
         let (conntrack, _) = open(layout, map_names::CT)?;
+        let (service_stats, _) = open(layout, map_names::SVC_STATS)?;
         Ok(Self {
             services: HashMap::try_from(services).map_err(|e| typed(map_names::SERVICES, e))?,
             backends: HashMap::try_from(backends).map_err(|e| typed(map_names::BACKENDS, e))?,
             stats: PerCpuArray::try_from(stats).map_err(|e| typed(map_names::STATS, e))?,
             conntrack: HashMap::try_from(conntrack).map_err(|e| typed(map_names::CT, e))?,
+            service_stats: PerCpuHashMap::try_from(service_stats)
+                .map_err(|e| typed(map_names::SVC_STATS, e))?,
             capacity: Capacity {
                 services: services_max,
                 backends: backends_max,
@@ -160,6 +164,54 @@ impl PinnedMaps {
             op: format!("delete {key:?}"),
             source,
         })
+    }
+
+    /// Per-frontend counters (by `rev_nat_id`), summed over CPUs.
+    pub fn service_stats(&self) -> Result<Vec<(u16, SvcStats)>, MapsError> {
+        self.service_stats
+            .iter()
+            .map(|entry| {
+                let (id, per_cpu) = entry.map_err(|source| MapsError::Read {
+                    map: map_names::SVC_STATS,
+                    source,
+                })?;
+                let total = per_cpu
+                    .iter()
+                    .fold(SvcStats::default(), |sum, cpu| SvcStats {
+                        connections: sum.connections + cpu.connections,
+                        no_backend: sum.no_backend + cpu.no_backend,
+                    });
+                Ok((id, total))
+            })
+            .collect()
+    }
+
+    /// Drops the counters of frontends that no longer exist, so ids that are
+    /// never reused do not pile up.
+    pub fn prune_service_stats(
+        &mut self,
+        live: &std::collections::BTreeSet<u16>,
+    ) -> Result<usize, MapsError> {
+        let read_error = |source| MapsError::Read {
+            map: map_names::SVC_STATS,
+            source,
+        };
+        let stale: Vec<u16> = self
+            .service_stats
+            .keys()
+            .collect::<Result<Vec<u16>, MapError>>()
+            .map_err(read_error)?
+            .into_iter()
+            .filter(|id| !live.contains(id))
+            .collect();
+        for id in &stale {
+            ignore_missing(self.service_stats.remove(id)).map_err(|source| MapsError::Write {
+                map: map_names::SVC_STATS,
+                op: format!("delete counters of frontend id {id}"),
+                source,
+            })?;
+        }
+        Ok(stale.len())
     }
 
     /// The `LB_STATS` counters summed over CPUs, with their names.

@@ -156,6 +156,53 @@ fn decode_one(
     }
 }
 
+/// One frontend's counters, for `lb stats --per-service`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ServiceCounters {
+    pub frontend: Frontend,
+    pub rev_nat_id: u16,
+    pub connections: u64,
+    pub no_backend: u64,
+}
+
+/// Joins the per-frontend counters with the frontends they belong to; counters of
+/// frontends that are gone are left out.
+pub fn service_counters(
+    snapshot: &MapSnapshot,
+    counters: &[(u16, lb_common::SvcStats)],
+) -> Vec<ServiceCounters> {
+    let by_id: BTreeMap<u16, lb_common::SvcStats> = counters.iter().copied().collect();
+    decode(snapshot)
+        .into_iter()
+        .map(|f| {
+            let c = by_id.get(&f.rev_nat_id).copied().unwrap_or_default();
+            ServiceCounters {
+                frontend: f.frontend,
+                rev_nat_id: f.rev_nat_id,
+                connections: c.connections,
+                no_backend: c.no_backend,
+            }
+        })
+        .collect()
+}
+
+pub fn render_service_counters(rows: &[ServiceCounters]) -> String {
+    let mut out = format!(
+        "{:<34} {:>12} {:>12}\n",
+        "FRONTEND", "CONNECTIONS", "NO_BACKEND"
+    );
+    for row in rows {
+        let _ = writeln!(
+            out,
+            "{:<34} {:>12} {:>12}",
+            row.frontend.to_string(),
+            row.connections,
+            row.no_backend
+        );
+    }
+    out
+}
+
 /// An aligned table for people; problems follow their frontend's row.
 pub fn render_text(frontends: &[ProgrammedFrontend]) -> String {
     let header = ["FRONTEND", "ID", "AFFINITY", "BACKENDS"];

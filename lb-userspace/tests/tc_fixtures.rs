@@ -352,6 +352,13 @@ fn node_port_to_local_backend_keeps_client_address_and_reverses_replies() {
     );
     assert_eq!(f.stat(stat::TC_NEW_FLOW), 1);
     assert_eq!(f.stat(stat::TC_CT_HIT), 2);
+    // One connection for the frontend, counted once, not per packet.
+    let per_service = f.maps.service_stats().unwrap();
+    assert_eq!(per_service.len(), 1);
+    assert_eq!(
+        (per_service[0].1.connections, per_service[0].1.no_backend),
+        (1, 0)
+    );
 
     let entries = f.maps.conntrack().unwrap();
     assert_eq!(entries.len(), 2, "one entry per direction: {entries:?}");
@@ -551,6 +558,8 @@ fn no_backend_answers_tcp_with_a_reset_sent_back_out() {
         "acks the SYN"
     );
     assert_eq!(f.stat(stat::TC_NO_BACKEND), 1);
+    let per_service = f.maps.service_stats().unwrap();
+    assert_eq!(per_service[0].1.no_backend, 1);
 
     // A RST is never answered, and UDP has nothing to reset: both are dropped.
     let rst = Packet::tcp(CLIENT, 40005, NODE, NODE_PORT, RST);

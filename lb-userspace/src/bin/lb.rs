@@ -45,6 +45,9 @@ enum Command {
     Stats {
         #[arg(long)]
         json: bool,
+        /// Connections and refusals per frontend instead of the datapath counters.
+        #[arg(long)]
+        per_service: bool,
     },
     /// Detach the hooks and unpin every map and link under --pin-dir.
     Cleanup,
@@ -168,7 +171,20 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
-        Command::Stats { json } => {
+        Command::Stats {
+            json,
+            per_service: true,
+        } => {
+            let maps = PinnedMaps::open(&layout)?;
+            let rows = table::service_counters(&maps.snapshot()?, &maps.service_stats()?);
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else {
+                print!("{}", table::render_service_counters(&rows));
+            }
+            Ok(())
+        }
+        Command::Stats { json, .. } => {
             let maps = PinnedMaps::open(&layout)?;
             let stats = maps.stats()?;
             if json {
