@@ -105,13 +105,12 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     };
     sys::ensure_bpffs(config.pin.root())?;
     let object = loader::kernel_object(config.bpf_object.as_deref())?;
-    loader::load_and_attach(
-        &object,
-        &config.pin,
-        config.sizes,
-        &config.cgroup,
-        &config.tc,
-    )?;
+    // Maps first, hooks only after the first sync filled them: a first start, or an
+    // upgrade to a new map layout (fresh maps in a new `v<N>` directory), never has a
+    // moment where the new programs see an empty table.
+    let retired = loader::other_layouts(&config.pin).unwrap_or_default();
+    let mut ebpf = loader::load(&object, &config.pin, config.sizes, config.tc.node_ip)?;
+    let mut attached = false;
     let mut maps = PinnedMaps::open(&config.pin)?;
     // A second handle for scrapes, so /metrics reads fresh datapath counters.
     let stats_maps = PinnedMaps::open(&config.pin)?;
@@ -119,11 +118,6 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         Ok(counters) => status.set_datapath_counters(&counters),
         Err(e) => debug!("reading the datapath counters: {e}"),
     });
-    info!(
-        cgroup = %config.cgroup.display(),
-        pin_dir = %config.pin.root().display(),
-        "socket hooks attached"
-    );
 
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(AgentError::Signal)?;
@@ -173,6 +167,16 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                     desired.frontends.len(),
                     desired.backend_count(),
                 );
+                if !attached {
+                    loader::attach(&mut ebpf, &config.pin, &config.cgroup, &config.tc)?;
+                    attached = true;
+                    info!(
+                        cgroup = %config.cgroup.display(),
+                        pin_dir = %config.pin.root().display(),
+                        "hooks attached"
+                    );
+                    retire_layouts(&retired);
+                }
                 if !ready {
                     ready = true;
                     status.mark_initial_sync();
@@ -192,6 +196,19 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     }
     info!("stopping; hooks and maps stay pinned (`lb cleanup` removes them)");
     Ok(())
+}
+
+/// Unpins the maps of other layout versions once this agent's programs replaced
+/// the ones that used them. Their conntrack and affinity state is not carried over:
+/// established sockets keep working (the socket LB needs no per-packet state), flows
+/// of the per-packet path are picked up anew.
+fn retire_layouts(retired: &[PathBuf]) {
+    for dir in retired {
+        match loader::remove_layout(dir) {
+            Ok(()) => info!(dir = %dir.display(), "retired maps of another layout version"),
+            Err(e) => warn!("cannot remove old maps in {}: {e}", dir.display()),
+        }
+    }
 }
 
 /// Applies kube-proxy's semantics to the objects; bad objects are logged and skipped

@@ -169,20 +169,17 @@ pub fn kernel_object(path: Option<&Path>) -> Result<Vec<u8>, LoadError> {
     }
 }
 
-/// Loads the programs against the pinned maps (creating them on first start, reusing
-/// them afterwards so their contents survive restarts), attaches every hook to
-/// `cgroup`, and pins the links. Links of a previous agent are replaced only after
-/// the new ones are attached: both translate identically, and a socket already
-/// rewritten to a backend is not a frontend to the second program, so the overlap is
-/// harmless while a gap would not be.
-pub fn load_and_attach(
-    object: &[u8],
+/// Attaches every hook of a loaded object to `cgroup` and the TC devices, and pins
+/// the links. Links of a previous agent are replaced only after the new ones are
+/// attached: both translate identically, and a socket already rewritten to a backend
+/// is not a frontend to the second program, so the overlap is harmless while a gap
+/// would not be.
+pub fn attach(
+    ebpf: &mut Ebpf,
     layout: &PinLayout,
-    sizes: MapSizes,
     cgroup: &Path,
     tc: &TcConfig,
 ) -> Result<(), LoadError> {
-    let mut ebpf = load(object, layout, sizes, tc.node_ip)?;
     let cgroup_file = File::open(cgroup).map_err(|source| LoadError::Cgroup {
         path: cgroup.to_path_buf(),
         source,
@@ -190,7 +187,7 @@ pub fn load_and_attach(
     let links_dir = layout.links_dir();
     let mut pinned = BTreeSet::new();
     for program in program_names::ALL {
-        let link = attach_cgroup(&mut ebpf, program, &cgroup_file)?;
+        let link = attach_cgroup(ebpf, program, &cgroup_file)?;
         pinned.insert(pin_link(link, program, &links_dir, program)?);
     }
     let tc_attachments = [
@@ -217,9 +214,10 @@ pub fn load_and_attach(
     remove_stale_links(&links_dir, &pinned)
 }
 
-/// Creates (or reopens) the pinned maps and prepares the programs without loading
-/// them into the kernel or attaching them; `node_ip` is the SNAT source of the
-/// per-packet path. Tests use this to run programs through BPF_PROG_TEST_RUN.
+/// Creates (or reopens, keeping their contents across restarts) the pinned maps and
+/// prepares the programs without loading them into the kernel or attaching them;
+/// `node_ip` is the SNAT source of the per-packet path. Tests use this to run
+/// programs through BPF_PROG_TEST_RUN.
 pub fn load(
     object: &[u8],
     layout: &PinLayout,
@@ -383,6 +381,32 @@ fn verifier_error(program: &'static str, error: ProgramError) -> LoadError {
     }
 }
 
+/// Map directories of other layout versions under the pin directory: what an agent
+/// with another kernel object left.
+pub fn other_layouts(layout: &PinLayout) -> io::Result<Vec<PathBuf>> {
+    let current = layout.maps_dir();
+    let mut found = Vec::new();
+    for entry in fs::read_dir(layout.root())? {
+        let path = entry?.path();
+        let is_layout = path.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+            n.len() > 1 && n.starts_with('v') && n[1..].bytes().all(|b| b.is_ascii_digit())
+        });
+        if is_layout && path != current {
+            found.push(path);
+        }
+    }
+    Ok(found)
+}
+
+/// Unpins the maps of a retired layout; the kernel frees them once no program
+/// uses them.
+pub fn remove_layout(dir: &Path) -> io::Result<()> {
+    for entry in fs::read_dir(dir)? {
+        fs::remove_file(entry?.path())?;
+    }
+    fs::remove_dir(dir)
+}
+
 /// What `lb cleanup` removed.
 #[derive(Debug, Default)]
 pub struct CleanupReport {
@@ -418,4 +442,26 @@ pub fn cleanup(layout: &PinLayout) -> io::Result<CleanupReport> {
     }
     fs::remove_dir(root)?;
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn other_layout_versions_are_found_and_removed() {
+        let root = std::env::temp_dir().join(format!("lb-layouts-{}", std::process::id()));
+        let layout = PinLayout::new(&root);
+        for dir in ["v0", "v1", "v17", "links", "vx", "v"] {
+            fs::create_dir_all(root.join(dir)).unwrap();
+        }
+        fs::write(root.join("v0/LB_SERVICES"), b"").unwrap();
+        let mut found = other_layouts(&layout).unwrap();
+        found.sort();
+        assert_eq!(found, vec![root.join("v0"), root.join("v17")]);
+        remove_layout(&root.join("v0")).unwrap();
+        assert!(!root.join("v0").exists());
+        assert!(layout.maps_dir().exists(), "the current layout stays");
+        fs::remove_dir_all(&root).unwrap();
+    }
 }
