@@ -17,6 +17,7 @@ use crate::ops::{self, AgentStatus, BindAddress, OpsServer, Routes, ServeConfig}
 use crate::reconcile;
 use crate::source::{self, files, kube, yaml::Objects, SourceOptions};
 use crate::sys::{self, SysError};
+use crate::table;
 
 /// How long to wait before retrying a service table the kernel refused.
 const RETRY_INTERVAL: Duration = Duration::from_secs(1);
@@ -114,9 +115,26 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let mut maps = PinnedMaps::open(&config.pin)?;
     // A second handle for scrapes, so /metrics reads fresh datapath counters.
     let stats_maps = PinnedMaps::open(&config.pin)?;
-    status.on_scrape(move |status| match stats_maps.stats() {
-        Ok(counters) => status.set_datapath_counters(&counters),
-        Err(e) => debug!("reading the datapath counters: {e}"),
+    status.on_scrape(move |status| {
+        match stats_maps.stats() {
+            Ok(counters) => status.set_datapath_counters(&counters),
+            Err(e) => debug!("reading the datapath counters: {e}"),
+        }
+        let per_service = stats_maps.snapshot().and_then(|snapshot| {
+            Ok(table::service_counters(
+                &snapshot,
+                &stats_maps.service_stats()?,
+            ))
+        });
+        match per_service {
+            Ok(rows) => status.set_service_counters(
+                &rows
+                    .iter()
+                    .map(|r| (r.frontend.to_string(), r.connections, r.no_backend))
+                    .collect::<Vec<_>>(),
+            ),
+            Err(e) => debug!("reading the per-service counters: {e}"),
+        }
     });
 
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

@@ -144,6 +144,8 @@ struct State {
     /// Map name -> (entries, capacity).
     maps: BTreeMap<String, (u64, u64)>,
     datapath: BTreeMap<String, u64>,
+    /// Frontend (as `lb services` prints it) -> (connections, refused).
+    services: BTreeMap<String, (u64, u64)>,
 }
 
 /// What the agent has done, for `/healthz` and `/metrics`. Share it as
@@ -251,6 +253,15 @@ impl AgentStatus {
         self.state().datapath = counters
             .iter()
             .map(|(name, value)| (name.to_string(), *value))
+            .collect();
+    }
+
+    /// Per-frontend counters: (frontend, connections, refused for want of a
+    /// backend), replacing the previous ones.
+    pub fn set_service_counters(&self, counters: &[(String, u64, u64)]) {
+        self.state().services = counters
+            .iter()
+            .map(|(frontend, connections, refused)| (frontend.clone(), (*connections, *refused)))
             .collect();
     }
 
@@ -426,6 +437,24 @@ impl AgentStatus {
                 &[("event", event)],
                 *value,
             );
+        }
+        for (name, help, pick) in [
+            (
+                "lb_service_connections_total",
+                "Connections sent to a backend of the frontend (socket hooks and per-packet flows).",
+                0,
+            ),
+            (
+                "lb_service_rejected_total",
+                "Connections refused or dropped for want of a usable backend.",
+                1,
+            ),
+        ] {
+            family(&mut out, name, "counter", help);
+            for (frontend, (connections, refused)) in &state.services {
+                let value = if pick == 0 { *connections } else { *refused };
+                sample(&mut out, name, &[("frontend", frontend)], value);
+            }
         }
         out
     }
@@ -995,6 +1024,21 @@ mod tests {
             "{\"lastUpdated\": \"0001-01-01T00:00:00Z\", \"currentTime\": \
              \"1970-01-01T00:00:00Z\", \"nodeEligible\": true}\n"
         );
+    }
+
+    #[test]
+    fn per_service_counters_are_labelled_by_frontend() {
+        let status = AgentStatus::new();
+        status.set_service_counters(&[
+            ("10.96.0.10:80/TCP".to_owned(), 12, 0),
+            ("10.96.0.11:80/TCP".to_owned(), 0, 3),
+        ]);
+        let text = status.render_metrics();
+        assert!(text.contains("lb_service_connections_total{frontend=\"10.96.0.10:80/TCP\"} 12"));
+        assert!(text.contains("lb_service_rejected_total{frontend=\"10.96.0.11:80/TCP\"} 3"));
+        // Replaced, not accumulated.
+        status.set_service_counters(&[]);
+        assert!(!status.render_metrics().contains("frontend=\"10.96.0.10"));
     }
 
     #[test]
