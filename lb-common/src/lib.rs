@@ -68,8 +68,9 @@ pub const SVC_FLAG_EXTERNAL: u16 = 1 << 2;
 pub const BACKEND_FLAG_LOCAL: u8 = 1 << 0;
 
 /// Default capacities; the agent may size maps differently at load time.
-pub const DEFAULT_SERVICES_MAX: u32 = 65_536;
-pub const DEFAULT_BACKENDS_MAX: u32 = 65_536;
+/// Slot entries: one per frontend plus one per backend of it.
+pub const DEFAULT_SERVICES_MAX: u32 = 1 << 21;
+pub const DEFAULT_BACKENDS_MAX: u32 = 1 << 21;
 pub const DEFAULT_SOCK_REVNAT_MAX: u32 = 262_144;
 pub const DEFAULT_AFFINITY_MAX: u32 = 65_536;
 pub const DEFAULT_CT_MAX: u32 = 262_144;

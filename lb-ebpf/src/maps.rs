@@ -11,13 +11,24 @@ use lb_common::{
     DEFAULT_SERVICES_MAX, DEFAULT_SOCK_REVNAT_MAX,
 };
 
+/// Not preallocated: sized for 100k frontends x 10 endpoints, memory follows the
+/// entries actually written (the agent is the only writer, so allocation happens
+/// outside the packet path; lookups cost the same).
 #[btf_map]
-pub static LB_SERVICES: HashMap<ServiceKey, ServiceValue, { DEFAULT_SERVICES_MAX as usize }> =
-    HashMap::new();
+pub static LB_SERVICES: HashMap<
+    ServiceKey,
+    ServiceValue,
+    { DEFAULT_SERVICES_MAX as usize },
+    { aya_ebpf::bindings::BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
 
 #[btf_map]
-pub static LB_BACKENDS: HashMap<u32, Backend, { DEFAULT_BACKENDS_MAX as usize }> =
-    HashMap::new();
+pub static LB_BACKENDS: HashMap<
+    u32,
+    Backend,
+    { DEFAULT_BACKENDS_MAX as usize },
+    { aya_ebpf::bindings::BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
 
 /// LRU: an entry per (socket, backend) must never fail to insert because old
 /// sockets filled the map; the oldest are the ones to forget.

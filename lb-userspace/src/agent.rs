@@ -316,8 +316,11 @@ fn collect_idle_flows(
 
 /// Returns the entries in use afterwards: (services, backends).
 fn sync(maps: &mut PinnedMaps, desired: &DesiredState) -> Result<(usize, usize), MapsError> {
+    let started = Instant::now();
     let mut current = maps.snapshot()?;
+    let read = started.elapsed();
     let plan = reconcile::plan(desired, &current, maps.capacity());
+    let planned = started.elapsed();
     for rejected in &plan.rejected {
         warn!("{rejected}");
     }
@@ -332,6 +335,9 @@ fn sync(maps: &mut PinnedMaps, desired: &DesiredState) -> Result<(usize, usize),
             .collect();
         maps.prune_service_stats(&live)?;
         info!(
+            read_ms = read.as_millis() as u64,
+            plan_ms = (planned - read).as_millis() as u64,
+            apply_ms = (started.elapsed() - planned).as_millis() as u64,
             operations = plan.ops.len(),
             frontends = desired.frontends.len(),
             backends = desired.backend_count(),
