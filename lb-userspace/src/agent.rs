@@ -2,8 +2,9 @@
 //! to what they describe. Reads happen at the edges; deciding what to write is the
 //! pure reconciler's job.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lb_common::map_names;
@@ -113,26 +114,28 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let mut ebpf = loader::load(&object, &config.pin, config.sizes, config.tc.node_ip)?;
     let mut attached = false;
     let mut maps = PinnedMaps::open(&config.pin)?;
+    // Frontend names by id, as of the last sync: a scrape reads only the counter
+    // maps, never the whole service table.
+    let frontend_names: Arc<Mutex<BTreeMap<u16, String>>> = Arc::default();
     // A second handle for scrapes, so /metrics reads fresh datapath counters.
     let stats_maps = PinnedMaps::open(&config.pin)?;
+    let names = frontend_names.clone();
     status.on_scrape(move |status| {
         match stats_maps.stats() {
             Ok(counters) => status.set_datapath_counters(&counters),
             Err(e) => debug!("reading the datapath counters: {e}"),
         }
-        let per_service = stats_maps.snapshot().and_then(|snapshot| {
-            Ok(table::service_counters(
-                &snapshot,
-                &stats_maps.service_stats()?,
-            ))
-        });
-        match per_service {
-            Ok(rows) => status.set_service_counters(
-                &rows
+        match stats_maps.service_stats() {
+            Ok(counters) => {
+                let names = names.lock().unwrap_or_else(|e| e.into_inner());
+                let rows: Vec<(String, u64, u64)> = counters
                     .iter()
-                    .map(|r| (r.frontend.to_string(), r.connections, r.no_backend))
-                    .collect::<Vec<_>>(),
-            ),
+                    .filter_map(|(id, c)| {
+                        Some((names.get(id)?.clone(), c.connections, c.no_backend))
+                    })
+                    .collect();
+                status.set_service_counters(&rows);
+            }
             Err(e) => debug!("reading the per-service counters: {e}"),
         }
     });
@@ -147,7 +150,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     // Set while the kernel rejected a write; the same objects are retried from a
     // fresh snapshot until they apply.
     let mut retry: Option<Arc<Objects>> = None;
-    let mut ready = false;
+    let mut known_table = None;
     let mut gc_ticker = tokio::time::interval(config.ct_gc_interval);
     gc_ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -174,12 +177,23 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         status.record_pending();
         let started = Instant::now();
         let desired = interpret(&current, &options, &status);
-        match sync(&mut maps, &desired) {
-            Ok((services, backends)) => {
+        match sync(&mut maps, &desired, &mut known_table) {
+            Ok(outcome) => {
                 retry = None;
+                if let Some(names) = outcome.frontend_names {
+                    *frontend_names.lock().unwrap_or_else(|e| e.into_inner()) = names;
+                }
                 let capacity = maps.capacity();
-                status.set_map_usage(map_names::SERVICES, services, capacity.services);
-                status.set_map_usage(map_names::BACKENDS, backends, capacity.backends);
+                status.set_map_usage(
+                    map_names::SERVICES,
+                    outcome.services_used,
+                    capacity.services,
+                );
+                status.set_map_usage(
+                    map_names::BACKENDS,
+                    outcome.backends_used,
+                    capacity.backends,
+                );
                 status.record_sync(
                     started.elapsed(),
                     desired.frontends.len(),
@@ -194,9 +208,6 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                         "hooks attached"
                     );
                     retire_layouts(&retired);
-                }
-                if !ready {
-                    ready = true;
                     status.mark_initial_sync();
                     info!(
                         frontends = desired.frontends.len(),
@@ -314,10 +325,24 @@ fn collect_idle_flows(
     Ok(removed)
 }
 
-/// Returns the entries in use afterwards: (services, backends).
-fn sync(maps: &mut PinnedMaps, desired: &DesiredState) -> Result<(usize, usize), MapsError> {
+/// Returns the entries in use afterwards (services, backends) and, when the table
+/// changed, the frontends by id.
+///
+/// `known` is the table as the last successful sync left it. The agent is the maps'
+/// only writer, so that copy stays exact and a change costs only its own writes,
+/// not a read of the whole table; after a failure it is dropped and the next sync
+/// reads the kernel's state again.
+fn sync(
+    maps: &mut PinnedMaps,
+    desired: &DesiredState,
+    known: &mut Option<reconcile::MapSnapshot>,
+) -> Result<SyncOutcome, MapsError> {
     let started = Instant::now();
-    let mut current = maps.snapshot()?;
+    let read_kernel = known.is_none();
+    let mut current = match known.take() {
+        Some(table) => table,
+        None => maps.snapshot()?,
+    };
     let read = started.elapsed();
     let plan = reconcile::plan(desired, &current, maps.capacity());
     let planned = started.elapsed();
@@ -344,5 +369,25 @@ fn sync(maps: &mut PinnedMaps, desired: &DesiredState) -> Result<(usize, usize),
             "service table applied"
         );
     }
-    Ok((current.services.len(), current.backends.len()))
+    let frontend_names = (!plan.is_empty() || read_kernel).then(|| {
+        table::decode(&current)
+            .into_iter()
+            .map(|f| (f.rev_nat_id, f.frontend.to_string()))
+            .collect()
+    });
+    let outcome = SyncOutcome {
+        services_used: current.services.len(),
+        backends_used: current.backends.len(),
+        frontend_names,
+    };
+    *known = Some(current);
+    Ok(outcome)
+}
+
+/// What a successful sync left in the maps.
+struct SyncOutcome {
+    services_used: usize,
+    backends_used: usize,
+    /// Frontends by id, when they may have changed.
+    frontend_names: Option<BTreeMap<u16, String>>,
 }
