@@ -19,9 +19,10 @@ const IP_CSUM_IN_HDR: usize = 10;
 const IP_SRC_IN_HDR: usize = 12;
 const IP_DST_IN_HDR: usize = 16;
 
-/// `Ok(true)` when the error belonged to one of our flows and was rewritten.
+/// `Ok(Some((source, destination)))`, the new outer addresses, when the error
+/// belonged to one of our flows and was rewritten.
 #[inline(always)]
-pub fn translate(ctx: &TcContext, e: &IcmpError) -> Result<bool, i64> {
+pub fn translate(ctx: &TcContext, e: &IcmpError) -> Result<Option<(u32, u32)>, i64> {
     // The quoted packet went from our side towards the backend; its answers carry
     // the reverse tuple, which is the flow's reply-direction conntrack key.
     let key = CtKey {
@@ -34,10 +35,10 @@ pub fn translate(ctx: &TcContext, e: &IcmpError) -> Result<bool, i64> {
     };
     // SAFETY: copied out at once.
     let Some(entry) = (unsafe { LB_CT.get(&key) }).copied() else {
-        return Ok(false);
+        return Ok(None);
     };
     if entry.dir != CT_DIR_REPLY {
-        return Ok(false);
+        return Ok(None);
     }
     // The reply entry rewrites to (frontend -> client); the quoted packet becomes
     // (client -> frontend), what the client sent.
@@ -106,11 +107,13 @@ pub fn translate(ctx: &TcContext, e: &IcmpError) -> Result<bool, i64> {
         ctx.l3_csum_replace(IP_CSUM_OFF, e.daddr as u64, client as u64, 4)?;
         ctx.store(IP_DST_OFF, &client, BPF_F_RECOMPUTE_CSUM)?;
     }
+    let mut source = e.saddr;
     if e.saddr == e.inner.daddr && e.saddr != frontend {
         ctx.l3_csum_replace(IP_CSUM_OFF, e.saddr as u64, frontend as u64, 4)?;
         ctx.store(IP_SRC_OFF, &frontend, BPF_F_RECOMPUTE_CSUM)?;
+        source = frontend;
     }
-    Ok(true)
+    Ok(Some((source, client)))
 }
 
 /// RFC 1624 incremental update: HC' = ~(~HC + ~m + m'), on fields as they lie in

@@ -9,6 +9,7 @@
 #![no_main]
 
 mod ct;
+mod fib;
 mod icmp;
 mod maps;
 mod nat;

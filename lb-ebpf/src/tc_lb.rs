@@ -10,7 +10,7 @@ use lb_common::{
 };
 
 use crate::{
-    ct, icmp,
+    ct, fib, icmp,
     nat::{self, Tuple},
     packet::{self, Flow, Parsed},
     reject, select, stats,
@@ -43,11 +43,16 @@ pub fn handle(ctx: &TcContext, scope: u8) -> i32 {
         Parsed::Ignored => return TC_ACT_OK,
         Parsed::IcmpError(error) => {
             return match icmp::translate(ctx, &error) {
-                Ok(true) => {
+                Ok(Some((source, destination))) => {
                     stats::bump(stat::TC_CT_HIT);
+                    if source != error.saddr {
+                        if let Some(verdict) = fib::redirect(ctx, source, destination) {
+                            return verdict;
+                        }
+                    }
                     TC_ACT_OK
                 }
-                Ok(false) => TC_ACT_OK,
+                Ok(None) => TC_ACT_OK,
                 // Half rewritten: its checksums no longer hold.
                 Err(_) => {
                     stats::bump(stat::TC_MALFORMED);
@@ -77,6 +82,13 @@ fn apply(ctx: &TcContext, flow: &Flow, to: &Tuple) -> i32 {
         // A half-rewritten packet would carry a wrong checksum: drop it.
         stats::bump(stat::TC_MALFORMED);
         return TC_ACT_SHOT;
+    }
+    // A new source (SNAT, or a reply now from the frontend) may be an address of this
+    // node, which routing input refuses: forward it ourselves.
+    if to.saddr != flow.saddr {
+        if let Some(verdict) = fib::redirect(ctx, to.saddr, to.daddr) {
+            return verdict;
+        }
     }
     TC_ACT_OK
 }

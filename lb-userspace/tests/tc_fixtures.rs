@@ -31,7 +31,9 @@ const REMOTE_POD: [u8; 4] = [10, 244, 2, 21];
 const NODE_PORT: u16 = 30080;
 
 /// One test's maps and programs, pinned under a private directory that goes away
-/// with the fixture.
+/// with the fixture. The test's thread runs in a network namespace of its own: the
+/// programs' route lookups (see `fib.rs`) then see only what the test sets up, and
+/// nothing of the host's.
 struct Fixture {
     layout: PinLayout,
     ebpf: Ebpf,
@@ -44,6 +46,13 @@ impl Fixture {
         assert!(
             unsafe { libc::geteuid() } == 0,
             "packet fixtures load BPF programs: run as root (cargo xtask test)"
+        );
+        // SAFETY: plain syscall; affects only this test's thread.
+        assert_eq!(
+            unsafe { libc::unshare(libc::CLONE_NEWNET) },
+            0,
+            "unshare(CLONE_NEWNET): {}",
+            std::io::Error::last_os_error()
         );
         let name = format!(
             "lb-fixture-{}-{}",
@@ -689,4 +698,42 @@ fn icmp_errors_of_unknown_flows_pass_untouched() {
     let error = icmp_error(REMOTE_POD, CLIENT, 3, 3, &unrelated, unrelated.len() - 14);
     let (verdict, out) = f.external(&error);
     assert_eq!((verdict, out), (TC_ACT_OK, error));
+}
+
+/// Runs `ip` in the calling thread's network namespace (a forked child keeps it).
+fn ip(args: &str) {
+    let status = std::process::Command::new("ip")
+        .args(args.split_whitespace())
+        .status()
+        .expect("run ip");
+    assert!(status.success(), "ip {args}");
+}
+
+#[test]
+fn packets_with_a_node_source_are_routed_by_the_program_not_the_stack() {
+    let mut f = Fixture::new();
+    f.program(&node_port(
+        Protocol::Tcp,
+        &[backend(REMOTE_POD, 8080, false)],
+        None,
+    ));
+    let syn = Packet::tcp(CLIENT, 40013, NODE, NODE_PORT, SYN).frame();
+    // No route to the backend in this namespace: the stack gets the packet.
+    assert_eq!(f.external(&syn).0, TC_ACT_OK);
+
+    // With a route, the SNATed packet (source = this node, which routing input would
+    // drop as a martian) is sent to the egress device with its TTL decremented.
+    // A router forwards: the lookup honours the forwarding switch.
+    std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").unwrap();
+    ip("link set lo up");
+    ip("link add lbfib0 type veth peer name lbfib1");
+    ip("link set lbfib0 up");
+    ip("link set lbfib1 up");
+    ip("addr add 192.168.50.2/24 dev lbfib0");
+    ip("route add 10.244.2.0/24 via 192.168.50.3");
+    let ack = Packet::tcp(CLIENT, 40013, NODE, NODE_PORT, ACK).frame();
+    let (verdict, out) = f.external(&ack);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!(inspect(&out).src, NODE);
+    assert_eq!(out[14 + 8], 63, "TTL decremented like a router");
 }

@@ -1,0 +1,63 @@
+//! Sending a translated packet on without the routing input path. Once its source
+//! is one of the node's own addresses (the frontend of a NodePort reply, the SNAT
+//! source towards a remote backend), the stack would drop it as a martian; as a
+//! router would, we look up the route ourselves, decrement the TTL and hand the
+//! packet to the egress device with neighbour resolution.
+
+use aya_ebpf::{
+    bindings::{bpf_fib_lookup, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS},
+    helpers::generated::{bpf_fib_lookup as fib_lookup, bpf_redirect_neigh},
+    programs::TcContext,
+    EbpfContext,
+};
+
+use crate::packet::{ETH_HLEN, IP_CSUM_OFF};
+
+const AF_INET: u8 = 2;
+const IP_TTL_OFF: usize = ETH_HLEN + 8;
+
+/// `Some(verdict)` when the packet was redirected; `None` leaves it to the stack
+/// (no route, TTL exhausted: the stack then answers as it does).
+#[inline(always)]
+pub fn redirect(ctx: &TcContext, saddr: u32, daddr: u32) -> Option<i32> {
+    // SAFETY: an all-zero bpf_fib_lookup is a valid request to fill in.
+    let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    params.family = AF_INET;
+    // An input lookup from the device the packet arrived on, as forwarding would do
+    // (an output lookup would pin the egress to that same device). At TC ingress
+    // the skb's device is the ingress device.
+    // SAFETY: reading the program's own context.
+    params.ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    params.__bindgen_anon_3.ipv4_src = saddr;
+    params.__bindgen_anon_4.ipv4_dst = daddr;
+    // SAFETY: params lives on this stack frame for the call.
+    let rc = unsafe {
+        fib_lookup(
+            ctx.as_ptr(),
+            &mut params,
+            core::mem::size_of::<bpf_fib_lookup>() as i32,
+            0,
+        )
+    };
+    if rc != BPF_FIB_LKUP_RET_SUCCESS as i64 && rc != BPF_FIB_LKUP_RET_NO_NEIGH as i64 {
+        return None;
+    }
+    decrement_ttl(ctx)?;
+    // SAFETY: plain helper; a null nexthop lets the kernel resolve the neighbour of
+    // the route it looks up on the egress device.
+    let verdict = unsafe { bpf_redirect_neigh(params.ifindex, core::ptr::null_mut(), 0, 0) };
+    Some(verdict as i32)
+}
+
+#[inline(always)]
+fn decrement_ttl(ctx: &TcContext) -> Option<()> {
+    // TTL and protocol form one 16-bit word of the header checksum.
+    let old: u16 = ctx.load(IP_TTL_OFF).ok()?;
+    let ttl = old.to_ne_bytes()[0];
+    if ttl <= 1 {
+        return None;
+    }
+    let new = u16::from_ne_bytes([ttl - 1, old.to_ne_bytes()[1]]);
+    ctx.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 2).ok()?;
+    ctx.store(IP_TTL_OFF, &new, 0).ok()
+}
