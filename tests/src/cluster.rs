@@ -197,6 +197,7 @@ pub struct Cluster {
     pub manifests: ManifestDir,
     tools: Tools,
     base: String,
+    accept_local: bool,
 }
 
 impl Cluster {
@@ -226,6 +227,7 @@ impl Cluster {
             manifests,
             tools,
             base,
+            accept_local: spec.accept_local,
         };
         cluster.uplink(&cluster.client, "sw-ext", CLIENT_IP)?;
         for ip in &spec.client_routes {
@@ -600,9 +602,15 @@ impl Cluster {
 
     /// Both nodes' counters, for failure messages.
     pub fn all_stats(&self) -> String {
-        (0..self.nodes.len())
+        let mut text = (0..self.nodes.len())
             .map(|i| format!("{}: {}", node_name(i), self.stats_text(i)))
             .collect::<Vec<_>>()
-            .join("\n")
+            .join("\n");
+        text += &format!(
+            "\nnode sysctl accept_local={} (LB_TEST_ACCEPT_LOCAL=1 tells whether the kernel \
+             drops translated packets whose source is the node's own address)",
+            u8::from(self.accept_local)
+        );
+        text
     }
 }

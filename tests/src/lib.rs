@@ -13,10 +13,12 @@
 //!   time and rounds.
 
 pub mod agent;
+pub mod agent_proc;
 pub mod cgroup;
 pub mod cluster;
 pub mod interrupt;
 pub mod lines;
+pub mod load;
 pub mod manifests;
 pub mod netns;
 pub mod probe;

@@ -97,7 +97,10 @@ fn expand_sysctl(key: &str) -> Result<Vec<String>> {
     let mut paths = Vec::new();
     for entry in std::fs::read_dir(&dir).with_context(|| format!("listing {dir}"))? {
         let entry = entry?;
-        paths.push(format!("{dir}/{}/{setting}", entry.file_name().to_string_lossy()));
+        paths.push(format!(
+            "{dir}/{}/{setting}",
+            entry.file_name().to_string_lossy()
+        ));
     }
     paths.sort();
     Ok(paths)

@@ -195,10 +195,7 @@ impl PatternStream {
                 self.state ^= self.state >> 12;
                 self.state ^= self.state << 25;
                 self.state ^= self.state >> 27;
-                self.word = self
-                    .state
-                    .wrapping_mul(0x2545_f491_4f6c_dd1d)
-                    .to_le_bytes();
+                self.word = self.state.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes();
                 self.used = 0;
             }
             *b = self.word[self.used];

@@ -205,6 +205,8 @@ pub struct Hold {
     child: Child,
     /// The backend that greeted the connection.
     pub backend: String,
+    /// The connection's local address ("ip:port"), as the probe reported it.
+    pub local: Option<String>,
     /// stdout lines consumed so far (the greeting is line 0).
     next_line: usize,
 }
@@ -212,15 +214,32 @@ pub struct Hold {
 const HOLD_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Hold {
-    fn new(child: Child) -> Result<Self> {
+    /// Wrap a running `lb-probe hold` (spawned with a stdin pipe); waits for its
+    /// greeting line.
+    pub fn new(child: Child) -> Result<Self> {
         let hello = child.stdout.wait_line(0, HOLD_TIMEOUT)?;
         let hello: HoldHello = serde_json::from_str(&hello)
             .with_context(|| format!("unexpected first line from lb-probe hold: {hello}"))?;
         Ok(Hold {
             child,
             backend: hello.backend,
+            local: hello.local,
             next_line: 1,
         })
+    }
+
+    /// Close the connection the orderly way (the probe sees EOF on stdin, closes its
+    /// socket and exits); fails if the probe does not exit cleanly in time.
+    pub fn close(mut self) -> Result<()> {
+        self.child.close_stdin();
+        match self.child.wait_timeout(HOLD_TIMEOUT)? {
+            Some(status) if status.success() => Ok(()),
+            Some(status) => anyhow::bail!(
+                "lb-probe hold exited with {status}: {}",
+                self.child.stderr.text()
+            ),
+            None => anyhow::bail!("lb-probe hold did not exit within {HOLD_TIMEOUT:?}"),
+        }
     }
 
     /// Send `line` over the held connection; return the backend's reply line.

@@ -108,7 +108,12 @@ impl Pod {
     }
 
     /// [`Pod::start_echo`] with more lb-echo arguments (`--whoami-port P`, ...).
-    pub fn start_echo_with(&mut self, echo_bin: &Path, ports: &[u16], extra: &[String]) -> Result<()> {
+    pub fn start_echo_with(
+        &mut self,
+        echo_bin: &Path,
+        ports: &[u16],
+        extra: &[String],
+    ) -> Result<()> {
         let mut spawner = Spawner::new(echo_bin)
             .label(format!("lb-echo {}", self.name))
             .netns(&self.ns)?

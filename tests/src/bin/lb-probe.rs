@@ -311,7 +311,9 @@ fn whoami_tcp(to: SocketAddrV4, count: u32, connect_timeout: Duration) -> Whoami
                 continue;
             }
         };
-        let addrs = stream.local_addr().and_then(|l| Ok((l, stream.peer_addr()?)));
+        let addrs = stream
+            .local_addr()
+            .and_then(|l| Ok((l, stream.peer_addr()?)));
         let (local, peer) = match addrs {
             Ok(a) => a,
             Err(e) => {
@@ -367,9 +369,11 @@ fn whoami_udp(to: SocketAddrV4, count: u32) -> Result<WhoamiReport> {
                             peer: from.to_string(),
                         });
                     }
-                    None => report
-                        .tally
-                        .error("recvfrom", "BADANSWER".into(), &format!("{text:?}")),
+                    None => {
+                        report
+                            .tally
+                            .error("recvfrom", "BADANSWER".into(), &format!("{text:?}"))
+                    }
                 }
             }
             Err(e) => record(&mut report.tally, "recvfrom", &e),

@@ -1,0 +1,510 @@
+//! End-to-end tests of the per-packet (TC) path on a two-node cluster built from
+//! network namespaces (see `lb_tests::cluster`): NodePorts, externalIPs,
+//! LoadBalancer IPs, externalTrafficPolicy: Local, SNAT to remote backends, ClusterIP
+//! from pods the socket hooks do not see, conntrack, bulk transfers and UDP.
+//!
+//! Every test builds its own cluster (namespaces, cgroups, pin dirs, manifests) and
+//! drops it at the end, so tests run in parallel and clean up even when they fail.
+//! No test process is in a hooked cgroup: every translation seen here is the TC path.
+//!
+//! Needs root and the lb binary with its embedded eBPF object (`cargo xtask test`
+//! builds it; or set LB_BIN).
+
+use std::collections::BTreeSet;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+use lb_tests::cluster::{
+    node_ip, node_name, Cluster, ClusterBuilder, BULK_PORT, CLIENT_IP, DROP_CONNECT_TIMEOUT,
+    WHOAMI_PORT,
+};
+use lb_tests::manifests::{documents, Endpoint, EndpointSlice, Service, ServicePort};
+use lb_tests::{cargo_tools, lb_binary};
+
+/// Normal connect timeout of probes that expect an answer.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+fn node1_ip() -> Ipv4Addr {
+    node_ip(0)
+}
+
+fn node2_ip() -> Ipv4Addr {
+    node_ip(1)
+}
+
+/// pod-a on node1 and pod-b on node2, both running lb-echo.
+fn two_backends() -> ClusterBuilder {
+    Cluster::builder().backend("pod-a", 0).backend("pod-b", 1)
+}
+
+/// The ready endpoint of pod `name`, with the nodeName of the node it runs on.
+fn endpoint(cluster: &Cluster, name: &str) -> Result<Endpoint> {
+    let (i, pod) = cluster
+        .nodes()
+        .iter()
+        .enumerate()
+        .find_map(|(i, n)| n.pods().iter().find(|p| p.name() == name).map(|p| (i, p)))
+        .with_context(|| format!("no pod {name}"))?;
+    Ok(Endpoint::ready(name, pod.ip()).on_node(&node_name(i)))
+}
+
+/// Write `<service>.yaml`: the Service and one EndpointSlice with the pods `backends`.
+fn publish(cluster: &Cluster, svc: &Service, backends: &[&str]) -> Result<()> {
+    let eps = backends
+        .iter()
+        .map(|name| endpoint(cluster, name))
+        .collect::<Result<Vec<_>>>()?;
+    let slice = EndpointSlice::for_service(svc, eps);
+    cluster.manifests.write(
+        &format!("{}.yaml", svc.name),
+        &documents([svc.to_yaml(), slice.to_yaml()]),
+    )
+}
+
+/// `pod:port` for each pod named.
+fn pod_addrs(cluster: &Cluster, pods: &[&str], port: u16) -> Result<Vec<SocketAddrV4>> {
+    pods.iter()
+        .map(|name| Ok(SocketAddrV4::new(cluster.pod(name)?.ip(), port)))
+        .collect()
+}
+
+/// A NodePort Service `name` on cluster IP `vip`: whoami 80 -> 9000/TCP (node port
+/// `node_port`).
+fn whoami_node_port(name: &str, vip: Ipv4Addr, node_port: u16) -> Service {
+    Service::new(
+        name,
+        vip,
+        vec![ServicePort::tcp("whoami", 80, WHOAMI_PORT.into()).with_node_port(node_port.into())],
+    )
+    .node_port()
+}
+
+/// Build the cluster, publish `services` (with their backends) and start the agents.
+fn setup(
+    builder: ClusterBuilder,
+    services: &[(&Service, &[&str])],
+    agent_args: impl Fn(usize) -> Vec<String>,
+) -> Result<Cluster> {
+    let lb = lb_binary()?;
+    let mut cluster = builder.build(cargo_tools!())?;
+    for (svc, backends) in services {
+        publish(&cluster, svc, backends)?;
+    }
+    cluster.start_agents(&lb, agent_args)?;
+    Ok(cluster)
+}
+
+fn no_args(_: usize) -> Vec<String> {
+    Vec::new()
+}
+
+fn set(items: &[Ipv4Addr]) -> BTreeSet<Ipv4Addr> {
+    items.iter().copied().collect()
+}
+
+/// (1) NodePort on node1 whose only endpoint is local (pod-a): pod-a answers and sees
+/// the external client's own address (no SNAT for a local backend); the client sees
+/// the NodePort as its peer.
+#[test]
+fn node_port_to_local_backend_keeps_client_ip() -> Result<()> {
+    let svc = whoami_node_port("local", Ipv4Addr::new(10, 96, 0, 30), 30080);
+    let cluster = setup(two_backends(), &[(&svc, &["pod-a"])], no_args)?;
+    let np = SocketAddrV4::new(node1_ip(), 30080);
+    cluster.wait_frontend(
+        0,
+        np,
+        "TCP",
+        "internal",
+        &pod_addrs(&cluster, &["pod-a"], WHOAMI_PORT)?,
+    )?;
+
+    let r = cluster.whoami(cluster.client(), np, 10, false, CONNECT_TIMEOUT)?;
+    let stats = cluster.all_stats();
+    ensure!(
+        r.tally.answered == 10 && r.tally.errors.is_empty(),
+        "{r:#?}\n{stats}"
+    );
+    ensure!(r.tally.names() == ["pod-a"].into(), "{r:#?}");
+    ensure!(
+        r.seen_ips("pod-a") == set(&[CLIENT_IP]),
+        "pod-a must see the client's own address: {r:#?}"
+    );
+    ensure!(
+        r.answers.iter().all(|a| a.port_kept()),
+        "client port changed: {r:#?}"
+    );
+    ensure!(r.peers() == [np.to_string().as_str()].into(), "{r:#?}");
+    Ok(())
+}
+
+/// (2) NodePort on node1 whose only endpoint is on node2 (pod-b): node1 SNATs to its
+/// own address (keeping the client's port, which is free), pod-b answers, and the
+/// reply is reverse-translated on its way back through node1.
+#[test]
+fn node_port_to_remote_backend_snats_to_node_ip() -> Result<()> {
+    let svc = whoami_node_port("remote", Ipv4Addr::new(10, 96, 0, 31), 30081);
+    let cluster = setup(two_backends(), &[(&svc, &["pod-b"])], no_args)?;
+    let np = SocketAddrV4::new(node1_ip(), 30081);
+    cluster.wait_frontend(
+        0,
+        np,
+        "TCP",
+        "internal",
+        &pod_addrs(&cluster, &["pod-b"], WHOAMI_PORT)?,
+    )?;
+
+    let r = cluster.whoami(cluster.client(), np, 10, false, CONNECT_TIMEOUT)?;
+    let stats = cluster.all_stats();
+    ensure!(
+        r.tally.answered == 10 && r.tally.errors.is_empty(),
+        "{r:#?}\n{stats}"
+    );
+    ensure!(r.tally.names() == ["pod-b"].into(), "{r:#?}");
+    ensure!(
+        r.seen_ips("pod-b") == set(&[node1_ip()]),
+        "pod-b must see node1's address (SNAT): {r:#?}"
+    );
+    ensure!(
+        r.answers.iter().all(|a| a.port_kept()),
+        "the client's port was free but not kept: {r:#?}"
+    );
+    ensure!(r.peers() == [np.to_string().as_str()].into(), "{r:#?}");
+    Ok(())
+}
+
+/// (3) externalTrafficPolicy: Local with the only endpoint on node1: via node1 the
+/// client's address is kept; via node2, which has no local endpoint, the SYN is
+/// dropped (the connect times out) and counted as tc_no_backend.
+#[test]
+fn external_traffic_policy_local_keeps_client_ip_or_drops() -> Result<()> {
+    let svc = whoami_node_port("etp-local", Ipv4Addr::new(10, 96, 0, 32), 30082).external_local();
+    let cluster = setup(two_backends(), &[(&svc, &["pod-a"])], no_args)?;
+    let pod_a = pod_addrs(&cluster, &["pod-a"], WHOAMI_PORT)?;
+    let via1 = SocketAddrV4::new(node1_ip(), 30082);
+    let via2 = SocketAddrV4::new(node2_ip(), 30082);
+    cluster.wait_frontend(0, via1, "TCP", "external", &pod_a)?;
+    cluster.wait_frontend(1, via2, "TCP", "external", &[])?;
+    // Traffic from inside the cluster still gets every endpoint.
+    cluster.wait_frontend(1, via2, "TCP", "internal", &pod_a)?;
+
+    let r = cluster.whoami(cluster.client(), via1, 10, false, CONNECT_TIMEOUT)?;
+    let stats = cluster.all_stats();
+    ensure!(
+        r.tally.answered == 10 && r.tally.errors.is_empty(),
+        "via node1: {r:#?}\n{stats}"
+    );
+    ensure!(r.tally.names() == ["pod-a"].into(), "via node1: {r:#?}");
+    ensure!(
+        r.seen_ips("pod-a") == set(&[CLIENT_IP]),
+        "via node1 pod-a must see the client's own address: {r:#?}"
+    );
+
+    let dropped_before = cluster.stat(1, "tc_no_backend")?;
+    let r = cluster.whoami(cluster.client(), via2, 3, false, DROP_CONNECT_TIMEOUT)?;
+    ensure!(
+        r.tally.errors_of("ETIMEDOUT") == 3,
+        "via node2 (no local endpoint) the connection must be dropped: {r:#?}\n{}",
+        cluster.all_stats()
+    );
+    let dropped = cluster.stat(1, "tc_no_backend")? - dropped_before;
+    // Each connect sends its SYN at least once.
+    ensure!(
+        dropped >= 3,
+        "node2 dropped {dropped} packets as tc_no_backend, expected >= 3\n{}",
+        cluster.all_stats()
+    );
+    Ok(())
+}
+
+/// (4) An externalIP and a LoadBalancer ingress IP (both routed to node1 by the
+/// client) reach both backends: the local one sees the client, the remote one node1.
+#[test]
+fn external_ip_and_load_balancer_ip_reach_backends() -> Result<()> {
+    let external_ip = Ipv4Addr::new(192, 168, 50, 200);
+    let lb_ip = Ipv4Addr::new(192, 168, 50, 201);
+    let svc = Service::new(
+        "ingress",
+        Ipv4Addr::new(10, 96, 0, 33),
+        vec![ServicePort::tcp("whoami", 80, WHOAMI_PORT.into()).with_node_port(30083)],
+    )
+    .load_balancer([lb_ip])
+    .with_external_ips([external_ip]);
+    let builder = two_backends()
+        .client_route_via_node1(external_ip)
+        .client_route_via_node1(lb_ip);
+    let cluster = setup(builder, &[(&svc, &["pod-a", "pod-b"])], no_args)?;
+    let both = pod_addrs(&cluster, &["pod-a", "pod-b"], WHOAMI_PORT)?;
+
+    for ip in [external_ip, lb_ip] {
+        let to = SocketAddrV4::new(ip, 80);
+        cluster.wait_frontend(0, to, "TCP", "internal", &both)?;
+        // 40 independent choices: missing a backend has probability 2 * 2^-40.
+        let r = cluster.whoami(cluster.client(), to, 40, false, CONNECT_TIMEOUT)?;
+        let stats = cluster.all_stats();
+        ensure!(
+            r.tally.answered == 40 && r.tally.errors.is_empty(),
+            "{to}: {r:#?}\n{stats}"
+        );
+        ensure!(r.tally.names() == ["pod-a", "pod-b"].into(), "{to}: {r:#?}");
+        ensure!(r.seen_ips("pod-a") == set(&[CLIENT_IP]), "{to}: {r:#?}");
+        ensure!(r.seen_ips("pod-b") == set(&[node1_ip()]), "{to}: {r:#?}");
+        ensure!(
+            r.peers() == [to.to_string().as_str()].into(),
+            "{to}: {r:#?}"
+        );
+    }
+    Ok(())
+}
+
+/// (5) 16 MiB each way through a NodePort, to the remote backend (SNAT, reverse NAT
+/// on node1's uplink) and to the local one: every byte comes back unchanged (so the
+/// incremental checksum updates hold on large, segmented traffic).
+#[test]
+fn bulk_transfer_through_node_port_is_byte_exact() -> Result<()> {
+    const BYTES: u64 = 16 << 20;
+    let bulk = |name: &str, vip: Ipv4Addr, node_port: u16| {
+        Service::new(
+            name,
+            vip,
+            vec![ServicePort::tcp("bulk", 81, BULK_PORT.into()).with_node_port(node_port.into())],
+        )
+        .node_port()
+    };
+    let remote = bulk("bulk-remote", Ipv4Addr::new(10, 96, 0, 34), 30084);
+    let local = bulk("bulk-local", Ipv4Addr::new(10, 96, 0, 35), 30085);
+    let cluster = setup(
+        two_backends(),
+        &[(&remote, &["pod-b"]), (&local, &["pod-a"])],
+        no_args,
+    )?;
+
+    for (node_port, pod, seed) in [(30084, "pod-b", 1), (30085, "pod-a", 2)] {
+        let to = SocketAddrV4::new(node1_ip(), node_port);
+        cluster.wait_frontend(
+            0,
+            to,
+            "TCP",
+            "internal",
+            &pod_addrs(&cluster, &[pod], BULK_PORT)?,
+        )?;
+        let r = cluster.bulk(cluster.client(), to, BYTES, seed)?;
+        ensure!(
+            r.complete(BYTES),
+            "{to} ({pod}): {r:#?}\n{}",
+            cluster.all_stats()
+        );
+        ensure!(r.backend == pod, "{to}: answered by {}: {r:#?}", r.backend);
+        ensure!(r.peer == to.to_string(), "{to}: {r:#?}");
+    }
+    Ok(())
+}
+
+/// (6) A pod on node1 that no socket hook sees (in no hooked cgroup) reaches a
+/// ClusterIP through the TC path on its veth: both backends answer, the local one
+/// sees the pod's own address, the remote one node1's, and the client only ever sees
+/// the VIP.
+#[test]
+fn cluster_ip_from_unhooked_pod_goes_through_tc() -> Result<()> {
+    let vip = Ipv4Addr::new(10, 96, 0, 20);
+    let svc = Service::new(
+        "web",
+        vip,
+        vec![ServicePort::tcp("whoami", 80, WHOAMI_PORT.into())],
+    );
+    let builder = two_backends().client_pod("client", 0);
+    let cluster = setup(builder, &[(&svc, &["pod-a", "pod-b"])], no_args)?;
+    let to = SocketAddrV4::new(vip, 80);
+    cluster.wait_frontend(
+        0,
+        to,
+        "TCP",
+        "internal",
+        &pod_addrs(&cluster, &["pod-a", "pod-b"], WHOAMI_PORT)?,
+    )?;
+    let client = cluster.pod("client")?;
+
+    let r = cluster.whoami(client.netns(), to, 40, false, CONNECT_TIMEOUT)?;
+    let stats = cluster.all_stats();
+    ensure!(
+        r.tally.answered == 40 && r.tally.errors.is_empty(),
+        "{r:#?}\n{stats}"
+    );
+    ensure!(r.tally.names() == ["pod-a", "pod-b"].into(), "{r:#?}");
+    ensure!(r.peers() == [to.to_string().as_str()].into(), "{r:#?}");
+    ensure!(r.seen_ips("pod-a") == set(&[client.ip()]), "{r:#?}");
+    ensure!(r.seen_ips("pod-b") == set(&[node1_ip()]), "{r:#?}");
+    // The socket hooks played no part: node1's counters show only TC translations.
+    ensure!(
+        cluster.stat(0, "translated")? == 0 && cluster.stat(0, "tc_new_flow")? >= 40,
+        "{stats}"
+    );
+    Ok(())
+}
+
+/// (7) `lb conntrack` on node1 lists a NodePort flow to the remote backend while it
+/// is open (client, frontend, backend, SNAT address); with a 1 s closing timeout and
+/// a 200 ms GC interval the flow is gone soon after the connection closes.
+#[test]
+fn conntrack_lists_flow_and_collects_it_after_close() -> Result<()> {
+    let svc = Service::new(
+        "held",
+        Ipv4Addr::new(10, 96, 0, 36),
+        vec![ServicePort::tcp("echo", 80, lb_tests::ECHO_TCP_PORT.into()).with_node_port(30086)],
+    )
+    .node_port();
+    let ct_args = |node: usize| {
+        if node == 0 {
+            [
+                "--ct-tcp-closing-timeout",
+                "1",
+                "--ct-gc-interval-ms",
+                "200",
+            ]
+            .map(String::from)
+            .to_vec()
+        } else {
+            Vec::new()
+        }
+    };
+    let cluster = setup(two_backends(), &[(&svc, &["pod-b"])], ct_args)?;
+    let np = SocketAddrV4::new(node1_ip(), 30086);
+    let backend = SocketAddrV4::new(cluster.pod("pod-b")?.ip(), lb_tests::ECHO_TCP_PORT);
+    cluster.wait_frontend(0, np, "TCP", "internal", &[backend])?;
+
+    let mut held = cluster
+        .hold(cluster.client(), np)
+        .with_context(|| cluster.all_stats())?;
+    ensure!(held.backend == "pod-b", "greeted by {}", held.backend);
+    ensure!(held.echo("ping")? == "pod-b ping");
+    let client: SocketAddrV4 = held
+        .local
+        .as_deref()
+        .context("lb-probe hold did not report its local address")?
+        .parse()?;
+    ensure!(*client.ip() == CLIENT_IP, "{client}");
+
+    let flows = cluster.wait_conntrack(
+        0,
+        &format!("node1 to list the flow of {client}"),
+        Duration::from_secs(5),
+        |flows| flows.iter().any(|f| f.client == client),
+    )?;
+    let flow = flows
+        .iter()
+        .find(|f| f.client == client)
+        .expect("checked by the predicate");
+    ensure!(flow.protocol.eq_ignore_ascii_case("TCP"), "{flow:#?}");
+    ensure!(flow.frontend == np, "{flow:#?}");
+    ensure!(flow.backend == backend, "{flow:#?}");
+    ensure!(
+        flow.snat == Some(SocketAddrV4::new(node1_ip(), client.port())),
+        "SNAT to node1 keeping the client's port expected: {flow:#?}"
+    );
+    ensure!(flow.state == "ESTABLISHED", "{flow:#?}");
+
+    held.close()?;
+    cluster.wait_conntrack(
+        0,
+        &format!("node1 to collect the closed flow of {client}"),
+        Duration::from_secs(10),
+        |flows| flows.iter().all(|f| f.client != client),
+    )?;
+    Ok(())
+}
+
+/// (8) UDP through a NodePort to the remote backend: every datagram is answered, the
+/// answer comes from the NodePort (reverse NAT), and pod-b saw node1 (SNAT).
+#[test]
+fn udp_node_port_to_remote_backend() -> Result<()> {
+    let svc = Service::new(
+        "dns",
+        Ipv4Addr::new(10, 96, 0, 37),
+        vec![ServicePort::udp("dns", 53, WHOAMI_PORT.into()).with_node_port(30053)],
+    )
+    .node_port();
+    let cluster = setup(two_backends(), &[(&svc, &["pod-b"])], no_args)?;
+    let np = SocketAddrV4::new(node1_ip(), 30053);
+    cluster.wait_frontend(
+        0,
+        np,
+        "UDP",
+        "internal",
+        &pod_addrs(&cluster, &["pod-b"], WHOAMI_PORT)?,
+    )?;
+
+    let r = cluster.whoami(cluster.client(), np, 10, true, CONNECT_TIMEOUT)?;
+    let stats = cluster.all_stats();
+    ensure!(
+        r.tally.answered == 10 && r.tally.errors.is_empty(),
+        "{r:#?}\n{stats}"
+    );
+    ensure!(r.tally.names() == ["pod-b"].into(), "{r:#?}");
+    ensure!(
+        r.peers() == [np.to_string().as_str()].into(),
+        "answers must come from the NodePort: {r:#?}"
+    );
+    ensure!(r.seen_ips("pod-b") == set(&[node1_ip()]), "{r:#?}");
+    Ok(())
+}
+
+/// The cluster network itself, without agents: pods reach each other across nodes
+/// untranslated, and the external client has no route to any pod (so in the tests
+/// above only translated traffic can reach a pod). If this fails, the failures above
+/// mean nothing.
+#[test]
+fn cluster_network_routes_pods_and_isolates_the_client() -> Result<()> {
+    let cluster = two_backends()
+        .client_pod("client", 0)
+        .build(cargo_tools!())?;
+    let pod_a = cluster.pod("pod-a")?;
+    let pod_b = cluster.pod("pod-b")?;
+    let client = cluster.pod("client")?;
+
+    // client (node1) -> pod-b (node2): routed by both nodes, source unchanged.
+    let to_b = SocketAddrV4::new(pod_b.ip(), WHOAMI_PORT);
+    let r = cluster.whoami(client.netns(), to_b, 3, false, CONNECT_TIMEOUT)?;
+    ensure!(r.tally.answered == 3, "{r:#?}");
+    ensure!(r.seen_ips("pod-b") == set(&[client.ip()]), "{r:#?}");
+    // pod-b -> pod-a, the other way.
+    let to_a = SocketAddrV4::new(pod_a.ip(), WHOAMI_PORT);
+    let r = cluster.whoami(pod_b.netns(), to_a, 3, true, CONNECT_TIMEOUT)?;
+    ensure!(r.tally.answered == 3, "{r:#?}");
+    ensure!(r.seen_ips("pod-a") == set(&[pod_b.ip()]), "{r:#?}");
+
+    // The external client cannot address pods at all.
+    for pod in [pod_a, pod_b] {
+        let to = SocketAddrV4::new(pod.ip(), WHOAMI_PORT);
+        let r = cluster.tcp(cluster.client(), to, 1, DROP_CONNECT_TIMEOUT)?;
+        ensure!(r.tally.errors_of("ENETUNREACH") == 1, "{to}: {r:#?}");
+    }
+    Ok(())
+}
+
+/// Dropping a cluster removes its namespaces, cgroups and pin dirs, and leaves no
+/// agent running.
+#[test]
+fn cluster_teardown_removes_everything() -> Result<()> {
+    let cluster = setup(two_backends(), &[], no_args)?;
+    let base = cluster.base().to_string();
+    let mut leftovers = Vec::new();
+    for node in cluster.nodes() {
+        leftovers.push(node.cgroup().path().to_path_buf());
+        leftovers.push(node.agent().pin_dir().to_path_buf());
+    }
+    leftovers.push(cluster.manifests.path().to_path_buf());
+    drop(cluster);
+    // Exactly this cluster's names: another test's base may extend this one
+    // (lbc-PID-1 vs lbc-PID-12).
+    let namespaces = lb_tests::util::ip(&["netns", "list"])?;
+    let ours = format!("{base}-");
+    let left: Vec<&str> = namespaces
+        .lines()
+        .filter(|l| l.starts_with(&ours))
+        .collect();
+    ensure!(left.is_empty(), "namespaces left: {left:?}");
+    for path in leftovers {
+        ensure!(!path.exists(), "{} left", path.display());
+    }
+    Ok(())
+}
