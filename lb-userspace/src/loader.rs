@@ -14,8 +14,9 @@ use std::collections::BTreeSet;
 use std::net::Ipv4Addr;
 
 use aya::programs::{
-    links::FdLink, tc::TcAttachType, CgroupAttachMode, CgroupSockAddr, ProgramError,
-    SchedClassifier,
+    links::{FdLink, LinkOrder},
+    tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcAttachType, TcHandle},
+    CgroupAttachMode, CgroupSockAddr, ProgramError, SchedClassifier,
 };
 use aya::{Ebpf, EbpfLoader};
 use lb_common::{map_names, program_names, PIN_LAYOUT_VERSION};
@@ -57,6 +58,7 @@ pub struct TcConfig {
     pub internal_ifaces: Vec<String>,
     /// Source address for SNAT towards backends on other nodes.
     pub node_ip: Option<Ipv4Addr>,
+    pub attach: TcAttach,
 }
 
 /// `max_entries` of the maps the agent sizes.
@@ -205,10 +207,11 @@ pub fn attach(
             .map_err(|e| program_error(program, e))?;
         prog.load().map_err(|e| verifier_error(program, e))?;
         for iface in ifaces {
-            let link = attach_tc(prog, program, iface)?;
-            // bpffs names cannot contain '.', which VLAN devices have.
-            let name = format!("{program}_{}", iface.replace('.', "_"));
-            pinned.insert(pin_link(link, program, &links_dir, &name)?);
+            if let TcLink::Tcx(link) = attach_tc(prog, program, iface, tc.attach)? {
+                // bpffs names cannot contain '.', which VLAN devices have.
+                let name = format!("{program}_{}", iface.replace('.', "_"));
+                pinned.insert(pin_link(link, program, &links_dir, &name)?);
+            }
         }
     }
     remove_stale_links(&links_dir, &pinned)
@@ -285,27 +288,116 @@ fn attach_cgroup(
         })
 }
 
+/// How the per-packet programs attach to devices.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum TcAttach {
+    /// TCX where the kernel has it (>= 6.6), netlink clsact otherwise.
+    #[default]
+    Auto,
+    /// bpf_link based TCX, pinned like the cgroup hooks.
+    Tcx,
+    /// A direct-action cls_bpf filter on the clsact qdisc, for older kernels.
+    Netlink,
+}
+
+/// The netlink filter slot lb owns on each device: a fixed priority and handle, so a
+/// restarted agent finds its filter and swaps the program in place (no gap), and
+/// `lb cleanup` can find it without state.
+const NETLINK_PRIORITY: u16 = 0x4c42; // "LB"
+const NETLINK_HANDLE: TcHandle = TcHandle::new(0, 1);
+
+/// An attached per-packet program: a link to pin, or a netlink filter that lives on
+/// with the device.
+enum TcLink {
+    Tcx(FdLink),
+    Netlink,
+}
+
 fn attach_tc(
     prog: &mut SchedClassifier,
     program: &'static str,
     iface: &str,
-) -> Result<FdLink, LoadError> {
+    mode: TcAttach,
+) -> Result<TcLink, LoadError> {
     let tc_error = |message: String| LoadError::TcAttach {
         program,
         iface: iface.to_owned(),
         message,
     };
-    let link_id = prog
-        .attach(iface, TcAttachType::Ingress)
-        .map_err(|e| tc_error(error_chain(&e)))?;
+    let tcx = match mode {
+        TcAttach::Auto => aya::util::KernelVersion::current()
+            .is_ok_and(|v| v >= aya::util::KernelVersion::new(6, 6, 0)),
+        TcAttach::Tcx => true,
+        TcAttach::Netlink => false,
+    };
+    if tcx {
+        let options = TcAttachOptions::TcxOrder(LinkOrder::default());
+        let link_id = prog
+            .attach_with_options(iface, TcAttachType::Ingress, options)
+            .map_err(|e| tc_error(error_chain(&e)))?;
+        let link = prog
+            .take_link(link_id)
+            .map_err(|e| tc_error(error_chain(&e)))?;
+        return link
+            .try_into()
+            .map(TcLink::Tcx)
+            .map_err(|_| LoadError::NoTcx {
+                program,
+                iface: iface.to_owned(),
+            });
+    }
+
+    // clsact may be there already (another tool, an earlier agent): that is fine.
+    if let Err(e) = tc::qdisc_add_clsact(iface) {
+        let text = error_chain(&e);
+        if !text.contains("File exists") {
+            return Err(tc_error(format!("adding the clsact qdisc: {text}")));
+        }
+    }
+    let options = TcAttachOptions::Netlink(NlOptions {
+        priority: NETLINK_PRIORITY,
+        handle: NETLINK_HANDLE,
+        ..NlOptions::default()
+    });
+    let link_id = match prog.attach_with_options(iface, TcAttachType::Ingress, options) {
+        Ok(id) => id,
+        // Our slot is taken by a previous agent's filter: replace its program in
+        // place, so no packet meets an empty slot.
+        Err(e) if error_chain(&e).contains("File exists") => {
+            let existing = SchedClassifierLink::attached(
+                iface,
+                TcAttachType::Ingress,
+                NETLINK_PRIORITY,
+                NETLINK_HANDLE,
+                None,
+            )
+            .map_err(|e| tc_error(e.to_string()))?;
+            prog.attach_to_link(existing)
+                .map_err(|e| tc_error(error_chain(&e)))?
+        }
+        Err(e) => return Err(tc_error(error_chain(&e))),
+    };
     let link = prog
         .take_link(link_id)
         .map_err(|e| tc_error(error_chain(&e)))?;
-    // Only TCX links are bpf_links that can be pinned and so outlive the agent.
-    link.try_into().map_err(|_| LoadError::NoTcx {
-        program,
-        iface: iface.to_owned(),
-    })
+    // Dropping the link would remove the filter; the filter must outlive the agent
+    // like a pinned link does.
+    std::mem::forget(link);
+    Ok(TcLink::Netlink)
+}
+
+/// Removes lb's netlink filters from every device of this network namespace
+/// (`lb cleanup` for the netlink attach mode, which has no pins to follow).
+pub fn detach_netlink_filters() -> io::Result<Vec<String>> {
+    let mut removed = Vec::new();
+    for iface in interface_names()? {
+        for program in [program_names::TC_EXTERNAL, program_names::TC_INTERNAL] {
+            if tc::qdisc_detach_program(&iface, TcAttachType::Ingress, program).is_ok() {
+                removed.push(format!("{iface}/{program}"));
+            }
+        }
+    }
+    Ok(removed)
 }
 
 /// Pins `link` as `links_dir/name` and returns the path. The pin goes to a
@@ -378,6 +470,31 @@ fn verifier_error(program: &'static str, error: ProgramError) -> LoadError {
             program,
             source: Box::new(error),
         },
+    }
+}
+
+/// The devices of the calling thread's network namespace (not of whichever
+/// namespace /sys was mounted for).
+fn interface_names() -> io::Result<Vec<String>> {
+    // SAFETY: if_nameindex returns a NUL-terminated array (index 0 ends it) that
+    // stays valid until if_freenameindex.
+    unsafe {
+        let list = libc::if_nameindex();
+        if list.is_null() {
+            return Err(io::Error::last_os_error());
+        }
+        let mut names = Vec::new();
+        let mut entry = list;
+        while (*entry).if_index != 0 {
+            names.push(
+                std::ffi::CStr::from_ptr((*entry).if_name)
+                    .to_string_lossy()
+                    .into_owned(),
+            );
+            entry = entry.add(1);
+        }
+        libc::if_freenameindex(list);
+        Ok(names)
     }
 }
 

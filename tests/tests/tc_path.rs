@@ -508,3 +508,128 @@ fn cluster_teardown_removes_everything() -> Result<()> {
     }
     Ok(())
 }
+
+/// `tc filter show dev DEV ingress` inside a namespace.
+fn ingress_filters(netns: &str, dev: &str) -> Result<String> {
+    let out = std::process::Command::new("ip")
+        .args([
+            "netns", "exec", netns, "tc", "filter", "show", "dev", dev, "ingress",
+        ])
+        .output()?;
+    ensure!(out.status.success(), "tc filter show: {out:?}");
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The netlink clsact attach (kernels before 6.6 have no TCX): NodePorts work, a
+/// second attach swaps the program in lb's filter slot instead of adding a filter,
+/// and `lb cleanup` in the node's namespace removes the filter.
+#[test]
+fn netlink_attach_serves_node_ports_and_is_cleaned_up() -> Result<()> {
+    let svc = whoami_node_port("netlink", Ipv4Addr::new(10, 96, 0, 40), 30090);
+    let netlink = |_: usize| vec!["--tc-attach".to_string(), "netlink".to_string()];
+    let mut cluster = setup(two_backends(), &[(&svc, &["pod-a"])], netlink)?;
+    let np = SocketAddrV4::new(node1_ip(), 30090);
+    cluster.wait_frontend(
+        0,
+        np,
+        "TCP",
+        "internal",
+        &pod_addrs(&cluster, &["pod-a"], WHOAMI_PORT)?,
+    )?;
+    let node_ns = cluster.node(0).netns().name().to_owned();
+    let filters = ingress_filters(&node_ns, "eth0")?;
+    ensure!(
+        filters.matches("name lb_tc_external").count() == 1,
+        "one lb filter on eth0: {filters}"
+    );
+
+    let r = cluster.whoami(cluster.client(), np, 10, false, CONNECT_TIMEOUT)?;
+    ensure!(
+        r.tally.answered == 10 && r.tally.errors.is_empty(),
+        "{r:#?}\n{}",
+        cluster.all_stats()
+    );
+    ensure!(r.seen_ips("pod-a") == set(&[CLIENT_IP]), "{r:#?}");
+
+    // A second agent on the same node (a restart) takes over the same slot.
+    let lb = lb_binary()?;
+    let pin_dir = cluster.node(0).agent().pin_dir().to_owned();
+    cluster.node_mut(0).agent_mut().stop()?;
+    let nsenter_lb = |args: &[&str]| -> Result<std::process::Output> {
+        Ok(std::process::Command::new("nsenter")
+            .arg(format!("--net=/var/run/netns/{node_ns}"))
+            .arg(&lb)
+            .args(args)
+            .output()?)
+    };
+    let services = cluster.manifests.path().to_path_buf();
+    let second = std::process::Command::new("nsenter")
+        .arg(format!("--net=/var/run/netns/{node_ns}"))
+        .arg(&lb)
+        .args(["agent", "--services-file"])
+        .arg(&services)
+        .args(["--pin-dir"])
+        .arg(&pin_dir)
+        .args(["--cgroup"])
+        .arg(cluster.node(0).cgroup().path())
+        .args([
+            "--node-name",
+            &node_name(0),
+            "--node-ip",
+            &node1_ip().to_string(),
+        ])
+        .args(["--iface", "eth0", "--tc-attach", "netlink"])
+        .args(["--healthz-bind-address", "", "--metrics-bind-address", ""])
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let mut second = KillOnDrop(second);
+    let ready = wait_for_line(second.0.stderr.take().unwrap(), "ready and serving");
+    ensure!(ready, "second agent never became ready");
+    let filters = ingress_filters(&node_ns, "eth0")?;
+    ensure!(
+        filters.matches("name lb_tc_external").count() == 1,
+        "still one lb filter after the restart: {filters}"
+    );
+    let r = cluster.whoami(cluster.client(), np, 5, false, CONNECT_TIMEOUT)?;
+    ensure!(r.tally.answered == 5, "{r:#?}");
+    drop(second);
+
+    let out = nsenter_lb(&["cleanup", "--pin-dir", pin_dir.to_str().unwrap()])?;
+    ensure!(out.status.success(), "lb cleanup: {out:?}");
+    let filters = ingress_filters(&node_ns, "eth0")?;
+    ensure!(
+        !filters.contains("lb_tc_"),
+        "cleanup left a filter: {filters}"
+    );
+    Ok(())
+}
+
+/// Kills and reaps the child when dropped, also on a failed assertion.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Reads lines until one contains `needle` or the stream ends (the agent exits); a
+/// thread with a deadline keeps a stuck agent from hanging the test.
+fn wait_for_line(stream: std::process::ChildStderr, needle: &str) -> bool {
+    use std::io::BufRead;
+    let needle = needle.to_owned();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stream)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if line.contains(&needle) {
+                let _ = tx.send(());
+                return;
+            }
+        }
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(30)).is_ok()
+}

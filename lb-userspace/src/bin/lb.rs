@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use lb_userspace::agent::{self, AgentConfig, ObjectSource};
-use lb_userspace::loader::{self, MapSizes, PinLayout, TcConfig};
+use lb_userspace::loader::{self, MapSizes, PinLayout, TcAttach, TcConfig};
 use lb_userspace::maps::PinnedMaps;
 use lb_userspace::ops::{self, BindAddress};
 use lb_userspace::source::NodePortRange;
@@ -85,6 +85,10 @@ struct AgentArgs {
     /// local backends). Repeatable.
     #[arg(long = "pod-iface")]
     pod_ifaces: Vec<String>,
+    /// How the per-packet programs attach: TCX links (kernel >= 6.6) or netlink
+    /// clsact filters; `auto` picks by kernel version.
+    #[arg(long, value_enum, default_value_t = TcAttach::Auto)]
+    tc_attach: TcAttach,
     /// Load this kernel object instead of the one built into `lb`.
     #[arg(long)]
     bpf_object: Option<PathBuf>,
@@ -208,6 +212,11 @@ fn main() -> Result<()> {
                 report.removed.len(),
                 layout.root().display()
             );
+            let filters = loader::detach_netlink_filters()
+                .context("removing netlink TC filters of this network namespace")?;
+            if !filters.is_empty() {
+                eprintln!("removed netlink TC filters: {}", filters.join(", "));
+            }
             Ok(())
         }
     }
@@ -240,6 +249,7 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
             external_ifaces: args.ifaces,
             internal_ifaces: args.pod_ifaces,
             node_ip: args.node_ips.first().copied(),
+            attach: args.tc_attach,
         },
         node_ips: args.node_ips,
         node_port_range: args.nodeport_range,
