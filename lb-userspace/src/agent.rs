@@ -14,7 +14,9 @@ use crate::conntrack;
 use crate::loader::{self, LoadError, MapSizes, PinLayout, TcConfig};
 use crate::maps::{MapsError, PinnedMaps};
 use crate::model::DesiredState;
-use crate::ops::{self, AgentStatus, BindAddress, OpsServer, Routes, ServeConfig};
+use crate::ops::{
+    self, AgentStatus, BindAddress, HealthCheckServers, OpsServer, Routes, ServeConfig,
+};
 use crate::reconcile;
 use crate::source::{self, files, kube, yaml::Objects, SourceOptions};
 use crate::sys::{self, SysError};
@@ -151,6 +153,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     // fresh snapshot until they apply.
     let mut retry: Option<Arc<Objects>> = None;
     let mut known_table = None;
+    let mut health_checks = HealthCheckServers::default();
     let mut gc_ticker = tokio::time::interval(config.ct_gc_interval);
     gc_ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -180,6 +183,9 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         match sync(&mut maps, &desired, &mut known_table) {
             Ok(outcome) => {
                 retry = None;
+                for e in health_checks.update(&desired.health_checks).await {
+                    warn!("healthCheckNodePort not served: {e}");
+                }
                 if let Some(names) = outcome.frontend_names {
                     *frontend_names.lock().unwrap_or_else(|e| e.into_inner()) = names;
                 }

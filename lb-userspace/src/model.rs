@@ -138,6 +138,19 @@ pub struct FrontendSpec {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct DesiredState {
     pub frontends: BTreeMap<Frontend, FrontendSpec>,
+    /// `healthCheckNodePort` of `externalTrafficPolicy: Local` Services -> what the
+    /// node answers there, so load balancers only send traffic to nodes with
+    /// endpoints.
+    pub health_checks: BTreeMap<u16, HealthCheck>,
+}
+
+/// One `healthCheckNodePort`, as kube-proxy serves it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct HealthCheck {
+    pub namespace: String,
+    pub name: String,
+    /// Usable endpoints of the Service on this node; 0 answers 503.
+    pub local_endpoints: usize,
 }
 
 impl DesiredState {

@@ -20,6 +20,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::model::HealthCheck;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
@@ -684,7 +685,8 @@ impl OpsServer {
             let status = self.status.clone();
             let config = self.config.clone();
             tokio::spawn(async move {
-                handle(stream, &status, &config).await;
+                let answer = |path: &str| ops_answer(path, &status, &config);
+                handle(stream, config.request_timeout, &answer).await;
                 drop(slot);
             });
         }
@@ -701,6 +703,91 @@ pub async fn serve(
         .await?
         .run()
         .await
+}
+
+/// kube-proxy's `healthCheckNodePort` servers: one listener per port of an
+/// `externalTrafficPolicy: Local` Service, answering 200 while this node has usable
+/// endpoints of it and 503 otherwise, so external load balancers skip the node.
+/// They listen on all addresses of the agent's network namespace, as kube-proxy's do.
+#[derive(Default)]
+pub struct HealthCheckServers {
+    running: BTreeMap<u16, (Arc<Mutex<HealthCheck>>, tokio::task::JoinHandle<()>)>,
+}
+
+impl HealthCheckServers {
+    /// Starts, updates and stops listeners to match `checks`. A port that cannot
+    /// be bound is reported and retried on the next update.
+    pub async fn update(&mut self, checks: &BTreeMap<u16, HealthCheck>) -> Vec<OpsError> {
+        let stale: Vec<u16> = self
+            .running
+            .keys()
+            .filter(|port| !checks.contains_key(port))
+            .copied()
+            .collect();
+        for port in stale {
+            if let Some((_, task)) = self.running.remove(&port) {
+                task.abort();
+            }
+        }
+        let mut errors = Vec::new();
+        for (&port, check) in checks {
+            if let Some((shared, _)) = self.running.get(&port) {
+                *lock(shared) = check.clone();
+                continue;
+            }
+            let addr = SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), port);
+            let listener = match TcpListener::bind(addr).await {
+                Ok(listener) => listener,
+                Err(source) => {
+                    errors.push(OpsError::Bind { addr, source });
+                    continue;
+                }
+            };
+            let shared = Arc::new(Mutex::new(check.clone()));
+            let task = tokio::spawn(serve_health_check(listener, shared.clone()));
+            self.running.insert(port, (shared, task));
+        }
+        errors
+    }
+}
+
+impl Drop for HealthCheckServers {
+    fn drop(&mut self) {
+        for (_, task) in self.running.values() {
+            task.abort();
+        }
+    }
+}
+
+/// kube-proxy's body: the Service and its local endpoint count.
+fn health_check_answer(check: &HealthCheck) -> Response {
+    let body = serde_json::json!({
+        "service": {"namespace": check.namespace, "name": check.name},
+        "localEndpoints": check.local_endpoints,
+        "serviceProxyHealthy": true,
+    })
+    .to_string();
+    let code = if check.local_endpoints > 0 { 200 } else { 503 };
+    Response::new(code, "application/json", body)
+}
+
+async fn serve_health_check(listener: TcpListener, check: Arc<Mutex<HealthCheck>>) {
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        let Ok((stream, _)) = listener.accept().await else {
+            tokio::time::sleep(ACCEPT_BACKOFF).await;
+            continue;
+        };
+        let check = check.clone();
+        tokio::spawn(async move {
+            let answer = |_: &str| Some(health_check_answer(&lock(&check)));
+            handle(stream, DEFAULT_REQUEST_TIMEOUT, &answer).await;
+            drop(slot);
+        });
+    }
 }
 
 enum HeadError {
@@ -776,8 +863,11 @@ fn reason(status: u16) -> &'static str {
     }
 }
 
-async fn handle(mut stream: TcpStream, status: &AgentStatus, config: &ServeConfig) {
-    let head = tokio::time::timeout(config.request_timeout, read_head(&mut stream)).await;
+/// Answers the path of a GET/HEAD request, `None` for 404.
+type Answer<'a> = &'a (dyn Fn(&str) -> Option<Response> + Sync);
+
+async fn handle(mut stream: TcpStream, request_timeout: Duration, answer: Answer<'_>) {
+    let head = tokio::time::timeout(request_timeout, read_head(&mut stream)).await;
     let (response, head_only) = match head {
         Err(_) => (
             Response::text(408, "request head not received in time"),
@@ -791,21 +881,18 @@ async fn handle(mut stream: TcpStream, status: &AgentStatus, config: &ServeConfi
             false,
         ),
         Ok(Err(HeadError::Gone)) => return,
-        Ok(Ok(head)) => route(&head, status, config),
+        Ok(Ok(head)) => route(&head, answer),
     };
     debug!(status = response.status, "ops request answered");
-    let written = tokio::time::timeout(
-        config.request_timeout,
-        respond(&mut stream, &response, head_only),
-    )
-    .await;
+    let written =
+        tokio::time::timeout(request_timeout, respond(&mut stream, &response, head_only)).await;
     if matches!(written, Ok(Ok(()))) {
         drain(&mut stream).await;
     }
 }
 
 /// Parses the request line and picks the answer; `true` for HEAD.
-fn route(head: &[u8], status: &AgentStatus, config: &ServeConfig) -> (Response, bool) {
+fn route(head: &[u8], answer: Answer<'_>) -> (Response, bool) {
     let Ok(head) = std::str::from_utf8(head) else {
         return (Response::text(400, "request head is not UTF-8"), false);
     };
@@ -820,14 +907,9 @@ fn route(head: &[u8], status: &AgentStatus, config: &ServeConfig) -> (Response, 
         return (Response::text(505, "only HTTP/1.x is served"), false);
     }
     let path = target.split_once('?').map_or(target, |(path, _)| path);
-    let known = match path {
-        "/healthz" => config.routes.healthz,
-        "/metrics" => config.routes.metrics,
-        _ => false,
-    };
-    if !known {
+    let Some(response) = answer(path) else {
         return (Response::text(404, "not found"), method == "HEAD");
-    }
+    };
     let head_only = match method {
         "GET" => false,
         "HEAD" => true,
@@ -837,18 +919,24 @@ fn route(head: &[u8], status: &AgentStatus, config: &ServeConfig) -> (Response, 
             return (response, false);
         }
     };
-    let response = if path == "/healthz" {
-        let (health, body) = status.healthz_json(config.healthz_timeout);
-        let code = if health.healthy { 200 } else { 503 };
-        Response::new(code, "application/json", body)
-    } else {
-        Response::new(
+    (response, head_only)
+}
+
+/// The agent's own endpoints.
+fn ops_answer(path: &str, status: &AgentStatus, config: &ServeConfig) -> Option<Response> {
+    match path {
+        "/healthz" if config.routes.healthz => {
+            let (health, body) = status.healthz_json(config.healthz_timeout);
+            let code = if health.healthy { 200 } else { 503 };
+            Some(Response::new(code, "application/json", body))
+        }
+        "/metrics" if config.routes.metrics => Some(Response::new(
             200,
             "text/plain; version=0.0.4; charset=utf-8",
             status.render_metrics(),
-        )
-    };
-    (response, head_only)
+        )),
+        _ => None,
+    }
 }
 
 async fn respond(

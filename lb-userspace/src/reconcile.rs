@@ -580,6 +580,7 @@ mod tests {
                 .iter()
                 .map(|(f, b, a)| (*f, spec(b, *a)))
                 .collect(),
+            ..DesiredState::default()
         }
     }
 

@@ -69,6 +69,8 @@ pub struct Service {
     pub external_ips: Vec<String>,
     /// `status.loadBalancer.ingress[].ip`.
     pub load_balancer_ips: Vec<String>,
+    /// `spec.healthCheckNodePort` (LoadBalancer with externalTrafficPolicy: Local).
+    pub health_check_node_port: Option<u16>,
 }
 
 impl Service {
@@ -83,6 +85,7 @@ impl Service {
             external_traffic_policy: "Cluster",
             external_ips: Vec::new(),
             load_balancer_ips: Vec::new(),
+            health_check_node_port: None,
         }
     }
 
@@ -103,6 +106,12 @@ impl Service {
     /// `spec.externalIPs`.
     pub fn with_external_ips<I: IntoIterator<Item = Ipv4Addr>>(mut self, ips: I) -> Self {
         self.external_ips = ips.into_iter().map(|ip| ip.to_string()).collect();
+        self
+    }
+
+    /// `spec.healthCheckNodePort`.
+    pub fn with_health_check_node_port(mut self, port: u16) -> Self {
+        self.health_check_node_port = Some(port);
         self
     }
 
@@ -141,6 +150,9 @@ impl Service {
                 "  externalTrafficPolicy: {}",
                 self.external_traffic_policy
             );
+        }
+        if let Some(port) = self.health_check_node_port {
+            let _ = writeln!(y, "  healthCheckNodePort: {port}");
         }
         y += "  ipFamilyPolicy: SingleStack\n  ports:\n";
         for p in &self.ports {

@@ -633,3 +633,75 @@ fn wait_for_line(stream: std::process::ChildStderr, needle: &str) -> bool {
     });
     rx.recv_timeout(std::time::Duration::from_secs(30)).is_ok()
 }
+
+/// `GET /` from inside `netns` (a thread that joins only that network namespace);
+/// the status code and body.
+fn http_get(netns: &str, to: SocketAddrV4) -> Result<(u16, String)> {
+    use std::io::{Read, Write};
+    let ns = std::fs::File::open(format!("/var/run/netns/{netns}"))?;
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| -> Result<(u16, String)> {
+                use std::os::fd::AsRawFd;
+                // SAFETY: plain syscall on an open namespace file; only this thread moves.
+                ensure!(
+                    unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } == 0,
+                    "setns: {}",
+                    std::io::Error::last_os_error()
+                );
+                let mut stream = std::net::TcpStream::connect_timeout(&to.into(), CONNECT_TIMEOUT)?;
+                stream.set_read_timeout(Some(CONNECT_TIMEOUT))?;
+                stream.write_all(b"GET / HTTP/1.1\r\nHost: lb\r\nConnection: close\r\n\r\n")?;
+                let mut text = String::new();
+                stream.read_to_string(&mut text)?;
+                let code = text
+                    .split(' ')
+                    .nth(1)
+                    .and_then(|c| c.parse().ok())
+                    .with_context(|| format!("no status line in {text:?}"))?;
+                let body = text.split("\r\n\r\n").nth(1).unwrap_or("").to_owned();
+                Ok((code, body))
+            })
+            .join()
+            .expect("http thread")
+    })
+}
+
+/// kube-proxy's healthCheckNodePort for externalTrafficPolicy: Local: the node with
+/// the endpoint answers 200 and counts it, the other 503, so a load balancer in front
+/// of the nodes sends traffic only where it is served.
+#[test]
+fn health_check_node_port_reports_local_endpoints() -> Result<()> {
+    let svc = whoami_node_port("hc", Ipv4Addr::new(10, 96, 0, 41), 30091)
+        .external_local()
+        .with_health_check_node_port(32091);
+    let cluster = setup(two_backends(), &[(&svc, &["pod-a"])], no_args)?;
+    let pod_a = pod_addrs(&cluster, &["pod-a"], WHOAMI_PORT)?;
+    cluster.wait_frontend(
+        0,
+        SocketAddrV4::new(node1_ip(), 30091),
+        "TCP",
+        "external",
+        &pod_a,
+    )?;
+    cluster.wait_frontend(
+        1,
+        SocketAddrV4::new(node2_ip(), 30091),
+        "TCP",
+        "external",
+        &[],
+    )?;
+    let client = cluster.client().name().to_owned();
+
+    let (code, body) = http_get(&client, SocketAddrV4::new(node1_ip(), 32091))?;
+    ensure!(code == 200, "node1 has pod-a: {code} {body}");
+    let json: serde_json::Value = serde_json::from_str(&body)?;
+    ensure!(json["localEndpoints"] == 1, "{json}");
+    ensure!(json["service"]["name"] == "hc", "{json}");
+
+    let (code, body) = http_get(&client, SocketAddrV4::new(node2_ip(), 32091))?;
+    ensure!(code == 503, "node2 has no endpoint: {code} {body}");
+    let json: serde_json::Value = serde_json::from_str(&body)?;
+    ensure!(json["localEndpoints"] == 0, "{json}");
+    Ok(())
+}

@@ -9,7 +9,9 @@ use k8s_openapi::api::core::v1::{Service, ServicePort};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use super::{ObjectError, Problem};
-use crate::model::{BackendAddr, DesiredState, Frontend, FrontendSpec, Protocol, Scope};
+use crate::model::{
+    BackendAddr, DesiredState, Frontend, FrontendSpec, HealthCheck, Protocol, Scope,
+};
 
 /// Settings that change how objects are read, not what they say.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -114,9 +116,22 @@ struct ServicePlan {
     internal_local: bool,
     /// `externalTrafficPolicy: Local`.
     external_local: bool,
+    /// `spec.healthCheckNodePort`, kept for `externalTrafficPolicy: Local` only.
+    health_check_node_port: Option<u16>,
 }
 
 impl ServicePlan {
+    /// This node's usable endpoints of the Service (distinct addresses over all its
+    /// ports), what a health check reports.
+    fn local_endpoints(&self, slices: &[SliceInfo]) -> usize {
+        self.ports
+            .iter()
+            .flat_map(|port| select_backends(port, true, slices))
+            .map(|backend| backend.ip)
+            .collect::<BTreeSet<_>>()
+            .len()
+    }
+
     /// Every frontend of one port with the backends it gets: cluster IPs follow
     /// internalTrafficPolicy; node ports, external and load-balancer IPs get all
     /// endpoints for traffic from inside, and with `externalTrafficPolicy: Local` a
@@ -223,6 +238,26 @@ pub fn build_desired(
     for plan in &plans {
         let (ns, name) = &plan.id;
         let slices = slices_of.get(&plan.id).map(Vec::as_slice).unwrap_or(&[]);
+        if let Some(port) = plan.health_check_node_port {
+            if let Some(owner) = desired.health_checks.get(&port) {
+                let owner = format!("{}/{}", owner.namespace, owner.name);
+                errors.push(ObjectError::new(
+                    SERVICE,
+                    ns,
+                    name,
+                    Problem::DuplicateHealthCheckNodePort { port, owner },
+                ));
+            } else {
+                desired.health_checks.insert(
+                    port,
+                    HealthCheck {
+                        namespace: ns.clone(),
+                        name: name.clone(),
+                        local_endpoints: plan.local_endpoints(slices),
+                    },
+                );
+            }
+        }
         for port in &plan.ports {
             let service = if port.name.is_empty() {
                 format!("{ns}/{name}")
@@ -361,6 +396,18 @@ fn plan_service(
         .into_iter()
         .collect();
 
+    let external_local = spec.external_traffic_policy.as_deref() == Some("Local");
+    let health_check_node_port = match spec.health_check_node_port {
+        Some(port) if external_local => {
+            let valid = valid_port(port);
+            if valid.is_none() {
+                errors.push(error(Problem::HealthCheckNodePortOutOfRange { port }));
+            }
+            valid
+        }
+        _ => None,
+    };
+
     Some(ServicePlan {
         id: id.clone(),
         ports,
@@ -368,7 +415,8 @@ fn plan_service(
         external_ips,
         affinity_timeout_sec,
         internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
-        external_local: spec.external_traffic_policy.as_deref() == Some("Local"),
+        external_local,
+        health_check_node_port,
     })
 }
 
@@ -711,6 +759,32 @@ items:
                 .frontends
                 .contains_key(&fe("192.0.2.10", 9090, Protocol::Tcp)));
         }
+    }
+
+    #[test]
+    fn health_check_node_port_counts_local_endpoints() {
+        let with_port = |etp: &str| {
+            web_load_balancer(etp).replace(
+                "    externalIPs:",
+                "    healthCheckNodePort: 32001\n    externalIPs:",
+            )
+        };
+        let (d, errors) = build(&with_port("Local"));
+        assert!(errors.is_empty(), "{errors:?}");
+        let check = &d.health_checks[&32001];
+        assert_eq!(
+            (check.namespace.as_str(), check.name.as_str()),
+            ("default", "web")
+        );
+        assert_eq!(
+            check.local_endpoints, 1,
+            "10.244.1.5 on node-a, over both ports"
+        );
+        let (d, _) = build_node(&with_port("Local"), "node-c");
+        assert_eq!(d.health_checks[&32001].local_endpoints, 0);
+        // Only externalTrafficPolicy: Local Services are health-checked per node.
+        let (d, _) = build(&with_port("Cluster"));
+        assert!(d.health_checks.is_empty());
     }
 
     #[test]

@@ -143,6 +143,10 @@ pub enum Problem {
         port: u16,
         range: String,
     },
+    #[error("healthCheckNodePort {port} is out of range (1-65535); no health check is served")]
+    HealthCheckNodePortOutOfRange { port: i32 },
+    #[error("healthCheckNodePort {port} is already used by Service {owner}, which keeps it")]
+    DuplicateHealthCheckNodePort { port: u16, owner: String },
     #[error("{field} {value:?} is not an IP address; that address is not proxied")]
     InvalidExternalAddress { field: &'static str, value: String },
     #[error("frontend {frontend} is already used by Service {owner}, which keeps it; give one of them another cluster IP or port")]
