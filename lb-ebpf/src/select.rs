@@ -21,9 +21,9 @@ pub fn frontend(key: &ServiceKey) -> Option<ServiceValue> {
 }
 
 /// A backend for a new connection of `client` (affinity identity) to the frontend.
-/// `entropy` picks the slot when no affinity applies. `None` when the master
-/// promised slots that are missing (the agent is mid-update): counted, and the
-/// caller refuses rather than letting the VIP through to nowhere.
+/// `entropy` picks the slot when no affinity applies. `None` when the slots stay
+/// missing even after a second look at the master: counted, and the caller refuses
+/// rather than letting the VIP through to nowhere.
 #[inline(always)]
 pub fn backend(
     master_key: &ServiceKey,
@@ -31,15 +31,31 @@ pub fn backend(
     client: u64,
     entropy: u32,
 ) -> Option<(u32, Backend)> {
-    let picked = if master.flags & SVC_FLAG_AFFINITY == 0 {
+    let mut picked = pick(master_key, master, client, entropy);
+    if picked.is_none() {
+        // The agent shrank the frontend between our read of the master and of the
+        // slot (it lowers the count before deleting the slots): the master it wrote
+        // since names only slots that exist.
+        stats::bump(stat::SLOT_MISS);
+        if let Some(fresh) = frontend(master_key).filter(|m| m.count > 0) {
+            picked = pick(master_key, &fresh, client, entropy);
+        }
+    }
+    picked
+}
+
+#[inline(always)]
+fn pick(
+    master_key: &ServiceKey,
+    master: &ServiceValue,
+    client: u64,
+    entropy: u32,
+) -> Option<(u32, Backend)> {
+    if master.flags & SVC_FLAG_AFFINITY == 0 {
         slot(master_key, master, entropy)
     } else {
         with_affinity(master_key, master, client, entropy)
-    };
-    if picked.is_none() {
-        stats::bump(stat::SLOT_MISS);
     }
-    picked
 }
 
 #[inline(always)]
