@@ -1,5 +1,6 @@
 //! Project tasks: `cargo xtask <command>` (see `cargo xtask --help`).
 
+mod bench;
 mod ebpf;
 mod run;
 mod setup;
@@ -44,8 +45,16 @@ enum Cmd {
     Demo,
     /// Check deploy/ and examples/ against the Kubernetes API schemas (kubernetes-validate, strict).
     ValidateManifests,
-    /// Benchmarks (not implemented yet).
-    Bench,
+    /// Setup, build, then benchmark direct / kube-proxy iptables / nftables / socket LB /
+    /// TC NodePort in network namespaces; writes docs/benchmarks/.
+    Bench {
+        /// S = 1 and 1000, one repetition.
+        #[arg(long)]
+        quick: bool,
+        /// Arguments after `--` go to `lb-bench run` (`--scales 1,1000`, `--only socket-lb`, `--no-tc`).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
 }
 
 /// The workspace root: the parent of this crate's directory.
@@ -64,10 +73,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Test { args } => tasks::test(&root, &args),
         Cmd::Demo => tasks::demo(&root),
         Cmd::ValidateManifests => validate::validate_manifests(&root),
-        Cmd::Bench => {
-            println!("not implemented yet: see issue 5");
-            std::process::exit(2);
-        }
+        Cmd::Bench { quick, args } => bench::bench(&root, quick, &args),
     }
 }
 

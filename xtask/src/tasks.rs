@@ -15,7 +15,7 @@ use crate::{ebpf, setup};
 const OBJECT_ENV: &str = "LB_EBPF_OBJECT";
 
 /// The cargo that runs xtask (same toolchain for the workspace), or `cargo`.
-fn workspace_cargo(workspace: &Path, object: &Path) -> Command {
+pub(crate) fn workspace_cargo(workspace: &Path, object: &Path) -> Command {
     let program = std::env::var_os("CARGO").unwrap_or_else(|| OsString::from("cargo"));
     let mut cmd = Command::new(program);
     cmd.current_dir(workspace).env(OBJECT_ENV, object);
@@ -23,7 +23,7 @@ fn workspace_cargo(workspace: &Path, object: &Path) -> Command {
 }
 
 /// Where the workspace's binaries go.
-fn target_dir(workspace: &Path) -> PathBuf {
+pub(crate) fn target_dir(workspace: &Path) -> PathBuf {
     match std::env::var_os("CARGO_TARGET_DIR") {
         Some(dir) => workspace.join(dir),
         None => workspace.join("target"),

@@ -1,0 +1,263 @@
+//! The benchmark's own server and client, run inside the bench's namespaces as
+//! `lb-bench serve` / `lb-bench client` (compiled, single-threaded per connection:
+//! the client's own cost must stay small next to the datapath's).
+//!
+//! Request/response protocol (port `RR_PORT`): the client connects, writes a
+//! `REQ_LEN`-byte request, reads the `RESP_LEN`-byte response (the server's name,
+//! space-padded), and closes. The server closes after answering, so TIME_WAIT stays
+//! on the server side and the client never runs out of ports.
+//!
+//! Bulk (port `BULK_PORT`): the client writes for a fixed time, shuts down its side;
+//! the server counts the bytes and answers with the count (8 bytes, big endian).
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddrV4, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+pub const RR_PORT: u16 = 9000;
+pub const BULK_PORT: u16 = 9001;
+pub const REQ_LEN: usize = 64;
+pub const RESP_LEN: usize = 64;
+const IO_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// CLOCK_MONOTONIC in nanoseconds: the same clock in every network namespace, so the
+/// orchestrator and a client can compare timestamps.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Pin the calling process to one CPU.
+pub fn pin_cpu(cpu: usize) -> Result<()> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes inside it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            bail!(
+                "sched_setaffinity({cpu}): {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `lb-bench serve --name N`: request/response and bulk servers, until killed.
+pub fn serve(name: &str) -> Result<()> {
+    let rr = TcpListener::bind(("0.0.0.0", RR_PORT)).context("bind rr port")?;
+    let bulk = TcpListener::bind(("0.0.0.0", BULK_PORT)).context("bind bulk port")?;
+    let mut resp = name.as_bytes().to_vec();
+    resp.resize(RESP_LEN, b' ');
+    std::thread::spawn(move || {
+        for stream in bulk.incoming().flatten() {
+            std::thread::spawn(move || {
+                let _ = serve_bulk(stream);
+            });
+        }
+    });
+    println!("listening");
+    let mut req = [0u8; REQ_LEN];
+    // Sequential on purpose: the client is sequential too.
+    for stream in rr.incoming() {
+        let Ok(mut stream) = stream else { continue };
+        let _ = stream.set_read_timeout(Some(IO_TIMEOUT));
+        if stream.read_exact(&mut req).is_ok() {
+            let _ = stream.write_all(&resp);
+        }
+    }
+    Ok(())
+}
+
+fn serve_bulk(mut stream: TcpStream) -> std::io::Result<()> {
+    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut total: u64 = 0;
+    loop {
+        let n = stream.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        total += n as u64;
+    }
+    stream.write_all(&total.to_be_bytes())
+}
+
+/// What the client measured (one JSON line on stdout).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ClientReport {
+    pub mode: String,
+    /// Latency mode: per-connection connect+request+close time, microseconds.
+    pub p50_us: Option<f64>,
+    pub p99_us: Option<f64>,
+    pub mean_us: Option<f64>,
+    pub count: u64,
+    pub errors: u64,
+    /// Rate mode: cycles that took over 200 ms (a lost SYN, a retransmission).
+    #[serde(default)]
+    pub stalls: u64,
+    /// Rate mode: completed connections per second.
+    pub conn_per_sec: Option<f64>,
+    /// Bulk mode: MB/s (10^6 bytes).
+    pub mb_per_sec: Option<f64>,
+    /// Watch mode: CLOCK_MONOTONIC (ns) of the first answer from `--until`.
+    pub seen_at_ns: Option<u64>,
+    /// Names of the backends that answered (first few).
+    pub backends: Vec<String>,
+}
+
+/// One connection: connect, request, response, close. Returns the backend name.
+fn one_rr(to: SocketAddrV4, req: &[u8; REQ_LEN], resp: &mut [u8; RESP_LEN]) -> Result<()> {
+    let mut s = TcpStream::connect_timeout(&to.into(), IO_TIMEOUT)?;
+    s.set_read_timeout(Some(IO_TIMEOUT))?;
+    s.write_all(req)?;
+    s.read_exact(resp)?;
+    Ok(())
+}
+
+fn name_of(resp: &[u8]) -> String {
+    String::from_utf8_lossy(resp).trim().to_string()
+}
+
+pub struct ClientArgs {
+    pub to: SocketAddrV4,
+    pub mode: String,
+    pub count: u64,
+    pub secs: f64,
+    pub cpu: Option<usize>,
+    pub until: Option<String>,
+}
+
+/// `lb-bench client`: measure and print one JSON report.
+pub fn client(a: &ClientArgs) -> Result<ClientReport> {
+    if let Some(cpu) = a.cpu {
+        pin_cpu(cpu)?;
+    }
+    let req = [b'x'; REQ_LEN];
+    let mut resp = [0u8; RESP_LEN];
+    let mut report = ClientReport {
+        mode: a.mode.clone(),
+        ..Default::default()
+    };
+    let note = |report: &mut ClientReport, resp: &[u8]| {
+        let n = name_of(resp);
+        if report.backends.len() < 4 && !report.backends.contains(&n) {
+            report.backends.push(n);
+        }
+    };
+    match a.mode.as_str() {
+        "lat" => {
+            warm_up(a.to, &req, &mut resp)?;
+            let mut samples = Vec::with_capacity(a.count as usize);
+            for _ in 0..a.count {
+                let t = Instant::now();
+                match one_rr(a.to, &req, &mut resp) {
+                    Ok(()) => {
+                        samples.push(t.elapsed().as_nanos() as f64 / 1000.0);
+                        note(&mut report, &resp);
+                    }
+                    Err(_) => report.errors += 1,
+                }
+            }
+            if samples.is_empty() {
+                bail!("no connection to {} succeeded", a.to);
+            }
+            samples.sort_by(f64::total_cmp);
+            report.count = samples.len() as u64;
+            report.p50_us = Some(percentile(&samples, 0.50));
+            report.p99_us = Some(percentile(&samples, 0.99));
+            report.mean_us = Some(samples.iter().sum::<f64>() / samples.len() as f64);
+        }
+        "rate" => {
+            warm_up(a.to, &req, &mut resp)?;
+            let dur = Duration::from_secs_f64(a.secs);
+            let start = Instant::now();
+            while start.elapsed() < dur {
+                let t = Instant::now();
+                match one_rr(a.to, &req, &mut resp) {
+                    Ok(()) => report.count += 1,
+                    Err(_) => report.errors += 1,
+                }
+                // A lost SYN costs a 1 s retransmission: count such cycles.
+                if t.elapsed() > Duration::from_millis(200) {
+                    report.stalls += 1;
+                }
+            }
+            note(&mut report, &resp);
+            report.conn_per_sec = Some(report.count as f64 / start.elapsed().as_secs_f64());
+        }
+        "bulk" => {
+            let mut s = TcpStream::connect_timeout(&a.to.into(), IO_TIMEOUT)?;
+            s.set_write_timeout(Some(Duration::from_secs(10)))?;
+            s.set_read_timeout(Some(Duration::from_secs(30)))?;
+            let buf = vec![0x5au8; 128 * 1024];
+            let dur = Duration::from_secs_f64(a.secs);
+            let start = Instant::now();
+            let mut sent: u64 = 0;
+            while start.elapsed() < dur {
+                s.write_all(&buf)?;
+                sent += buf.len() as u64;
+            }
+            s.shutdown(Shutdown::Write)?;
+            let mut count = [0u8; 8];
+            s.read_exact(&mut count)?;
+            let elapsed = start.elapsed().as_secs_f64();
+            let got = u64::from_be_bytes(count);
+            if got != sent {
+                bail!("bulk: sent {sent} bytes, server counted {got}");
+            }
+            report.count = 1;
+            report.mb_per_sec = Some(sent as f64 / elapsed / 1e6);
+        }
+        "watch" => {
+            let until = a.until.clone().context("watch needs --until")?;
+            println!("watching");
+            let _ = std::io::stdout().flush();
+            let deadline = Instant::now() + Duration::from_secs_f64(a.secs);
+            while Instant::now() < deadline {
+                match one_rr(a.to, &req, &mut resp) {
+                    Ok(()) => {
+                        report.count += 1;
+                        if name_of(&resp) == until {
+                            report.seen_at_ns = Some(monotonic_ns());
+                            break;
+                        }
+                    }
+                    Err(_) => {
+                        report.errors += 1;
+                        std::thread::sleep(Duration::from_micros(200));
+                    }
+                }
+            }
+            note(&mut report, &resp);
+        }
+        other => bail!("unknown client mode {other}"),
+    }
+    Ok(report)
+}
+
+/// 200 connections first (caches, ARP, conntrack); fails fast if the first ones fail.
+fn warm_up(to: SocketAddrV4, req: &[u8; REQ_LEN], resp: &mut [u8; RESP_LEN]) -> Result<()> {
+    for i in 0..200 {
+        if let Err(e) = one_rr(to, req, resp) {
+            if i < 3 {
+                bail!("connection {i} to {to} failed: {e:#}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Nearest-rank percentile of sorted samples.
+pub fn percentile(sorted: &[f64], q: f64) -> f64 {
+    let idx = ((sorted.len() as f64 * q).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[idx]
+}

@@ -1,0 +1,911 @@
+//! The benchmark run: one topology, every datapath, every scale.
+//!
+//! ```text
+//!   node ns: br0 10.244.1.1/24 ── pod-a 10.244.1.11, pod-b 10.244.1.12 (lb-bench serve)
+//!                              ├─ client   10.244.1.20  direct + socket LB (bench cgroup)
+//!                              ├─ client-2 10.244.1.21  iptables mode (rules in its nat OUTPUT)
+//!                              └─ client-3 10.244.1.22  nftables mode
+//!            ext0 192.168.77.1/24 ── ext ns eth0 192.168.77.100 (NodePort client, TC path)
+//! ```
+//!
+//! Everything (namespaces, cgroups, pin dirs, processes, temp files) is owned by RAII
+//! guards declared in teardown order; nothing touches the host's own namespace.
+
+use std::fs;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use super::kubeproxy::{self, ProxyConfig, SvcPort};
+use super::netio::{monotonic_ns, ClientReport, BULK_PORT, RR_PORT};
+use crate::agent::{Agent, AgentSpec, READY_TIMEOUT};
+use crate::cgroup::Cgroup;
+use crate::manifests::{
+    documents, Endpoint, EndpointSlice, ManifestDir, Service, ServicePort, NODE_NAME,
+};
+use crate::netns::NetNs;
+use crate::process::{Child, Spawner};
+use crate::topology::{pod_ip, pod_name, Topology, SERVICE_CIDR};
+use crate::util::unique_name;
+
+pub const ENDPOINTS_PER_SERVICE: usize = 10;
+pub const SVC_PORT: u16 = 80;
+pub const NODE_PORT: u16 = 30080;
+const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 1);
+const EXT_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 100);
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Config {
+    pub quick: bool,
+    /// Scales of every datapath.
+    pub scales: Vec<usize>,
+    /// Extra scales for our datapaths only.
+    pub ours_extra_scales: Vec<usize>,
+    /// Largest S the iptables / nftables peers are loaded with.
+    pub iptables_max: usize,
+    pub nft_max: usize,
+    pub reps: usize,
+    pub lat_count: u64,
+    pub rate_secs: f64,
+    pub bulk_secs: f64,
+    pub cpu: usize,
+    pub tc_path: bool,
+    /// Only these datapaths (empty: all).
+    pub only: Vec<String>,
+}
+
+impl Config {
+    pub fn wants(&self, datapath: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|o| o == datapath)
+    }
+
+    pub fn new(quick: bool) -> Self {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Config {
+            quick,
+            scales: if quick {
+                vec![1, 1000]
+            } else {
+                vec![1, 1000, 10_000]
+            },
+            // 65k: just under the agent's 16-bit frontend ids; 100k: shows that limit.
+            ours_extra_scales: if quick { vec![] } else { vec![65_000, 100_000] },
+            iptables_max: 10_000,
+            // nft -f of 10k Services took ~105 s with 4 endpoints (BENCH-NOTES); with
+            // 10 endpoints it does not fit the bench's time budget.
+            nft_max: 1000,
+            reps: if quick { 1 } else { 3 },
+            lat_count: if quick { 2000 } else { 4000 },
+            rate_secs: if quick { 2.0 } else { 3.0 },
+            bulk_secs: if quick { 2.0 } else { 3.0 },
+            cpu: cpus - 1,
+            tc_path: true,
+            only: Vec::new(),
+        }
+    }
+}
+
+/// median / min / max of repetitions.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Stat {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+    pub samples: Vec<f64>,
+}
+
+impl Stat {
+    pub fn of(mut v: Vec<f64>) -> Option<Stat> {
+        if v.is_empty() {
+            return None;
+        }
+        let samples = v.clone();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        let median = if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        };
+        Some(Stat {
+            median,
+            min: v[0],
+            max: v[n - 1],
+            samples,
+        })
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct DataResult {
+    pub datapath: String,
+    pub services: usize,
+    /// Where the measured Service sits in the iptables KUBE-SERVICES chain.
+    pub position: Option<String>,
+    pub lat_p50_us: Option<Stat>,
+    pub lat_p99_us: Option<Stat>,
+    pub conn_per_sec: Option<Stat>,
+    pub bulk_mb_per_sec: Option<Stat>,
+    pub errors: u64,
+    /// Connection cycles over 200 ms in the rate runs (lost SYNs).
+    #[serde(default)]
+    pub stalls: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ControlResult {
+    pub datapath: String,
+    pub services: usize,
+    pub endpoints_per_service: usize,
+    /// Wall time to program all Services (rule load, or agent start to listing).
+    pub program_secs: Option<f64>,
+    /// One EndpointSlice change to the first connection reaching the new backend.
+    pub change_ms: Option<f64>,
+    pub agent_vmhwm_kib: Option<u64>,
+    pub rules_bytes: Option<usize>,
+    pub note: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Skipped {
+    pub datapath: String,
+    pub services: usize,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Results {
+    pub config: Config,
+    pub machine: serde_json::Value,
+    pub direct_start: Option<DataResult>,
+    pub direct_end: Option<DataResult>,
+    pub datapaths: Vec<DataResult>,
+    pub control: Vec<ControlResult>,
+    pub skipped: Vec<Skipped>,
+    pub errors: Vec<String>,
+    pub wall_secs: f64,
+}
+
+/// The bench environment. Field order is teardown order.
+pub struct Env {
+    servers: Vec<Child>,
+    ext: NetNs,
+    pub topo: Topology,
+    cgroup: Cgroup,
+    tc_cgroup: Cgroup,
+    manifests: ManifestDir,
+    tmp: TempDir,
+    exe: PathBuf,
+    lb: PathBuf,
+    cfg: Config,
+}
+
+struct TempDir(PathBuf);
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+fn ns_exec(
+    ns: &NetNs,
+    program: &str,
+    args: &[&str],
+    stdin_file: Option<&Path>,
+) -> Result<Duration> {
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", ns.name(), program]).args(args);
+    if let Some(f) = stdin_file {
+        cmd.stdin(fs::File::open(f)?);
+    }
+    let t = Instant::now();
+    let out = cmd.output().with_context(|| format!("running {program}"))?;
+    let took = t.elapsed();
+    if !out.status.success() {
+        bail!(
+            "{program} {args:?} in {} failed: {}",
+            ns.name(),
+            String::from_utf8_lossy(&out.stderr)
+                .chars()
+                .take(2000)
+                .collect::<String>()
+        );
+    }
+    Ok(took)
+}
+
+/// Cluster IP of Service `i` (the measured one is the last).
+fn vip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 100)) + i as u32)
+}
+
+/// Address of fake endpoint `j` of Service `i` (never connected to).
+fn fake_ep(i: usize, j: usize) -> Ipv4Addr {
+    let k = (i * ENDPOINTS_PER_SERVICE + j) as u32;
+    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 1)) + k)
+}
+
+fn svc_name(i: usize) -> String {
+    format!("svc-{i}")
+}
+
+/// The S Services: S-1 with 10 unreachable endpoints, the measured one (last) with
+/// one real endpoint `backend`.
+fn services(s: usize, backend: Ipv4Addr) -> Vec<SvcPort> {
+    (0..s)
+        .map(|i| {
+            let measured = i + 1 == s;
+            SvcPort {
+                namespace: crate::manifests::NAMESPACE.into(),
+                name: if measured {
+                    "measured".into()
+                } else {
+                    svc_name(i)
+                },
+                port_name: "rr".into(),
+                cluster_ip: vip(i),
+                port: SVC_PORT,
+                target_port: RR_PORT,
+                node_port: measured.then_some(NODE_PORT),
+                endpoints: if measured {
+                    vec![backend]
+                } else {
+                    (0..ENDPOINTS_PER_SERVICE).map(|j| fake_ep(i, j)).collect()
+                },
+            }
+        })
+        .collect()
+}
+
+fn manifest_of(svc: &SvcPort) -> String {
+    let mut port = ServicePort::tcp(&svc.port_name, svc.port.into(), svc.target_port.into());
+    let mut service = Service::new(&svc.name, svc.cluster_ip, vec![]);
+    if let Some(np) = svc.node_port {
+        port = port.with_node_port(np.into());
+        service = service.node_port();
+    }
+    // The bulk port rides on a second Service port of the measured Service.
+    let mut ports = vec![port];
+    if svc.node_port.is_some() {
+        let mut bulk = ServicePort::tcp("bulk", (SVC_PORT + 1).into(), BULK_PORT.into());
+        bulk = bulk.with_node_port((NODE_PORT + 1).into());
+        ports.push(bulk);
+    }
+    service.ports = ports;
+    let eps = svc
+        .endpoints
+        .iter()
+        .enumerate()
+        .map(|(j, ip)| Endpoint::ready(&format!("{}-{j}", svc.name), *ip))
+        .collect();
+    let slice = EndpointSlice::for_service(&service, eps);
+    format!("{}---\n{}", service.to_yaml(), slice.to_yaml())
+}
+
+impl Env {
+    pub fn new(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Self> {
+        crate::util::require_root()?;
+        let topo = Topology::build(2, 3)?;
+        let tmp = TempDir(std::env::temp_dir().join(unique_name("lb-bench")));
+        fs::create_dir_all(&tmp.0)?;
+        let ext = NetNs::create(&format!("{}-ext", topo.base()))?;
+        let mut env = Env {
+            servers: Vec::new(),
+            ext,
+            cgroup: Cgroup::create(&unique_name("lb-bench"))?,
+            tc_cgroup: Cgroup::create(&unique_name("lb-bench-tc"))?,
+            manifests: ManifestDir::create()?,
+            topo,
+            tmp,
+            exe,
+            lb,
+            cfg,
+        };
+        // Peers' clients route VIPs to the node (their nat OUTPUT DNATs them first).
+        for c in &env.topo.clients()[1..] {
+            c.netns()
+                .ip(&["route", "del", "unreachable", SERVICE_CIDR])?;
+        }
+        // The NodePort client on a link of its own.
+        let node = env.topo.node();
+        node.sysctls(&[
+            ("net/ipv4/ip_forward", "1"),
+            ("net/ipv4/conf/all/rp_filter", "0"),
+            ("net/ipv4/conf/default/rp_filter", "0"),
+        ])?;
+        node.ip(&[
+            "link",
+            "add",
+            "ext0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            env.ext.name(),
+        ])?;
+        node.ip(&["addr", "add", &format!("{NODE_IP}/24"), "dev", "ext0"])?;
+        node.ip(&["link", "set", "ext0", "up"])?;
+        env.ext
+            .ip(&["addr", "add", &format!("{EXT_IP}/24"), "dev", "eth0"])?;
+        env.ext.ip(&["link", "set", "eth0", "up"])?;
+        node.sysctls(&[("net/ipv4/conf/*/rp_filter", "0")])?;
+        for i in 0..2 {
+            let pod = &env.topo.pods()[i];
+            let server = Spawner::new(&env.exe)
+                .label(format!("lb-bench serve {}", pod.name()))
+                .netns(pod.netns())?
+                .args([
+                    "serve",
+                    "--name",
+                    &pod_name(i),
+                    "--cpu",
+                    &env.cfg.cpu.to_string(),
+                ])
+                .spawn()?;
+            server
+                .stdout
+                .wait_for(Duration::from_secs(10), |l| l.contains("listening"))?;
+            env.servers.push(server);
+        }
+        Ok(env)
+    }
+
+    fn client(
+        &self,
+        ns: &NetNs,
+        in_cgroup: bool,
+        to: SocketAddrV4,
+        args: &[String],
+    ) -> Result<ClientReport> {
+        let mut sp = Spawner::new(&self.exe).netns(ns)?;
+        if in_cgroup {
+            sp = sp.cgroup(&self.cgroup)?;
+        }
+        let out = sp
+            .args([
+                "client",
+                "--to",
+                &to.to_string(),
+                "--cpu",
+                &self.cfg.cpu.to_string(),
+            ])
+            .args(args)
+            .output(Duration::from_secs(120))?
+            .checked_stdout()?;
+        let line = out.lines().last().unwrap_or_default();
+        serde_json::from_str(line).with_context(|| format!("client printed {out}"))
+    }
+
+    /// Latency, rate and (optionally) bulk, `reps` times.
+    fn measure(
+        &self,
+        name: &str,
+        s: usize,
+        ns: &NetNs,
+        cg: bool,
+        to: SocketAddrV4,
+        bulk_to: Option<SocketAddrV4>,
+    ) -> Result<DataResult> {
+        let (mut p50, mut p99, mut rate, mut bulk) = (vec![], vec![], vec![], vec![]);
+        let mut errors = 0;
+        let mut stalls = 0;
+        for rep in 0..self.cfg.reps {
+            crate::interrupt::check()?;
+            let lat = self.client(
+                ns,
+                cg,
+                to,
+                &[
+                    "--mode".into(),
+                    "lat".into(),
+                    "--count".into(),
+                    self.cfg.lat_count.to_string(),
+                ],
+            )?;
+            errors += lat.errors;
+            p50.extend(lat.p50_us);
+            p99.extend(lat.p99_us);
+            let r = self.client(
+                ns,
+                cg,
+                to,
+                &[
+                    "--mode".into(),
+                    "rate".into(),
+                    "--secs".into(),
+                    self.cfg.rate_secs.to_string(),
+                ],
+            )?;
+            errors += r.errors;
+            stalls += r.stalls;
+            rate.extend(r.conn_per_sec);
+            if let Some(b) = bulk_to {
+                let r = self.client(
+                    ns,
+                    cg,
+                    b,
+                    &[
+                        "--mode".into(),
+                        "bulk".into(),
+                        "--secs".into(),
+                        self.cfg.bulk_secs.to_string(),
+                    ],
+                )?;
+                bulk.extend(r.mb_per_sec);
+            }
+            println!(
+                "  {name:<10} S={s:<6} rep {rep}: p50 {:.1} us, p99 {:.1} us, {:.0} conn/s ({} stalls){} (backends {:?})",
+                lat.p50_us.unwrap_or_default(),
+                lat.p99_us.unwrap_or_default(),
+                r_last(&rate),
+                r.stalls,
+                bulk.last().map(|b| format!(", {b:.0} MB/s")).unwrap_or_default(),
+                lat.backends
+            );
+        }
+        Ok(DataResult {
+            datapath: name.into(),
+            services: s,
+            position: None,
+            lat_p50_us: Stat::of(p50),
+            lat_p99_us: Stat::of(p99),
+            conn_per_sec: Stat::of(rate),
+            bulk_mb_per_sec: Stat::of(bulk),
+            errors,
+            stalls,
+        })
+    }
+
+    /// Start a watcher that connects until pod-b answers; run `change`; the time from
+    /// just before `change` to the first answer from pod-b.
+    fn change_latency(
+        &self,
+        ns: &NetNs,
+        cg: bool,
+        to: SocketAddrV4,
+        change: impl FnOnce() -> Result<()>,
+    ) -> Result<f64> {
+        let mut sp = Spawner::new(&self.exe).netns(ns)?;
+        if cg {
+            sp = sp.cgroup(&self.cgroup)?;
+        }
+        let mut child = sp
+            .args([
+                "client",
+                "--to",
+                &to.to_string(),
+                "--mode",
+                "watch",
+                "--until",
+                &pod_name(1),
+                "--secs",
+                "60",
+            ])
+            .spawn()?;
+        child
+            .stdout
+            .wait_for(Duration::from_secs(10), |l| l.contains("watching"))?;
+        std::thread::sleep(Duration::from_millis(100));
+        let t0 = monotonic_ns();
+        change()?;
+        let status = child.wait_interruptible(Duration::from_secs(90))?;
+        if status.is_none() {
+            bail!("watcher did not finish");
+        }
+        child.stdout.wait_closed(Duration::from_secs(5))?;
+        let out = child.stdout.text();
+        let line = out.lines().last().unwrap_or_default();
+        let r: ClientReport =
+            serde_json::from_str(line).with_context(|| format!("watcher printed {out}"))?;
+        let seen = r.seen_at_ns.context("the new backend never answered")?;
+        Ok(seen.saturating_sub(t0) as f64 / 1e6)
+    }
+
+    pub fn direct(&self) -> Result<DataResult> {
+        let to = SocketAddrV4::new(pod_ip(0), RR_PORT);
+        let bulk = SocketAddrV4::new(pod_ip(0), BULK_PORT);
+        self.measure(
+            "direct",
+            0,
+            self.topo.client().netns(),
+            false,
+            to,
+            Some(bulk),
+        )
+    }
+
+    fn vip_addr(&self, s: usize) -> SocketAddrV4 {
+        SocketAddrV4::new(vip(s - 1), SVC_PORT)
+    }
+
+    pub fn iptables(&self, s: usize, res: &mut Results) -> Result<()> {
+        let ns = self.topo.clients()[1].netns();
+        let cfg = ProxyConfig::default();
+        let svcs = services(s, pod_ip(0));
+        let rules = kubeproxy::iptables_full(&svcs, &cfg);
+        let file = self.tmp.0.join("iptables.rules");
+        fs::write(&file, &rules)?;
+        let took = ns_exec(ns, "iptables-restore", &[], Some(&file))?;
+        println!(
+            "  iptables   S={s:<6} iptables-restore: {:.2} s ({} bytes)",
+            took.as_secs_f64(),
+            rules.len()
+        );
+        let mut d = self.measure("iptables", s, ns, false, self.vip_addr(s), None)?;
+        d.position = Some(if s == 1 {
+            "only".into()
+        } else {
+            format!("last ({s} of {s})")
+        });
+        res.datapaths.push(d);
+        // One EndpointSlice change as a partial sync (--noflush).
+        let mut change_ms = None;
+        let mut note = "iptables-restore (nft backend) without --noflush into the client namespace"
+            .to_string();
+        if s <= 1000 {
+            let mut changed = svcs[s - 1].clone();
+            changed.endpoints = vec![pod_ip(1)];
+            let mut all = svcs.clone();
+            all[s - 1] = changed.clone();
+            let partial = kubeproxy::iptables_partial(&all, &changed, &[pod_ip(0)], &cfg);
+            let pfile = self.tmp.0.join("iptables.partial");
+            fs::write(&pfile, partial)?;
+            change_ms = Some(self.change_latency(ns, false, self.vip_addr(s), || {
+                ns_exec(ns, "iptables-restore", &["--noflush"], Some(&pfile)).map(drop)
+            })?);
+        } else {
+            note += "; change skipped: iptables-nft-restore --noflush takes minutes at this size (BENCH-NOTES)";
+        }
+        res.control.push(ControlResult {
+            datapath: "iptables".into(),
+            services: s,
+            endpoints_per_service: ENDPOINTS_PER_SERVICE,
+            program_secs: Some(took.as_secs_f64()),
+            change_ms,
+            agent_vmhwm_kib: None,
+            rules_bytes: Some(rules.len()),
+            note,
+        });
+        Ok(())
+    }
+
+    pub fn nft(&self, s: usize, res: &mut Results) -> Result<()> {
+        let ns = self.topo.clients()[2].netns();
+        let cfg = ProxyConfig::default();
+        let svcs = services(s, pod_ip(0));
+        let rules = kubeproxy::nft_full(&svcs, &cfg);
+        let file = self.tmp.0.join("nft.rules");
+        fs::write(&file, &rules)?;
+        let took = ns_exec(ns, "nft", &["-f", &file.to_string_lossy()], None)?;
+        println!(
+            "  nftables   S={s:<6} nft -f: {:.2} s ({} bytes)",
+            took.as_secs_f64(),
+            rules.len()
+        );
+        let d = self.measure("nftables", s, ns, false, self.vip_addr(s), None)?;
+        res.datapaths.push(d);
+        let mut changed = svcs[s - 1].clone();
+        changed.endpoints = vec![pod_ip(1)];
+        let pfile = self.tmp.0.join("nft.partial");
+        fs::write(&pfile, kubeproxy::nft_partial(&changed, &[pod_ip(0)], &cfg))?;
+        let change_ms = self.change_latency(ns, false, self.vip_addr(s), || {
+            ns_exec(ns, "nft", &["-f", &pfile.to_string_lossy()], None).map(drop)
+        })?;
+        res.control.push(ControlResult {
+            datapath: "nftables".into(),
+            services: s,
+            endpoints_per_service: ENDPOINTS_PER_SERVICE,
+            program_secs: Some(took.as_secs_f64()),
+            change_ms: Some(change_ms),
+            agent_vmhwm_kib: None,
+            rules_bytes: Some(rules.len()),
+            note: "nft -f of the whole table (one transaction)".into(),
+        });
+        Ok(())
+    }
+
+    fn write_manifests(&self, s: usize) -> Result<()> {
+        let svcs = services(s, pod_ip(0));
+        let others = documents(svcs[..s - 1].iter().map(manifest_of));
+        self.manifests.write("others.yaml", &others)?;
+        self.manifests
+            .write("measured.yaml", &manifest_of(&svcs[s - 1]))
+    }
+
+    fn set_measured_backend(&self, s: usize, backend: Ipv4Addr) -> Result<()> {
+        let mut m = services(s, backend).pop().context("no services")?;
+        m.endpoints = vec![backend];
+        self.manifests.write("measured.yaml", &manifest_of(&m))
+    }
+
+    /// Start an agent; the time until `lb services --json` lists all S frontends.
+    fn start_agent(&self, s: usize, tc: bool) -> Result<(Agent, f64, u64)> {
+        let size = (s * (ENDPOINTS_PER_SERVICE + 2) + 4096)
+            .max(65_536)
+            .to_string();
+        let mut args: Vec<String> = vec![
+            "--services-map-size".into(),
+            size.clone(),
+            "--backends-map-size".into(),
+            size,
+        ];
+        let cg = if tc { &self.tc_cgroup } else { &self.cgroup };
+        let mut spec = AgentSpec::new(self.manifests.path(), cg, NODE_NAME);
+        if tc {
+            args.extend([
+                "--iface".into(),
+                "ext0".into(),
+                "--node-ip".into(),
+                NODE_IP.to_string(),
+            ]);
+            args.extend([
+                "--pod-iface".into(),
+                "vpod-a".into(),
+                "--pod-iface".into(),
+                "vpod-b".into(),
+            ]);
+            spec = spec.netns(self.topo.node());
+        }
+        let spec = spec.args(args);
+        let t = Instant::now();
+        let mut agent = Agent::start_with(&self.lb, &spec)?;
+        agent.set_log_on_drop(false);
+        // Frontends: S ClusterIPs + the bulk port; NodePort entries come on top.
+        let want = s + 1;
+        // Bounded: 100k Services get at most READY_TIMEOUT + 150 s.
+        let timeout = READY_TIMEOUT + Duration::from_secs((s as u64 / 200).min(150));
+        let listed = loop {
+            crate::interrupt::check()?;
+            if let Some(line) = agent
+                .log()
+                .iter()
+                .find(|l| l.contains("no free frontend id"))
+            {
+                bail!("the agent cannot hold {want} frontends: {}", line.trim());
+            }
+            if let Ok(entries) = agent.services_json() {
+                let n = entries
+                    .iter()
+                    .filter(|e| e.frontend.port == SVC_PORT || e.frontend.port == SVC_PORT + 1)
+                    .count();
+                if n >= want {
+                    break t.elapsed().as_secs_f64();
+                }
+            }
+            if t.elapsed() > timeout {
+                bail!(
+                    "agent did not program {want} frontends within {timeout:?}; log tail:\n{}",
+                    tail(&agent.log(), 5)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(if s > 10_000 { 200 } else { 20 }));
+        };
+        agent.wait_ready(READY_TIMEOUT)?;
+        let pid = pid_of_agent(agent.pin_dir()).unwrap_or(0);
+        Ok((agent, listed, pid))
+    }
+
+    pub fn ours(&self, s: usize, res: &mut Results, peers_too: bool) -> Result<()> {
+        let _ = peers_too;
+        self.write_manifests(s)?;
+        let (agent, listed, pid) = self.start_agent(s, false)?;
+        println!("  socket-lb  S={s:<6} agent programmed in {listed:.2} s");
+        let to = self.vip_addr(s);
+        let bulk = SocketAddrV4::new(vip(s - 1), SVC_PORT + 1);
+        let ns = self.topo.client().netns();
+        res.datapaths
+            .push(self.measure("socket-lb", s, ns, true, to, Some(bulk))?);
+        let change_ms =
+            self.change_latency(ns, true, to, || self.set_measured_backend(s, pod_ip(1)))?;
+        let hwm = vm_hwm_kib(pid);
+        res.control.push(ControlResult {
+            datapath: "socket-lb".into(),
+            services: s,
+            endpoints_per_service: ENDPOINTS_PER_SERVICE,
+            program_secs: Some(listed),
+            change_ms: Some(change_ms),
+            agent_vmhwm_kib: hwm,
+            rules_bytes: None,
+            note: "agent start (load, attach, parse, sync) until `lb services --json` lists every frontend; change = manifest file rewrite (agent polls every 200 ms)".into(),
+        });
+        drop(agent);
+        self.set_measured_backend(s, pod_ip(0))?;
+        if s > 10_000 && listed > 60.0 {
+            res.skipped.push(Skipped {
+                datapath: "tc-nodeport".into(),
+                services: s,
+                reason: format!("the agent took {listed:.0} s to program {s} Services; a second start did not fit the time budget"),
+            });
+        } else if self.cfg.tc_path && self.cfg.wants("tc-nodeport") {
+            if let Err(e) = self.tc(s, res) {
+                res.errors.push(format!("tc S={s}: {e:#}"));
+                eprintln!("tc path S={s} failed: {e:#}");
+            }
+        }
+        Ok(())
+    }
+
+    fn tc(&self, s: usize, res: &mut Results) -> Result<()> {
+        let (agent, listed, pid) = self.start_agent(s, true)?;
+        println!("  tc-nodeport S={s:<6} agent programmed in {listed:.2} s");
+        let to = SocketAddrV4::new(NODE_IP, NODE_PORT);
+        let bulk = SocketAddrV4::new(NODE_IP, NODE_PORT + 1);
+        let d = self
+            .measure("tc-nodeport", s, &self.ext, false, to, Some(bulk))
+            .map_err(|e| {
+                let stats = agent.lb_command(&["stats"]).unwrap_or_default();
+                let ct = agent.lb_command(&["conntrack"]).unwrap_or_default();
+                let svcs = agent.lb_command(&["services"]).unwrap_or_default();
+                e.context(format!(
+                    "stats:\n{stats}\nconntrack:\n{}\nservices:\n{}\nlog tail:\n{}",
+                    ct.lines().take(8).collect::<Vec<_>>().join("\n"),
+                    svcs.lines().rev().take(8).collect::<Vec<_>>().join("\n"),
+                    tail(&agent.log(), 8)
+                ))
+            })?;
+        res.datapaths.push(d);
+        res.control.push(ControlResult {
+            datapath: "tc-nodeport".into(),
+            services: s,
+            endpoints_per_service: ENDPOINTS_PER_SERVICE,
+            program_secs: Some(listed),
+            change_ms: None,
+            agent_vmhwm_kib: vm_hwm_kib(pid),
+            rules_bytes: None,
+            note: "agent in the node namespace with --iface ext0 --pod-iface vpod-a/b".into(),
+        });
+        drop(agent);
+        Ok(())
+    }
+}
+
+/// The last `n` lines.
+fn tail(lines: &[String], n: usize) -> String {
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+fn r_last(v: &[f64]) -> f64 {
+    v.last().copied().unwrap_or_default()
+}
+
+/// The pid of the agent pinning under `pin_dir` (its command line names the dir).
+fn pid_of_agent(pin_dir: &Path) -> Option<u64> {
+    let needle = pin_dir.to_string_lossy().into_owned();
+    for entry in fs::read_dir("/proc").ok()?.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.parse::<u64>().ok()) else {
+            continue;
+        };
+        let Ok(cmd) = fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        if cmd.contains(" agent ") && cmd.contains(&needle) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+fn vm_hwm_kib(pid: u64) -> Option<u64> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// Kernel, CPU model, cores.
+pub fn machine() -> serde_json::Value {
+    let cpu = fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_default();
+    let kernel = fs::read_to_string("/proc/sys/kernel/osrelease")
+        .unwrap_or_default()
+        .trim()
+        .to_string();
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let ipt = Command::new("iptables")
+        .arg("--version")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    let nft = Command::new("nft")
+        .arg("--version")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    serde_json::json!({ "kernel": kernel, "cpu": cpu, "cores": cores, "iptables": ipt, "nft": nft, "loadavg_start": loadavg() })
+}
+
+/// /proc/loadavg: other work on the machine shows up as noise.
+fn loadavg() -> String {
+    fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+}
+
+/// The whole run. Errors of one datapath are recorded and the run goes on.
+pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
+    let start = Instant::now();
+    let env = Env::new(exe, lb, cfg.clone())?;
+    let mut res = Results {
+        config: cfg.clone(),
+        machine: machine(),
+        direct_start: None,
+        direct_end: None,
+        datapaths: vec![],
+        control: vec![],
+        skipped: vec![],
+        errors: vec![],
+        wall_secs: 0.0,
+    };
+    println!("direct (start)");
+    res.direct_start = Some(env.direct()?);
+    let mut all_scales: Vec<(usize, bool)> = cfg.scales.iter().map(|s| (*s, true)).collect();
+    all_scales.extend(cfg.ours_extra_scales.iter().map(|s| (*s, false)));
+    for (s, peers) in all_scales {
+        println!("S = {s}");
+        if peers {
+            if s <= cfg.iptables_max && cfg.wants("iptables") {
+                if let Err(e) = env.iptables(s, &mut res) {
+                    res.errors.push(format!("iptables S={s}: {e:#}"));
+                    eprintln!("iptables S={s} failed: {e:#}");
+                }
+            }
+            if !cfg.wants("nftables") {
+            } else if s <= cfg.nft_max {
+                if let Err(e) = env.nft(s, &mut res) {
+                    res.errors.push(format!("nftables S={s}: {e:#}"));
+                    eprintln!("nftables S={s} failed: {e:#}");
+                }
+            } else {
+                res.skipped.push(Skipped {
+                    datapath: "nftables".into(),
+                    services: s,
+                    reason: "nft -f of 10k Services x 4 endpoints took ~105 s (~0.7 GB) here (BENCH-NOTES); with 10 endpoints it does not fit the bench's time budget".into(),
+                });
+            }
+        }
+        if let Err(e) = env.ours(s, &mut res, peers) {
+            let msg = format!("{e:#}");
+            let first = msg.lines().next().unwrap_or_default().to_string();
+            if msg.contains("cannot hold") {
+                println!("  ours       S={s:<6} skipped: {first}");
+                res.skipped.push(Skipped {
+                    datapath: "socket-lb, tc-nodeport".into(),
+                    services: s,
+                    reason: first,
+                });
+                continue;
+            }
+            res.errors.push(format!(
+                "ours S={s}: {}",
+                msg.chars().take(3000).collect::<String>()
+            ));
+            eprintln!("ours S={s} failed: {first}");
+        }
+        crate::interrupt::check()?;
+    }
+    println!("direct (end)");
+    res.direct_end = Some(env.direct()?);
+    res.machine["loadavg_end"] = serde_json::Value::String(loadavg());
+    drop(env);
+    res.wall_secs = start.elapsed().as_secs_f64();
+    Ok(res)
+}

@@ -1,0 +1,145 @@
+//! lb-bench: the benchmark of `cargo xtask bench` (see tests/src/bench/).
+//!
+//! - `lb-bench run --lb PATH --out DIR [--quick]`: build the namespaces, measure every
+//!   datapath, write DIR/results.json, DIR/README.md and the plots, clean up.
+//! - `lb-bench serve` / `lb-bench client`: the server and client it runs inside the
+//!   namespaces.
+
+use std::net::SocketAddrV4;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use lb_tests::bench::{netio, report, run};
+
+#[derive(Parser)]
+#[command(
+    name = "lb-bench",
+    about = "Datapath and control-plane benchmark of lb vs kube-proxy modes"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the whole benchmark.
+    Run {
+        /// The `lb` binary.
+        #[arg(long)]
+        lb: PathBuf,
+        /// Where results.json, README.md and the plots go.
+        #[arg(long)]
+        out: PathBuf,
+        /// S = 1 and 1000, one repetition.
+        #[arg(long)]
+        quick: bool,
+        /// Skip the TC (NodePort) datapath.
+        #[arg(long)]
+        no_tc: bool,
+        /// Only these scales (comma-separated), e.g. `1,1000`.
+        #[arg(long, value_delimiter = ',')]
+        scales: Vec<usize>,
+        /// Only these datapaths (comma-separated: iptables, nftables, socket-lb, tc-nodeport).
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
+    },
+    /// Re-render README.md and the plots from an existing results.json.
+    Report {
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Request/response and bulk server (inside a pod namespace).
+    Serve {
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        cpu: Option<usize>,
+    },
+    /// Measuring client (inside a client namespace).
+    Client {
+        #[arg(long)]
+        to: SocketAddrV4,
+        /// lat | rate | bulk | watch
+        #[arg(long)]
+        mode: String,
+        #[arg(long, default_value_t = 2000)]
+        count: u64,
+        #[arg(long, default_value_t = 2.0)]
+        secs: f64,
+        #[arg(long)]
+        cpu: Option<usize>,
+        /// watch: stop at the first answer from this backend.
+        #[arg(long)]
+        until: Option<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    match real_main() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("lb-bench: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn real_main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Run {
+            lb,
+            out,
+            quick,
+            no_tc,
+            scales,
+            only,
+        } => {
+            lb_tests::interrupt::install_handler()?;
+            let mut cfg = run::Config::new(quick);
+            cfg.tc_path = !no_tc;
+            if !scales.is_empty() {
+                cfg.ours_extra_scales.retain(|s| scales.contains(s));
+                cfg.scales = scales
+                    .into_iter()
+                    .filter(|s| !cfg.ours_extra_scales.contains(s))
+                    .collect();
+            }
+            cfg.only = only;
+            let exe = std::env::current_exe()?;
+            let results = run::run(exe, lb, cfg)?;
+            report::write(&out, &results)?;
+            println!("lb-bench: results in {}", out.display());
+            Ok(())
+        }
+        Cmd::Report { out } => report::rerender(&out),
+        Cmd::Serve { name, cpu } => {
+            if let Some(cpu) = cpu {
+                netio::pin_cpu(cpu)?;
+            }
+            netio::serve(&name)
+        }
+        Cmd::Client {
+            to,
+            mode,
+            count,
+            secs,
+            cpu,
+            until,
+        } => {
+            let args = netio::ClientArgs {
+                to,
+                mode,
+                count,
+                secs,
+                cpu,
+                until,
+            };
+            let report = netio::client(&args)?;
+            println!("{}", serde_json::to_string(&report)?);
+            Ok(())
+        }
+    }
+}
