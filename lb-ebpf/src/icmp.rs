@@ -8,6 +8,7 @@ use aya_ebpf::programs::TcContext;
 use lb_common::{CtKey, CT_DIR_REPLY};
 
 use crate::{
+    csum,
     maps::LB_CT,
     packet::{IcmpError, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF},
 };
@@ -69,11 +70,11 @@ pub fn translate(ctx: &TcContext, e: &IcmpError) -> Result<Option<(u32, u32)>, i
         if old == new {
             continue;
         }
-        ip_csum = csum_replace32(ip_csum, old, new);
+        ip_csum = csum::replace32(ip_csum, old, new);
         if l4_csum_used {
-            l4_csum = csum_replace32(l4_csum, old, new);
+            l4_csum = csum::replace32(l4_csum, old, new);
         }
-        icmp_csum = csum_replace32(icmp_csum, old, new);
+        icmp_csum = csum::replace32(icmp_csum, old, new);
         ctx.store(off, &new, BPF_F_RECOMPUTE_CSUM)?;
     }
     // Quoted ports: covered by the quoted L4 checksum and the ICMP checksum.
@@ -85,18 +86,18 @@ pub fn translate(ctx: &TcContext, e: &IcmpError) -> Result<Option<(u32, u32)>, i
             continue;
         }
         if l4_csum_used {
-            l4_csum = csum_replace16(l4_csum, old, new);
+            l4_csum = csum::replace16(l4_csum, old, new);
         }
-        icmp_csum = csum_replace16(icmp_csum, old, new);
+        icmp_csum = csum::replace16(icmp_csum, old, new);
         ctx.store(off, &new, BPF_F_RECOMPUTE_CSUM)?;
     }
     // The quoted checksum fields are ICMP payload too.
     if ip_csum != old_ip_csum {
-        icmp_csum = csum_replace16(icmp_csum, old_ip_csum, ip_csum);
+        icmp_csum = csum::replace16(icmp_csum, old_ip_csum, ip_csum);
         ctx.store(inner_ip_csum_off, &ip_csum, BPF_F_RECOMPUTE_CSUM)?;
     }
     if l4_csum != old_l4_csum {
-        icmp_csum = csum_replace16(icmp_csum, old_l4_csum, l4_csum);
+        icmp_csum = csum::replace16(icmp_csum, old_l4_csum, l4_csum);
         ctx.store(inner_l4_csum_off, &l4_csum, BPF_F_RECOMPUTE_CSUM)?;
     }
     ctx.store(e.icmp_off + ICMP_CSUM_OFF, &icmp_csum, BPF_F_RECOMPUTE_CSUM)?;
@@ -114,25 +115,4 @@ pub fn translate(ctx: &TcContext, e: &IcmpError) -> Result<Option<(u32, u32)>, i
         source = frontend;
     }
     Ok(Some((source, client)))
-}
-
-/// RFC 1624 incremental update: HC' = ~(~HC + ~m + m'), on fields as they lie in
-/// memory (network order); one's-complement sums are byte-order independent.
-#[inline(always)]
-fn csum_replace16(csum: u16, old: u16, new: u16) -> u16 {
-    let sum = (!csum as u32) + (!old as u32) + new as u32;
-    !fold(sum)
-}
-
-#[inline(always)]
-fn csum_replace32(csum: u16, old: u32, new: u32) -> u16 {
-    let csum = csum_replace16(csum, old as u16, new as u16);
-    csum_replace16(csum, (old >> 16) as u16, (new >> 16) as u16)
-}
-
-#[inline(always)]
-fn fold(mut sum: u32) -> u16 {
-    sum = (sum & 0xffff) + (sum >> 16);
-    sum = (sum & 0xffff) + (sum >> 16);
-    sum as u16
 }

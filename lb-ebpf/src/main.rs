@@ -8,6 +8,7 @@
 #![no_std]
 #![no_main]
 
+mod csum;
 mod ct;
 mod fib;
 mod icmp;

@@ -8,6 +8,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 
+use crate::csum::{fold, sum};
 use crate::packet::{Flow, ETH_HLEN, TCP_FLAG_ACK, TCP_FLAG_FIN, TCP_FLAG_RST, TCP_FLAG_SYN};
 
 const IP_HLEN: usize = 20;
@@ -84,23 +85,4 @@ pub fn tcp_reset(ctx: &TcContext, flow: &Flow) -> Result<i32, ()> {
     // SAFETY: plain helper; redirecting to the egress of the device we came in on.
     let _ = unsafe { bpf_redirect(ifindex, 0) };
     Ok(TC_ACT_REDIRECT)
-}
-
-/// One's-complement sum of big-endian 16-bit words.
-#[inline(always)]
-fn sum(bytes: &[u8]) -> u32 {
-    let mut total = 0u32;
-    let mut i = 0;
-    while i + 1 < bytes.len() {
-        total += u16::from_be_bytes([bytes[i], bytes[i + 1]]) as u32;
-        i += 2;
-    }
-    total
-}
-
-#[inline(always)]
-fn fold(mut total: u32) -> u16 {
-    total = (total & 0xffff) + (total >> 16);
-    total = (total & 0xffff) + (total >> 16);
-    total as u16
 }

@@ -20,7 +20,8 @@ pub fn frontend(key: &ServiceKey) -> Option<ServiceValue> {
     unsafe { LB_SERVICES.get(key) }.copied()
 }
 
-/// A backend for a new connection of `client` (affinity identity) to the frontend.
+/// A backend for a new connection to the frontend. `client` yields the affinity
+/// identity; it is only asked for when the Service has session affinity.
 /// `entropy` picks the slot when no affinity applies. `None` when the slots stay
 /// missing even after a second look at the master: counted, and the caller refuses
 /// rather than letting the VIP through to nowhere.
@@ -28,17 +29,17 @@ pub fn frontend(key: &ServiceKey) -> Option<ServiceValue> {
 pub fn backend(
     master_key: &ServiceKey,
     master: &ServiceValue,
-    client: u64,
+    client: impl Fn() -> u64,
     entropy: u32,
 ) -> Option<(u32, Backend)> {
-    let mut picked = pick(master_key, master, client, entropy);
+    let mut picked = pick(master_key, master, &client, entropy);
     if picked.is_none() {
         // The agent shrank the frontend between our read of the master and of the
         // slot (it lowers the count before deleting the slots): the master it wrote
         // since names only slots that exist.
         stats::bump(stat::SLOT_MISS);
         if let Some(fresh) = frontend(master_key).filter(|m| m.count > 0) {
-            picked = pick(master_key, &fresh, client, entropy);
+            picked = pick(master_key, &fresh, &client, entropy);
         }
     }
     picked
@@ -48,13 +49,13 @@ pub fn backend(
 fn pick(
     master_key: &ServiceKey,
     master: &ServiceValue,
-    client: u64,
+    client: &impl Fn() -> u64,
     entropy: u32,
 ) -> Option<(u32, Backend)> {
     if master.flags & SVC_FLAG_AFFINITY == 0 {
         slot(master_key, master, entropy)
     } else {
-        with_affinity(master_key, master, client, entropy)
+        with_affinity(master_key, master, client(), entropy)
     }
 }
 

@@ -58,7 +58,7 @@ pub fn translate_forward(ctx: &SockAddrContext, hook: Hook) -> i32 {
         // spread them.
         Hook::SendMsg => ((cookie ^ (cookie >> 32)) as u32).wrapping_mul(0x9E37_79B1) >> 16,
     };
-    let client = sock::netns_cookie(ctx);
+    let client = || sock::netns_cookie(ctx);
     let Some((_, backend)) = select::backend(&master_key, &master, client, entropy) else {
         return refuse(master.rev_nat_id);
     };

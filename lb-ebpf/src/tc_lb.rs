@@ -124,7 +124,7 @@ fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
         }
         return reject::tcp_reset(ctx, flow).unwrap_or(TC_ACT_SHOT);
     }
-    let client = AFFINITY_CLIENT_IP | flow.saddr as u64;
+    let client = || AFFINITY_CLIENT_IP | flow.saddr as u64;
     let entropy = unsafe { bpf_get_prandom_u32() };
     let Some((backend_id, backend)) = select::backend(&master_key, &master, client, entropy)
     else {
