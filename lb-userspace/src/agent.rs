@@ -113,7 +113,9 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     // upgrade to a new map layout (fresh maps in a new `v<N>` directory), never has a
     // moment where the new programs see an empty table.
     let retired = loader::other_layouts(&config.pin).unwrap_or_default();
-    let mut ebpf = loader::load(&object, &config.pin, config.sizes, config.tc.node_ip)?;
+    // The first node address is the SNAT source towards backends on other nodes.
+    let snat_ip = config.node_ips.first().copied();
+    let mut ebpf = loader::load(&object, &config.pin, config.sizes, snat_ip)?;
     let mut attached = false;
     let mut maps = PinnedMaps::open(&config.pin)?;
     // Frontend names by id, as of the last sync: a scrape reads only the counter

@@ -56,8 +56,6 @@ pub struct TcConfig {
     pub external_ifaces: Vec<String>,
     /// Pod-facing devices: pods outside the hooked cgroup, replies of local backends.
     pub internal_ifaces: Vec<String>,
-    /// Source address for SNAT towards backends on other nodes.
-    pub node_ip: Option<Ipv4Addr>,
     pub attach: TcAttach,
 }
 

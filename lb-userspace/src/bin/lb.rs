@@ -248,7 +248,6 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
         tc: TcConfig {
             external_ifaces: args.ifaces,
             internal_ifaces: args.pod_ifaces,
-            node_ip: args.node_ips.first().copied(),
             attach: args.tc_attach,
         },
         node_ips: args.node_ips,
