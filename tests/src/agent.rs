@@ -127,169 +127,24 @@ pub fn find_frontend<'a>(
     entries.iter().find(|e| e.is(vip, port, protocol))
 }
 
-/// One flow of `lb conntrack --json`.
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
-pub struct CtFlow {
-    pub protocol: String,
-    pub client: SocketAddrV4,
-    pub frontend: SocketAddrV4,
-    pub backend: SocketAddrV4,
-    /// The source the backend sees when it is not the client (remote backend).
-    pub snat: Option<SocketAddrV4>,
-    pub state: String,
-    pub idle_ms: u64,
-}
-
-/// How to start an agent: what [`Agent::start`] takes, plus the network namespace to
-/// run in (interface names of `--iface`/`--pod-iface` are resolved there) and extra
-/// flags.
-#[derive(Clone)]
-pub struct AgentSpec<'a> {
-    pub services: &'a Path,
-    pub cgroup: &'a Cgroup,
-    pub node_name: &'a str,
-    pub netns: Option<&'a NetNs>,
-    pub extra_args: Vec<String>,
-}
-
-impl<'a> AgentSpec<'a> {
-    pub fn new(services: &'a Path, cgroup: &'a Cgroup, node_name: &'a str) -> Self {
-        AgentSpec {
-            services,
-            cgroup,
-            node_name,
-            netns: None,
-            extra_args: Vec::new(),
-        }
-    }
-
-    pub fn netns(mut self, ns: &'a NetNs) -> Self {
-        self.netns = Some(ns);
-        self
-    }
-
-    pub fn args<I, S>(mut self, args: I) -> Self
-    where
-        I: IntoIterator<Item = S>,
-        S: Into<String>,
-    {
-        self.extra_args.extend(args.into_iter().map(Into::into));
-        self
-    }
-}
-
-/// A running `lb agent`. Dropping it stops the agent, runs `lb cleanup` (detach and
-/// unpin), removes the pin dir, and prints the agent's log (shown by the test harness
-/// only when the test fails).
-pub struct Agent {
-    child: Child,
+/// `lb` subcommands on one pin directory (`lb SUBCOMMAND --pin-dir DIR ...`), run in
+/// the test's own namespace: they only read and write pinned objects. Shared by every
+/// handle that owns a pin directory.
+pub struct LbCli {
     lb: PathBuf,
     pin_dir: PathBuf,
-    log_on_drop: bool,
 }
 
-impl Agent {
-    /// Start `lb agent` on `services` (file or dir), attaching to `cgroup`, pinning
-    /// under a fresh `/sys/fs/bpf/lb-test-<unique>`.
-    pub fn start(lb: &Path, services: &Path, cgroup: &Cgroup, node_name: &str) -> Result<Self> {
-        Self::start_with(lb, &AgentSpec::new(services, cgroup, node_name))
-    }
-
-    /// Start `lb agent` as `spec` says (network namespace, extra flags).
-    pub fn start_with(lb: &Path, spec: &AgentSpec<'_>) -> Result<Self> {
-        ensure_bpffs()?;
-        let pin_dir = Path::new(BPFFS).join(unique_name("lb-test"));
-        fs::create_dir(&pin_dir).with_context(|| format!("creating {}", pin_dir.display()))?;
-        // From here on the pin dir belongs to a guard-less local: build the Agent right
-        // away so Drop covers it, or remove it if the spawn fails.
-        let spawned = (|| {
-            let mut spawner = Spawner::new(lb).label(match spec.netns {
-                Some(_) => format!("lb agent {}", spec.node_name),
-                None => "lb agent".to_string(),
-            });
-            if let Some(ns) = spec.netns {
-                // Only the network namespace changes: bpffs and the cgroup mounts stay
-                // visible (see process.rs for why not `ip netns exec`).
-                spawner = spawner.netns(ns)?;
-            }
-            spawner
-                .arg("agent")
-                .arg("--services-file")
-                .arg(spec.services)
-                .arg("--cgroup")
-                .arg(spec.cgroup.path())
-                .arg("--pin-dir")
-                .arg(&pin_dir)
-                .args(["--node-name", spec.node_name])
-                // Agents run side by side here: kube-proxy's fixed ports would
-                // clash, so health goes to an ephemeral loopback port and metrics
-                // are off.
-                .args(["--healthz-bind-address", "127.0.0.1:0"])
-                .args(["--metrics-bind-address", ""])
-                .args(&spec.extra_args)
-                // Plain log lines (see also lines::strip_ansi).
-                .env("NO_COLOR", "1")
-                .spawn()
-        })();
-        match spawned {
-            Ok(child) => Ok(Agent {
-                child,
-                lb: lb.to_path_buf(),
-                pin_dir,
-                log_on_drop: true,
-            }),
-            Err(e) => {
-                let _ = fs::remove_dir_all(&pin_dir);
-                Err(e)
-            }
+impl LbCli {
+    pub fn new(lb: &Path, pin_dir: &Path) -> Self {
+        LbCli {
+            lb: lb.to_path_buf(),
+            pin_dir: pin_dir.to_path_buf(),
         }
     }
 
     pub fn pin_dir(&self) -> &Path {
         &self.pin_dir
-    }
-
-    /// Whether dropping the agent prints its log (default: yes; the test harness only
-    /// shows it for failed tests, but the demo prints it only on error).
-    pub fn set_log_on_drop(&mut self, print: bool) {
-        self.log_on_drop = print;
-    }
-
-    /// The agent's exit status, if it has exited or exits within a moment (a closed
-    /// stderr usually means it is exiting right now).
-    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
-        self.child
-            .wait_timeout(Duration::from_secs(1))
-            .ok()
-            .flatten()
-    }
-
-    /// Everything the agent logged so far.
-    pub fn log(&self) -> Vec<String> {
-        self.child.stderr.snapshot()
-    }
-
-    /// Wait for `ready and serving` on stderr.
-    pub fn wait_ready(&self, timeout: Duration) -> Result<()> {
-        self.wait_for_line("ready and serving", timeout).map(drop)
-    }
-
-    /// Wait for a stderr line containing `needle` (fails early if the agent exits).
-    pub fn wait_for_line(&self, needle: &str, timeout: Duration) -> Result<String> {
-        self.wait_for_log(&format!("`{needle}`"), timeout, |l| l.contains(needle))
-    }
-
-    /// Wait for a stderr line matching `pred`, described by `what` in errors.
-    pub fn wait_for_log(
-        &self,
-        what: &str,
-        timeout: Duration,
-        pred: impl Fn(&str) -> bool,
-    ) -> Result<String> {
-        self.child
-            .stderr
-            .wait_for(timeout, pred)
-            .with_context(|| format!("waiting for {what} from the agent"))
     }
 
     /// `lb services --pin-dir DIR --json`.
@@ -354,6 +209,189 @@ impl Agent {
         result.with_context(|| format!("last `lb services --json`: {last:#?}"))
     }
 
+    /// `lb cleanup`, then removal of whatever it left (removing the last pin of a
+    /// link detaches it) and of the directory; problems are printed, not raised,
+    /// since this runs in `Drop`.
+    pub(crate) fn remove_pins(&self) {
+        if let Err(e) = self.cleanup() {
+            eprintln!("warning: lb cleanup failed: {e:#}");
+        }
+        if self.pin_dir.exists() {
+            if let Err(e) = fs::remove_dir_all(&self.pin_dir) {
+                eprintln!("warning: cannot remove {}: {e}", self.pin_dir.display());
+            }
+        }
+    }
+}
+
+/// One flow of `lb conntrack --json`.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+pub struct CtFlow {
+    pub protocol: String,
+    pub client: SocketAddrV4,
+    pub frontend: SocketAddrV4,
+    pub backend: SocketAddrV4,
+    /// The source the backend sees when it is not the client (remote backend).
+    pub snat: Option<SocketAddrV4>,
+    pub state: String,
+    pub idle_ms: u64,
+}
+
+/// How to start an agent: what [`Agent::start`] takes, plus the network namespace to
+/// run in (interface names of `--iface`/`--pod-iface` are resolved there) and extra
+/// flags.
+#[derive(Clone)]
+pub struct AgentSpec<'a> {
+    pub services: &'a Path,
+    pub cgroup: &'a Cgroup,
+    pub node_name: &'a str,
+    pub netns: Option<&'a NetNs>,
+    pub extra_args: Vec<String>,
+}
+
+impl<'a> AgentSpec<'a> {
+    pub fn new(services: &'a Path, cgroup: &'a Cgroup, node_name: &'a str) -> Self {
+        AgentSpec {
+            services,
+            cgroup,
+            node_name,
+            netns: None,
+            extra_args: Vec::new(),
+        }
+    }
+
+    pub fn netns(mut self, ns: &'a NetNs) -> Self {
+        self.netns = Some(ns);
+        self
+    }
+
+    pub fn args<I, S>(mut self, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.extra_args.extend(args.into_iter().map(Into::into));
+        self
+    }
+}
+
+/// A running `lb agent`. Dropping it stops the agent, runs `lb cleanup` (detach and
+/// unpin), removes the pin dir, and prints the agent's log (shown by the test harness
+/// only when the test fails).
+pub struct Agent {
+    child: Child,
+    cli: LbCli,
+    log_on_drop: bool,
+}
+
+/// The agent's pin directory is read and cleaned with the same `lb` commands as any.
+impl std::ops::Deref for Agent {
+    type Target = LbCli;
+
+    fn deref(&self) -> &LbCli {
+        &self.cli
+    }
+}
+
+impl Agent {
+    /// Start `lb agent` on `services` (file or dir), attaching to `cgroup`, pinning
+    /// under a fresh `/sys/fs/bpf/lb-test-<unique>`.
+    pub fn start(lb: &Path, services: &Path, cgroup: &Cgroup, node_name: &str) -> Result<Self> {
+        Self::start_with(lb, &AgentSpec::new(services, cgroup, node_name))
+    }
+
+    /// Start `lb agent` as `spec` says (network namespace, extra flags).
+    pub fn start_with(lb: &Path, spec: &AgentSpec<'_>) -> Result<Self> {
+        ensure_bpffs()?;
+        let pin_dir = Path::new(BPFFS).join(unique_name("lb-test"));
+        fs::create_dir(&pin_dir).with_context(|| format!("creating {}", pin_dir.display()))?;
+        // From here on the pin dir belongs to a guard-less local: build the Agent right
+        // away so Drop covers it, or remove it if the spawn fails.
+        let spawned = (|| {
+            let mut spawner = Spawner::new(lb).label(match spec.netns {
+                Some(_) => format!("lb agent {}", spec.node_name),
+                None => "lb agent".to_string(),
+            });
+            if let Some(ns) = spec.netns {
+                // Only the network namespace changes: bpffs and the cgroup mounts stay
+                // visible (see process.rs for why not `ip netns exec`).
+                spawner = spawner.netns(ns)?;
+            }
+            spawner
+                .arg("agent")
+                .arg("--services-file")
+                .arg(spec.services)
+                .arg("--cgroup")
+                .arg(spec.cgroup.path())
+                .arg("--pin-dir")
+                .arg(&pin_dir)
+                .args(["--node-name", spec.node_name])
+                // Agents run side by side here: kube-proxy's fixed ports would
+                // clash, so health goes to an ephemeral loopback port and metrics
+                // are off.
+                .args(["--healthz-bind-address", "127.0.0.1:0"])
+                .args(["--metrics-bind-address", ""])
+                .args(&spec.extra_args)
+                // Plain log lines (see also lines::strip_ansi).
+                .env("NO_COLOR", "1")
+                .spawn()
+        })();
+        match spawned {
+            Ok(child) => Ok(Agent {
+                child,
+                cli: LbCli::new(lb, &pin_dir),
+                log_on_drop: true,
+            }),
+            Err(e) => {
+                let _ = fs::remove_dir_all(&pin_dir);
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether dropping the agent prints its log (default: yes; the test harness only
+    /// shows it for failed tests, but the demo prints it only on error).
+    pub fn set_log_on_drop(&mut self, print: bool) {
+        self.log_on_drop = print;
+    }
+
+    /// The agent's exit status, if it has exited or exits within a moment (a closed
+    /// stderr usually means it is exiting right now).
+    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        self.child
+            .wait_timeout(Duration::from_secs(1))
+            .ok()
+            .flatten()
+    }
+
+    /// Everything the agent logged so far.
+    pub fn log(&self) -> Vec<String> {
+        self.child.stderr.snapshot()
+    }
+
+    /// Wait for `ready and serving` on stderr.
+    pub fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        self.wait_for_line("ready and serving", timeout).map(drop)
+    }
+
+    /// Wait for a stderr line containing `needle` (fails early if the agent exits).
+    pub fn wait_for_line(&self, needle: &str, timeout: Duration) -> Result<String> {
+        self.wait_for_log(&format!("`{needle}`"), timeout, |l| l.contains(needle))
+    }
+
+    /// Wait for a stderr line matching `pred`, described by `what` in errors.
+    pub fn wait_for_log(
+        &self,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&str) -> bool,
+    ) -> Result<String> {
+        self.child
+            .stderr
+            .wait_for(timeout, pred)
+            .with_context(|| format!("waiting for {what} from the agent"))
+    }
+
     /// SIGTERM and wait for the agent to exit; it must exit cleanly.
     pub fn stop(&mut self) -> Result<()> {
         let status = self.child.terminate(Duration::from_secs(10))?;
@@ -367,15 +405,7 @@ impl Agent {
 impl Drop for Agent {
     fn drop(&mut self) {
         let _ = self.child.terminate(Duration::from_secs(5));
-        if let Err(e) = self.cleanup() {
-            eprintln!("warning: lb cleanup failed: {e:#}");
-        }
-        // Whatever `lb cleanup` left: removing the last pin of a link detaches it.
-        if self.pin_dir.exists() {
-            if let Err(e) = fs::remove_dir_all(&self.pin_dir) {
-                eprintln!("warning: cannot remove {}: {e}", self.pin_dir.display());
-            }
-        }
+        self.cli.remove_pins();
         if self.log_on_drop && !crate::interrupt::requested() {
             eprintln!("--- lb agent log ---\n{}\n---", self.child.stderr.text());
         }

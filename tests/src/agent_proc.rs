@@ -8,14 +8,14 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::ExitStatus;
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
 use serde::Deserialize;
 
-use crate::agent::{ensure_bpffs, ServiceEntry, BPFFS};
+use crate::agent::{ensure_bpffs, LbCli, BPFFS};
 use crate::cgroup::Cgroup;
 use crate::process::{Child, Spawner};
 use crate::util::{poll, run, unique_name};
@@ -23,8 +23,15 @@ use crate::util::{poll, run, unique_name};
 /// A fresh `/sys/fs/bpf/lb-test-<unique>`; on drop `lb cleanup` detaches and unpins
 /// everything below it and the directory is removed.
 pub struct PinDir {
-    lb: PathBuf,
-    path: PathBuf,
+    cli: LbCli,
+}
+
+impl std::ops::Deref for PinDir {
+    type Target = LbCli;
+
+    fn deref(&self) -> &LbCli {
+        &self.cli
+    }
 }
 
 impl PinDir {
@@ -33,30 +40,12 @@ impl PinDir {
         let path = Path::new(BPFFS).join(unique_name("lb-test"));
         fs::create_dir(&path).with_context(|| format!("creating {}", path.display()))?;
         Ok(PinDir {
-            lb: lb.to_path_buf(),
-            path,
+            cli: LbCli::new(lb, &path),
         })
     }
 
     pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// `lb SUBCOMMAND --pin-dir DIR ARGS...`; its stdout.
-    pub fn lb_command(&self, args: &[&str]) -> Result<String> {
-        let mut cmd = std::process::Command::new(&self.lb);
-        cmd.args(&args[..1])
-            .arg("--pin-dir")
-            .arg(&self.path)
-            .args(&args[1..]);
-        run(&mut cmd)
-    }
-
-    /// `lb services --json`.
-    pub fn services_json(&self) -> Result<Vec<ServiceEntry>> {
-        let out = self.lb_command(&["services", "--json"])?;
-        serde_json::from_str(&out)
-            .with_context(|| format!("`lb services --json` printed unexpected output:\n{out}"))
+        self.cli.pin_dir()
     }
 
     /// `lb services --json` as raw JSON (to compare listings field by field, including
@@ -67,28 +56,9 @@ impl PinDir {
             .with_context(|| format!("`lb services --json` printed unexpected output:\n{out}"))
     }
 
-    /// Poll `lb services --json` until `pred` holds; returns that listing.
-    pub fn wait_services(
-        &self,
-        what: &str,
-        timeout: Duration,
-        pred: impl Fn(&[ServiceEntry]) -> bool,
-    ) -> Result<Vec<ServiceEntry>> {
-        let mut last = None;
-        let result = poll(what, timeout, || {
-            let entries = self.services_json()?;
-            if pred(&entries) {
-                return Ok(Some(entries));
-            }
-            last = Some(entries);
-            Ok(None)
-        });
-        result.with_context(|| format!("last `lb services --json`: {last:#?}"))
-    }
-
     /// The names pinned in `<pin-dir>/links`, sorted.
     pub fn link_pins(&self) -> Result<Vec<String>> {
-        let dir = self.path.join("links");
+        let dir = self.path().join("links");
         let mut names = Vec::new();
         for entry in fs::read_dir(&dir).with_context(|| format!("listing {}", dir.display()))? {
             names.push(entry?.file_name().to_string_lossy().into_owned());
@@ -101,7 +71,7 @@ impl PinDir {
     pub fn pinned_links(&self) -> Result<BTreeMap<String, LinkInfo>> {
         let mut links = BTreeMap::new();
         for name in self.link_pins()? {
-            let pin = self.path.join("links").join(&name);
+            let pin = self.path().join("links").join(&name);
             let out = run(std::process::Command::new("bpftool")
                 .args(["-j", "link", "show", "pinned"])
                 .arg(&pin))?;
@@ -115,15 +85,7 @@ impl PinDir {
 
 impl Drop for PinDir {
     fn drop(&mut self) {
-        if let Err(e) = self.lb_command(&["cleanup"]) {
-            eprintln!("warning: lb cleanup failed: {e:#}");
-        }
-        // Whatever `lb cleanup` left: removing the last pin of a link detaches it.
-        if self.path.exists() {
-            if let Err(e) = fs::remove_dir_all(&self.path) {
-                eprintln!("warning: cannot remove {}: {e}", self.path.display());
-            }
-        }
+        self.cli.remove_pins();
     }
 }
 

@@ -579,7 +579,7 @@ impl Cluster {
 
     /// Counters of node `node`'s datapath, for failure messages.
     pub fn stats_text(&self, node: usize) -> String {
-        match self.node(node).agent.as_ref().map(Agent::stats) {
+        match self.node(node).agent.as_ref().map(|agent| agent.stats()) {
             Some(Ok(stats)) => stats
                 .iter()
                 .filter(|(_, v)| **v != 0)
