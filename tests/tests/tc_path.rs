@@ -99,6 +99,28 @@ fn no_args(_: usize) -> Vec<String> {
     Vec::new()
 }
 
+/// 10 connections from the external client to `np` are all answered by `pod`, which
+/// sees them from `source`; the client keeps its port and sees `np` as its peer.
+fn answers_from(cluster: &Cluster, np: SocketAddrV4, pod: &str, source: Ipv4Addr) -> Result<()> {
+    let r = cluster.whoami(cluster.client(), np, 10, false, CONNECT_TIMEOUT)?;
+    let stats = cluster.all_stats();
+    ensure!(
+        r.tally.answered == 10 && r.tally.errors.is_empty(),
+        "{r:#?}\n{stats}"
+    );
+    ensure!(r.tally.names() == [pod].into(), "{r:#?}");
+    ensure!(
+        r.seen_ips(pod) == set(&[source]),
+        "{pod} must see {source} as the source: {r:#?}"
+    );
+    ensure!(
+        r.answers.iter().all(|a| a.port_kept()),
+        "the client's port was free but not kept: {r:#?}"
+    );
+    ensure!(r.peers() == [np.to_string().as_str()].into(), "{r:#?}");
+    Ok(())
+}
+
 fn set(items: &[Ipv4Addr]) -> BTreeSet<Ipv4Addr> {
     items.iter().copied().collect()
 }
@@ -119,22 +141,7 @@ fn node_port_to_local_backend_keeps_client_ip() -> Result<()> {
         &pod_addrs(&cluster, &["pod-a"], WHOAMI_PORT)?,
     )?;
 
-    let r = cluster.whoami(cluster.client(), np, 10, false, CONNECT_TIMEOUT)?;
-    let stats = cluster.all_stats();
-    ensure!(
-        r.tally.answered == 10 && r.tally.errors.is_empty(),
-        "{r:#?}\n{stats}"
-    );
-    ensure!(r.tally.names() == ["pod-a"].into(), "{r:#?}");
-    ensure!(
-        r.seen_ips("pod-a") == set(&[CLIENT_IP]),
-        "pod-a must see the client's own address: {r:#?}"
-    );
-    ensure!(
-        r.answers.iter().all(|a| a.port_kept()),
-        "client port changed: {r:#?}"
-    );
-    ensure!(r.peers() == [np.to_string().as_str()].into(), "{r:#?}");
+    answers_from(&cluster, np, "pod-a", CLIENT_IP)?;
     Ok(())
 }
 
@@ -154,22 +161,7 @@ fn node_port_to_remote_backend_snats_to_node_ip() -> Result<()> {
         &pod_addrs(&cluster, &["pod-b"], WHOAMI_PORT)?,
     )?;
 
-    let r = cluster.whoami(cluster.client(), np, 10, false, CONNECT_TIMEOUT)?;
-    let stats = cluster.all_stats();
-    ensure!(
-        r.tally.answered == 10 && r.tally.errors.is_empty(),
-        "{r:#?}\n{stats}"
-    );
-    ensure!(r.tally.names() == ["pod-b"].into(), "{r:#?}");
-    ensure!(
-        r.seen_ips("pod-b") == set(&[node1_ip()]),
-        "pod-b must see node1's address (SNAT): {r:#?}"
-    );
-    ensure!(
-        r.answers.iter().all(|a| a.port_kept()),
-        "the client's port was free but not kept: {r:#?}"
-    );
-    ensure!(r.peers() == [np.to_string().as_str()].into(), "{r:#?}");
+    answers_from(&cluster, np, "pod-b", node1_ip())?;
     Ok(())
 }
 

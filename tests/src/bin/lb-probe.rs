@@ -173,20 +173,37 @@ fn read_line(reader: &mut impl BufRead) -> io::Result<String> {
     Ok(line.trim_end().to_string())
 }
 
+/// One counted connect attempt: the stream, or the error recorded in `tally`; the
+/// connect time goes into `max_ms`.
+fn timed_connect(
+    to: SocketAddrV4,
+    timeout: Duration,
+    tally: &mut Tally,
+    max_ms: &mut f64,
+) -> Option<TcpStream> {
+    tally.attempts += 1;
+    let start = Instant::now();
+    let conn = TcpStream::connect_timeout(&SocketAddr::V4(to), timeout);
+    *max_ms = max_ms.max(start.elapsed().as_secs_f64() * 1000.0);
+    match conn {
+        Ok(stream) => Some(stream),
+        Err(e) => {
+            record(tally, "connect", &e);
+            None
+        }
+    }
+}
+
 fn tcp(to: SocketAddrV4, count: u32, connect_timeout: Duration) -> TcpReport {
     let mut report = TcpReport::default();
     for _ in 0..count {
-        report.tally.attempts += 1;
-        let start = Instant::now();
-        let conn = TcpStream::connect_timeout(&SocketAddr::V4(to), connect_timeout);
-        let ms = start.elapsed().as_secs_f64() * 1000.0;
-        report.max_connect_ms = report.max_connect_ms.max(ms);
-        let stream = match conn {
-            Ok(s) => s,
-            Err(e) => {
-                record(&mut report.tally, "connect", &e);
-                continue;
-            }
+        let Some(stream) = timed_connect(
+            to,
+            connect_timeout,
+            &mut report.tally,
+            &mut report.max_connect_ms,
+        ) else {
+            continue;
         };
         match stream.peer_addr() {
             Ok(peer) => {
@@ -299,17 +316,13 @@ fn parse_whoami(text: &str) -> Option<(String, String)> {
 fn whoami_tcp(to: SocketAddrV4, count: u32, connect_timeout: Duration) -> WhoamiReport {
     let mut report = WhoamiReport::default();
     for _ in 0..count {
-        report.tally.attempts += 1;
-        let start = Instant::now();
-        let conn = TcpStream::connect_timeout(&SocketAddr::V4(to), connect_timeout);
-        let ms = start.elapsed().as_secs_f64() * 1000.0;
-        report.max_connect_ms = report.max_connect_ms.max(ms);
-        let stream = match conn {
-            Ok(s) => s,
-            Err(e) => {
-                record(&mut report.tally, "connect", &e);
-                continue;
-            }
+        let Some(stream) = timed_connect(
+            to,
+            connect_timeout,
+            &mut report.tally,
+            &mut report.max_connect_ms,
+        ) else {
+            continue;
         };
         let addrs = stream
             .local_addr()
