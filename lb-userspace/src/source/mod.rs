@@ -11,6 +11,7 @@ use std::path::PathBuf;
 
 use crate::model::Frontend;
 
+mod block_yaml;
 mod desired;
 pub mod files;
 pub mod kube;

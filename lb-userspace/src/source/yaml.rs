@@ -1,14 +1,16 @@
 //! Services and EndpointSlices from files saved with `kubectl get -o yaml` (or `-o json`).
 
+use std::borrow::Cow;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use serde_json::value::RawValue;
 use serde_json::Value;
 
-use super::{Location, ObjectError, Problem};
+use super::{block_yaml, Location, ObjectError, Problem};
 
 /// Everything one load found. Objects that could not be read are in `errors`; the
 /// rest still load, so one broken document does not take the others down with it.
@@ -92,33 +94,156 @@ pub fn parse_str(file: &Path, text: &str) -> Objects {
     let mut objects = Objects::default();
     if has_extension(file, &["json"]) {
         parse_json(file, text, &mut objects);
-    } else {
-        for doc in split_documents(text) {
-            let location = Location {
-                file: file.to_owned(),
-                document: doc.index,
-                line: doc.line,
-                item: None,
-            };
-            match serde_yaml::from_str::<Value>(&doc.text) {
-                Ok(value) => take_document(value, &location, &mut objects),
-                Err(_) => {
-                    // Parse again with the document at its place in the file so the
-                    // error's line numbers are the file's; only on the rare error path.
-                    let padded = "\n".repeat(doc.line - 1) + &doc.text;
-                    let message = match serde_yaml::from_str::<Value>(&padded) {
-                        Err(e) => e.to_string(),
-                        Ok(_) => "unreadable document".to_owned(),
-                    };
-                    objects.errors.push(ObjectError {
-                        location: Some(location),
-                        ..ObjectError::new("", "", "", Problem::InvalidYaml { message })
-                    });
-                }
+        return objects;
+    }
+    let docs = split_documents(text);
+    // Documents are independent: read them on every CPU, then concatenate in file
+    // order so that "first one wins" rules do not depend on the split.
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let chunk = docs.len().div_ceil(threads).max(PARALLEL_MIN_DOCUMENTS);
+    if docs.len() <= chunk {
+        parse_documents(file, &docs, &mut objects);
+        return objects;
+    }
+    let parts: Vec<Objects> = std::thread::scope(|scope| {
+        let workers: Vec<_> = docs
+            .chunks(chunk)
+            .map(|part| {
+                scope.spawn(move || {
+                    let mut objects = Objects::default();
+                    parse_documents(file, part, &mut objects);
+                    objects
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| {
+                w.join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            })
+            .collect()
+    });
+    for part in parts {
+        objects.services.extend(part.services);
+        objects.slices.extend(part.slices);
+        objects.errors.extend(part.errors);
+    }
+    objects
+}
+
+/// Below this many documents per thread, spawning costs more than it saves.
+const PARALLEL_MIN_DOCUMENTS: usize = 256;
+
+fn parse_documents(file: &Path, docs: &[Document], objects: &mut Objects) {
+    for doc in docs {
+        let location = Location {
+            file: file.to_owned(),
+            document: doc.index,
+            line: doc.line,
+            item: None,
+        };
+        // Block-style YAML (what kubectl writes) is read without libyaml; whatever
+        // that reader leaves, or whatever does not load cleanly from it, takes the
+        // full path below, which also words every error.
+        if let Some(json) = block_yaml::to_json(&doc.text) {
+            if take_json_document(&json, objects) {
+                continue;
+            }
+        }
+        match serde_yaml::from_str::<Value>(&doc.text) {
+            Ok(value) => take_document(value, &location, objects),
+            Err(_) => {
+                // Parse again with the document at its place in the file so the
+                // error's line numbers are the file's; only on the rare error path.
+                let padded = "\n".repeat(doc.text_line - 1) + &doc.text;
+                let message = match serde_yaml::from_str::<Value>(&padded) {
+                    Err(e) => e.to_string(),
+                    Ok(_) => "unreadable document".to_owned(),
+                };
+                objects.errors.push(ObjectError {
+                    location: Some(location),
+                    ..ObjectError::new("", "", "", Problem::InvalidYaml { message })
+                });
             }
         }
     }
-    objects
+}
+
+/// The fields that decide what a document is.
+#[derive(serde::Deserialize)]
+struct Head<'a> {
+    #[serde(borrow, default)]
+    kind: Option<Cow<'a, str>>,
+    #[serde(borrow, default, rename = "apiVersion")]
+    api_version: Option<Cow<'a, str>>,
+}
+
+/// Only of a JSON object: serde would also read a struct from an array.
+fn head_of(json: &str) -> Option<Head<'_>> {
+    if !json.trim_start().starts_with('{') {
+        return None;
+    }
+    serde_json::from_str(json).ok()
+}
+
+#[derive(serde::Deserialize)]
+struct ListItems<'a> {
+    #[serde(borrow, default)]
+    items: Option<Vec<&'a RawValue>>,
+}
+
+/// Loads a document given as JSON straight into typed objects, without a generic
+/// value in between. Returns false, having added nothing, for anything that is not a
+/// clean load (an error, an unexpected shape): the caller then takes the general
+/// path, which reports the problem with its location.
+fn take_json_document(json: &str, objects: &mut Objects) -> bool {
+    let Some(head) = head_of(json) else {
+        return false;
+    };
+    let item_kind = match head.kind.as_deref() {
+        Some("List") => None,
+        Some("ServiceList") => Some(("Service", "v1")),
+        Some("EndpointSliceList") => Some(("EndpointSlice", "discovery.k8s.io/v1")),
+        _ => return take_json_object(json, head, objects),
+    };
+    let Ok(ListItems { items }) = serde_json::from_str::<ListItems>(json) else {
+        return false;
+    };
+    let mut found = Objects::default();
+    for item in items.unwrap_or_default() {
+        let Some(mut head) = head_of(item.get()) else {
+            return false;
+        };
+        if let Some((kind, api_version)) = item_kind {
+            head.kind.get_or_insert(Cow::Borrowed(kind));
+            head.api_version.get_or_insert(Cow::Borrowed(api_version));
+        }
+        if !take_json_object(item.get(), head, &mut found) {
+            return false;
+        }
+    }
+    objects.services.extend(found.services);
+    objects.slices.extend(found.slices);
+    true
+}
+
+fn take_json_object(json: &str, head: Head, objects: &mut Objects) -> bool {
+    match (head.kind.as_deref(), head.api_version.as_deref()) {
+        (Some("Service"), Some("v1")) => match serde_json::from_str::<Service>(json) {
+            Ok(service) => objects.services.push(service),
+            Err(_) => return false,
+        },
+        (Some("EndpointSlice"), Some("discovery.k8s.io/v1")) => {
+            match serde_json::from_str::<EndpointSlice>(json) {
+                Ok(slice) => objects.slices.push(slice),
+                Err(_) => return false,
+            }
+        }
+        (Some("Service" | "EndpointSlice"), _) | (None, _) => return false,
+        (Some(_), _) => {} // not ours to proxy
+    }
+    true
 }
 
 fn has_extension(path: &Path, wanted: &[&str]) -> bool {
@@ -130,13 +255,21 @@ fn has_extension(path: &Path, wanted: &[&str]) -> bool {
 /// `kubectl -o json` writes one value; concatenated values (several `kubectl get`
 /// appended to one file) are read one after another.
 fn parse_json(file: &Path, text: &str, objects: &mut Objects) {
-    let mut stream = serde_json::Deserializer::from_str(text).into_iter::<Value>();
+    let mut stream = serde_json::Deserializer::from_str(text).into_iter::<&RawValue>();
     let mut index = 0;
     loop {
         let start = stream.byte_offset();
         let next = stream.next();
         let Some(result) = next else { break };
         index += 1;
+        // Typed straight from the text when it loads cleanly; otherwise through a
+        // generic value, which words the problem.
+        let result = match result {
+            Ok(raw) if take_json_document(raw.get(), objects) => continue,
+            Ok(raw) => serde_json::from_str::<Value>(raw.get()),
+            Err(e) => Err(e),
+        };
+        // Counted only here: counting lines for every value would be quadratic.
         let skipped = text[start..].len() - text[start..].trim_start().len();
         let line = 1 + text[..start + skipped].matches('\n').count();
         let location = Location {
@@ -148,7 +281,8 @@ fn parse_json(file: &Path, text: &str, objects: &mut Objects) {
         match result {
             Ok(value) => take_document(value, &location, objects),
             Err(e) => {
-                // The stream cannot find the start of the next value after an error.
+                // The stream cannot find the start of the next value after an error
+                // (and a value serde_json cannot hold is as good as unreadable).
                 objects.errors.push(ObjectError {
                     location: Some(location),
                     ..ObjectError::new(
@@ -166,50 +300,85 @@ fn parse_json(file: &Path, text: &str, objects: &mut Objects) {
     }
 }
 
-struct Document {
+struct Document<'a> {
     index: usize,
+    /// 1-based line of the file where the document starts (its `---` line if any).
     line: usize,
-    text: String,
+    text: Cow<'a, str>,
+    /// 1-based line of the file that is the first line of `text`.
+    text_line: usize,
 }
 
 /// Cut YAML text into documents ourselves rather than letting the parser iterate them:
 /// the parser stops at the first syntax error, and one broken document must not hide
 /// the ones after it. YAML forbids `---` and `...` at the start of a line inside
-/// content, so cutting there is exact.
-fn split_documents(text: &str) -> Vec<Document> {
+/// content, so cutting there is exact. Documents borrow the text where they can.
+fn split_documents(text: &str) -> Vec<Document<'_>> {
     let mut docs = Vec::new();
-    let mut current: Option<Document> = None;
+    let mut open: Option<OpenDocument> = None;
     let mut index = 0;
-    for (n, line) in text.lines().enumerate() {
+    let mut offset = 0;
+    for (n, raw) in text.split_inclusive('\n').enumerate() {
+        let start = offset;
+        offset += raw.len();
+        let line = raw.trim_end_matches(['\n', '\r']);
         if let Some(rest) = marker(line, "---") {
-            docs.extend(current.take());
+            docs.extend(open.take().map(|o| o.close(text, start)));
             index += 1;
-            current = Some(Document {
+            open = Some(OpenDocument {
                 index,
                 line: n + 1,
-                text: format!("{rest}\n"),
+                marker: true,
+                head: (!rest.trim().is_empty()).then_some(rest),
+                body: offset,
             });
         } else if marker(line, "...").is_some() {
-            docs.extend(current.take());
-        } else if let Some(doc) = current.as_mut() {
-            doc.text.push_str(line);
-            doc.text.push('\n');
-        } else {
+            docs.extend(open.take().map(|o| o.close(text, start)));
+        } else if open.is_none() {
             let trimmed = line.trim_start();
             // Blank lines, comments and directives outside a document start none.
             if trimmed.is_empty() || trimmed.starts_with('#') || line.starts_with('%') {
                 continue;
             }
             index += 1;
-            current = Some(Document {
+            open = Some(OpenDocument {
                 index,
                 line: n + 1,
-                text: format!("{line}\n"),
+                marker: false,
+                head: None,
+                body: start,
             });
         }
     }
-    docs.extend(current);
+    docs.extend(open.map(|o| o.close(text, text.len())));
     docs
+}
+
+struct OpenDocument<'a> {
+    index: usize,
+    line: usize,
+    /// Whether the document starts with a `---` line.
+    marker: bool,
+    /// What follows `---` on its line, when not blank.
+    head: Option<&'a str>,
+    /// Byte offset of the document's first line after the marker.
+    body: usize,
+}
+
+impl<'a> OpenDocument<'a> {
+    fn close(self, text: &'a str, end: usize) -> Document<'a> {
+        let body = &text[self.body..end];
+        let (text, text_line) = match self.head {
+            Some(head) => (Cow::Owned(format!("{head}\n{body}")), self.line),
+            None => (Cow::Borrowed(body), self.line + usize::from(self.marker)),
+        };
+        Document {
+            index: self.index,
+            line: self.line,
+            text,
+            text_line,
+        }
+    }
 }
 
 /// The rest of the line when it starts with the document marker `m`.
@@ -525,14 +694,92 @@ items:
         assert_eq!(o.errors[1].location.as_ref().unwrap().document, 3);
     }
 
+    /// Loads documents the way the agent did before the block-YAML reader: each one
+    /// through serde_yaml and a generic value.
+    fn general_path_only(text: &str) -> Objects {
+        let mut objects = Objects::default();
+        for doc in split_documents(text) {
+            let location = Location {
+                file: "x.yaml".into(),
+                document: doc.index,
+                line: doc.line,
+                item: None,
+            };
+            take_document(
+                serde_yaml::from_str(&doc.text).unwrap(),
+                &location,
+                &mut objects,
+            );
+        }
+        objects
+    }
+
+    #[test]
+    fn the_fast_path_loads_what_the_general_path_loads() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let list = "\
+apiVersion: v1
+kind: List
+items:
+- apiVersion: v1
+  kind: Service
+  metadata:
+    name: listed
+    namespace: default
+  spec:
+    clusterIP: 10.96.0.7
+    ports:
+    - port: 80
+      targetPort: http
+- apiVersion: v1
+  kind: ConfigMap
+  metadata:
+    name: ignored
+";
+        let texts = [
+            format!("{SERVICE}---\n{list}"),
+            fs::read_to_string(root.join("examples/services.yaml")).unwrap(),
+            fs::read_to_string(root.join("examples/endpointslices.yaml")).unwrap(),
+        ];
+        for text in &texts {
+            // Block style throughout: the reader takes every document.
+            for doc in split_documents(text) {
+                assert!(block_yaml::to_json(&doc.text).is_some(), "{}", doc.text);
+            }
+            let fast = parse(text);
+            let general = general_path_only(text);
+            assert!(fast.errors.is_empty(), "{:?}", fast.errors);
+            assert!(!fast.services.is_empty() || !fast.slices.is_empty());
+            assert_eq!(fast.services, general.services);
+            assert_eq!(fast.slices, general.slices);
+        }
+    }
+
+    #[test]
+    fn many_documents_load_in_file_order_across_threads() {
+        // Enough documents for several threads; order must be the file's.
+        let text: String = (0..2000)
+            .map(|i| SERVICE.replace("name: web", &format!("name: web-{i}")) + "---\n")
+            .collect();
+        let o = parse(&text);
+        assert!(o.errors.is_empty(), "{:?}", o.errors);
+        let names: Vec<String> = o
+            .services
+            .iter()
+            .map(|s| s.metadata.name.clone().unwrap())
+            .collect();
+        let expected: Vec<String> = (0..2000).map(|i| format!("web-{i}")).collect();
+        assert_eq!(names, expected);
+    }
+
     #[test]
     fn splitting_keeps_marker_line_content_and_skips_preamble() {
         let docs = split_documents("# header\n%YAML 1.2\n--- {a: 1}\n...\n\n---\nb: 2\n");
         let got: Vec<_> = docs
             .iter()
-            .map(|d| (d.index, d.line, d.text.as_str()))
+            .map(|d| (d.index, d.line, d.text_line, &*d.text))
             .collect();
-        assert_eq!(got, [(1, 3, " {a: 1}\n"), (2, 6, "\nb: 2\n")]);
+        assert_eq!(got, [(1, 3, 3, " {a: 1}\n"), (2, 6, 7, "b: 2\n")]);
         // A key that merely starts with dashes is content, not a marker.
         assert_eq!(split_documents("a: 1\n---b: 2\n").len(), 1);
     }
