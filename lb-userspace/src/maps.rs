@@ -1,8 +1,11 @@
 //! The pinned maps as the agent and the CLI see them: read a snapshot, apply a plan.
 
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::PathBuf;
 
 use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap};
+use aya::sys::SyscallError;
 use lb_common::{map_names, stat, Backend, CtKey, CtValue, ServiceKey, ServiceValue, SvcStats};
 
 use crate::loader::PinLayout;
@@ -41,10 +44,14 @@ pub struct PinnedMaps {
     stats: PerCpuArray<MapData, u64>,
     conntrack: HashMap<MapData, CtKey, CtValue>,
     service_stats: PerCpuHashMap<MapData, u16, SvcStats>,
+    /// The service and backend maps' descriptors again, for batched updates (aya
+    /// 0.14 has no batch API).
+    services_fd: OwnedFd,
+    backends_fd: OwnedFd,
     capacity: Capacity,
 }
 
-fn open(layout: &PinLayout, name: &'static str) -> Result<(Map, u32), MapsError> {
+fn open(layout: &PinLayout, name: &'static str) -> Result<(Map, u32, OwnedFd), MapsError> {
     let path = layout.map_path(name);
     let wrap = |source| MapsError::Open {
         path: path.clone(),
@@ -52,7 +59,13 @@ fn open(layout: &PinLayout, name: &'static str) -> Result<(Map, u32), MapsError>
     };
     let data = MapData::from_pin(&path).map_err(wrap)?;
     let max_entries = data.info().map_err(wrap)?.max_entries();
-    Ok((Map::from_map_data(data).map_err(wrap)?, max_entries))
+    let fd = data.fd().as_fd().try_clone_to_owned().map_err(|io_error| {
+        wrap(MapError::SyscallError(SyscallError {
+            call: "dup",
+            io_error,
+        }))
+    })?;
+    Ok((Map::from_map_data(data).map_err(wrap)?, max_entries, fd))
 }
 
 impl PinnedMaps {
@@ -61,11 +74,11 @@ impl PinnedMaps {
             path: layout.map_path(name),
             source: e,
         };
-        let (services, services_max) = open(layout, map_names::SERVICES)?;
-        let (backends, backends_max) = open(layout, map_names::BACKENDS)?;
-        let (stats, _) = open(layout, map_names::STATS)?;
-        let (conntrack, _) = open(layout, map_names::CT)?;
-        let (service_stats, _) = open(layout, map_names::SVC_STATS)?;
+        let (services, services_max, services_fd) = open(layout, map_names::SERVICES)?;
+        let (backends, backends_max, backends_fd) = open(layout, map_names::BACKENDS)?;
+        let (stats, _, _) = open(layout, map_names::STATS)?;
+        let (conntrack, _, _) = open(layout, map_names::CT)?;
+        let (service_stats, _, _) = open(layout, map_names::SVC_STATS)?;
         Ok(Self {
             services: HashMap::try_from(services).map_err(|e| typed(map_names::SERVICES, e))?,
             backends: HashMap::try_from(backends).map_err(|e| typed(map_names::BACKENDS, e))?,
@@ -73,6 +86,8 @@ impl PinnedMaps {
             conntrack: HashMap::try_from(conntrack).map_err(|e| typed(map_names::CT, e))?,
             service_stats: PerCpuHashMap::try_from(service_stats)
                 .map_err(|e| typed(map_names::SVC_STATS, e))?,
+            services_fd,
+            backends_fd,
             capacity: Capacity {
                 services: services_max,
                 backends: backends_max,
@@ -104,32 +119,100 @@ impl PinnedMaps {
     }
 
     /// Applies `ops` in order, stopping at the first failure: the plan is ordered so
-    /// that any prefix leaves the table consistent.
+    /// that any prefix leaves the table consistent. Runs of inserts into one map go
+    /// to the kernel as one batch, which applies them in order and stops at the
+    /// first failure too, so the guarantee holds either way.
     pub fn apply(&mut self, ops: &[MapOp]) -> Result<(), MapsError> {
-        for op in ops {
-            let (map, result) = match op {
-                MapOp::PutBackend { id, backend } => {
-                    (map_names::BACKENDS, self.backends.insert(id, backend, 0))
-                }
-                MapOp::PutService { key, value } => {
-                    (map_names::SERVICES, self.services.insert(key, value, 0))
-                }
-                MapOp::DeleteService { key } => (
-                    map_names::SERVICES,
-                    ignore_missing(self.services.remove(key)),
-                ),
-                MapOp::DeleteBackend { id } => (
-                    map_names::BACKENDS,
-                    ignore_missing(self.backends.remove(id)),
-                ),
+        let mut rest = ops;
+        while !rest.is_empty() {
+            let run = match rest[0] {
+                MapOp::PutBackend { .. } => rest
+                    .iter()
+                    .take_while(|op| matches!(op, MapOp::PutBackend { .. }))
+                    .count(),
+                MapOp::PutService { .. } => rest
+                    .iter()
+                    .take_while(|op| matches!(op, MapOp::PutService { .. }))
+                    .count(),
+                _ => 1,
             };
-            result.map_err(|source| MapsError::Write {
-                map,
-                op: format!("{op:?}"),
-                source,
-            })?;
+            let (now, later) = rest.split_at(run);
+            let done = if run >= BATCH_MIN {
+                self.put_batch(now)
+            } else {
+                0
+            };
+            for op in &now[done..] {
+                self.apply_one(op)?;
+            }
+            rest = later;
         }
         Ok(())
+    }
+
+    /// Inserts a run of `PutBackend` or `PutService` ops with batched syscalls;
+    /// returns how many are known applied. On a failure (or a kernel without batch
+    /// operations, before 5.6) the caller applies the rest one by one, which
+    /// reports the failing op exactly.
+    fn put_batch(&mut self, run: &[MapOp]) -> usize {
+        let mut done = 0;
+        for chunk in run.chunks(BATCH_CHUNK) {
+            let applied = match chunk[0] {
+                MapOp::PutBackend { .. } => {
+                    let (ids, backends): (Vec<u32>, Vec<Backend>) = chunk
+                        .iter()
+                        .filter_map(|op| match op {
+                            MapOp::PutBackend { id, backend } => Some((*id, *backend)),
+                            _ => None,
+                        })
+                        .unzip();
+                    update_batch(self.backends_fd.as_fd(), &ids, &backends)
+                }
+                _ => {
+                    let (keys, values): (Vec<ServiceKey>, Vec<ServiceValue>) = chunk
+                        .iter()
+                        .filter_map(|op| match op {
+                            MapOp::PutService { key, value } => Some((*key, *value)),
+                            _ => None,
+                        })
+                        .unzip();
+                    update_batch(self.services_fd.as_fd(), &keys, &values)
+                }
+            };
+            // After a failure the whole chunk is redone one by one: the kernel's
+            // count of applied elements is not written on every error path (an
+            // unsupported command leaves it as passed), and inserting the same
+            // entry again changes nothing.
+            match applied {
+                Ok(()) => done += chunk.len(),
+                Err(_) => return done,
+            }
+        }
+        done
+    }
+
+    fn apply_one(&mut self, op: &MapOp) -> Result<(), MapsError> {
+        let (map, result) = match op {
+            MapOp::PutBackend { id, backend } => {
+                (map_names::BACKENDS, self.backends.insert(id, backend, 0))
+            }
+            MapOp::PutService { key, value } => {
+                (map_names::SERVICES, self.services.insert(key, value, 0))
+            }
+            MapOp::DeleteService { key } => (
+                map_names::SERVICES,
+                ignore_missing(self.services.remove(key)),
+            ),
+            MapOp::DeleteBackend { id } => (
+                map_names::BACKENDS,
+                ignore_missing(self.backends.remove(id)),
+            ),
+        };
+        result.map_err(|source| MapsError::Write {
+            map,
+            op: format!("{op:?}"),
+            source,
+        })
     }
 
     /// Every conntrack entry (both directions of every flow).
@@ -228,6 +311,61 @@ impl PinnedMaps {
                 Ok((stat::NAMES[index as usize], per_cpu.iter().sum()))
             })
             .collect()
+    }
+}
+
+/// Runs shorter than this are not worth building arrays for.
+const BATCH_MIN: usize = 16;
+/// Elements per batch syscall: bounds the arrays (and the kernel's time under one
+/// call) without adding many syscalls.
+const BATCH_CHUNK: usize = 8192;
+
+/// The `batch` member of `union bpf_attr` (include/uapi/linux/bpf.h).
+#[repr(C)]
+#[derive(Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+
+/// Inserts `keys[i] -> values[i]` in order with one syscall. The arrays' element
+/// types are the map's key and value types, so their sizes are the map's.
+fn update_batch<K: bytemuck::Pod, V: bytemuck::Pod>(
+    map: BorrowedFd<'_>,
+    keys: &[K],
+    values: &[V],
+) -> io::Result<()> {
+    assert_eq!(keys.len(), values.len());
+    let mut attr = BatchAttr {
+        keys: keys.as_ptr() as u64,
+        values: values.as_ptr() as u64,
+        count: keys.len() as u32,
+        map_fd: map.as_raw_fd() as u32,
+        ..Default::default()
+    };
+    // SAFETY: `attr` is a valid bpf_attr prefix of the size passed; the kernel reads
+    // `count` keys and values from arrays that outlive the call and writes back only
+    // into `attr`.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_UPDATE_BATCH,
+            &mut attr as *mut BatchAttr,
+            std::mem::size_of::<BatchAttr>() as u32,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
     }
 }
 

@@ -776,3 +776,48 @@ fn session_affinity_keeps_a_client_address_on_one_backend() {
         .collect();
     assert!(spread.len() > 1, "{spread:?}");
 }
+
+/// The agent writes long runs of inserts as batched syscalls: what the kernel holds
+/// afterwards must be exactly what the reconciler planned, through a first fill
+/// and through a change that replaces half of the table.
+#[test]
+fn a_large_table_is_written_in_batches_exactly_as_planned() {
+    let mut fx = Fixture::new();
+    let table = |services: std::ops::Range<u32>| {
+        let mut desired = DesiredState::default();
+        for i in services {
+            let vip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 0)) + i);
+            let backends = (0..10)
+                .map(|j| BackendAddr {
+                    ip: Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 0)) + i * 10 + j),
+                    port: 8080,
+                    local: j % 2 == 0,
+                })
+                .collect();
+            desired.frontends.insert(
+                Frontend::internal(vip, 80, Protocol::Tcp),
+                FrontendSpec {
+                    service: format!("default/svc-{i}:http"),
+                    backends,
+                    affinity_timeout_sec: None,
+                },
+            );
+        }
+        desired
+    };
+    for desired in [table(0..3000), table(1500..4500)] {
+        let before = fx.maps.snapshot().unwrap();
+        let plan = reconcile::plan(&desired, &before, fx.maps.capacity());
+        assert!(plan.rejected.is_empty(), "{:?}", plan.rejected);
+        let mut expected = before;
+        reconcile::apply(&mut expected, &plan.ops);
+        fx.maps.apply(&plan.ops).unwrap();
+        let written = fx.maps.snapshot().unwrap();
+        assert_eq!(written.services.len(), 3000 * 11);
+        assert_eq!(written.backends.len(), 3000 * 10);
+        assert!(
+            written == expected,
+            "the kernel's table differs from the plan's"
+        );
+    }
+}
