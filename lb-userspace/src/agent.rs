@@ -115,7 +115,12 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let retired = loader::other_layouts(&config.pin).unwrap_or_default();
     // The first node address is the SNAT source towards backends on other nodes.
     let snat_ip = config.node_ips.first().copied();
+    let loading = Instant::now();
     let mut ebpf = loader::load(&object, &config.pin, config.sizes, snat_ip)?;
+    info!(
+        load_ms = loading.elapsed().as_millis() as u64,
+        "datapath programs loaded"
+    );
     let mut attached = false;
     let mut maps = PinnedMaps::open(&config.pin)?;
     // Frontend names by id, as of the last sync: a scrape reads only the counter
@@ -182,6 +187,10 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         status.record_pending();
         let started = Instant::now();
         let desired = interpret(&current, &options, &status);
+        debug!(
+            interpret_ms = started.elapsed().as_millis() as u64,
+            "desired state built"
+        );
         match sync(&mut maps, &desired, &mut known_table) {
             Ok(outcome) => {
                 retry = None;

@@ -2,10 +2,10 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use tokio::sync::watch;
-use tracing::warn;
+use tracing::{info, warn};
 
 use super::yaml::{self, Objects};
 
@@ -51,8 +51,25 @@ pub fn watch(path: PathBuf, interval: Duration) -> watch::Receiver<Option<Arc<Ob
                 continue;
             }
             last = Some(seen);
-            match yaml::load_path(&path) {
+            // Parsing takes the CPUs for a while at scale: off the async workers,
+            // so /healthz and the agent loop stay responsive.
+            let started = Instant::now();
+            let load = tokio::task::spawn_blocking({
+                let path = path.clone();
+                move || yaml::load_path(&path)
+            });
+            let Ok(loaded) = load.await else {
+                return; // the runtime is shutting down
+            };
+            match loaded {
                 Ok(objects) => {
+                    info!(
+                        services = objects.services.len(),
+                        endpoint_slices = objects.slices.len(),
+                        problems = objects.errors.len(),
+                        read_ms = started.elapsed().as_millis() as u64,
+                        "manifests read"
+                    );
                     if tx.send(Some(Arc::new(objects))).is_err() {
                         return;
                     }
