@@ -218,6 +218,18 @@ fn ns_exec(
     Ok(took)
 }
 
+/// The bench's manifests at scale `s`: `others.yaml` (S-1 Services with 10 unreachable
+/// endpoints each) and `measured.yaml` (the measured Service, one endpoint on pod-a).
+pub fn write_manifests(dir: &Path, s: usize) -> Result<()> {
+    let s = s.max(1);
+    let svcs = services(s, pod_ip(0));
+    fs::create_dir_all(dir)?;
+    let others = documents(svcs[..s - 1].iter().map(manifest_of));
+    fs::write(dir.join("others.yaml"), others)?;
+    fs::write(dir.join("measured.yaml"), manifest_of(&svcs[s - 1]))?;
+    Ok(())
+}
+
 /// Cluster IP of Service `i` (the measured one is the last).
 fn vip(i: usize) -> Ipv4Addr {
     Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 100)) + i as u32)
@@ -611,11 +623,7 @@ impl Env {
     }
 
     fn write_manifests(&self, s: usize) -> Result<()> {
-        let svcs = services(s, pod_ip(0));
-        let others = documents(svcs[..s - 1].iter().map(manifest_of));
-        self.manifests.write("others.yaml", &others)?;
-        self.manifests
-            .write("measured.yaml", &manifest_of(&svcs[s - 1]))
+        write_manifests(self.manifests.path(), s)
     }
 
     fn set_measured_backend(&self, s: usize, backend: Ipv4Addr) -> Result<()> {

@@ -46,6 +46,14 @@ enum Cmd {
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
     },
+    /// Write the manifests the bench programs at scale S (S Services x 10 endpoints)
+    /// into a directory, to profile the agent by hand.
+    Manifests {
+        #[arg(long)]
+        services: usize,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Re-render README.md and the plots from an existing results.json.
     Report {
         #[arg(long)]
@@ -114,6 +122,7 @@ fn real_main() -> Result<()> {
             println!("lb-bench: results in {}", out.display());
             Ok(())
         }
+        Cmd::Manifests { services, out } => run::write_manifests(&out, services),
         Cmd::Report { out } => report::rerender(&out),
         Cmd::Serve { name, cpu } => {
             if let Some(cpu) = cpu {
