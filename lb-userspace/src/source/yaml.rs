@@ -52,40 +52,54 @@ const EXTENSIONS: [&str; 3] = ["yaml", "yml", "json"];
 /// Load a file, or every `*.yaml`, `*.yml` and `*.json` file directly in a directory,
 /// in file name order so that "first one wins" rules are reproducible.
 pub fn load_path(path: &Path) -> Result<Objects, SourceError> {
-    let meta = fs::metadata(path).map_err(|e| SourceError::from_io(path, e))?;
-    let files = if meta.is_dir() {
-        let mut files = Vec::new();
-        for entry in fs::read_dir(path).map_err(|e| SourceError::from_io(path, e))? {
-            let entry = entry.map_err(|e| SourceError::from_io(path, e))?;
-            let file = entry.path();
-            let name = entry.file_name();
-            let name = name.to_string_lossy();
-            // Dot files are editor swap files and the `..data` links of ConfigMap mounts.
-            if name.starts_with('.') || !has_extension(&file, &EXTENSIONS) {
-                continue;
-            }
-            // Follows symlinks, as ConfigMap volumes are made of them.
-            match fs::metadata(&file) {
-                Ok(m) if m.is_file() => files.push(file),
-                Ok(_) => {}
-                Err(e) => return Err(SourceError::from_io(&file, e)),
-            }
-        }
-        files.sort();
-        files
-    } else {
-        vec![path.to_owned()]
-    };
-
     let mut objects = Objects::default();
-    for file in files {
-        let text = fs::read_to_string(&file).map_err(|e| SourceError::from_io(&file, e))?;
-        let found = parse_str(&file, &text);
-        objects.services.extend(found.services);
-        objects.slices.extend(found.slices);
-        objects.errors.extend(found.errors);
+    for file in manifest_files(path)? {
+        objects.append(load_file(&file)?);
     }
     Ok(objects)
+}
+
+/// The files [`load_path`] reads, in the order it reads them.
+pub fn manifest_files(path: &Path) -> Result<Vec<PathBuf>, SourceError> {
+    let meta = fs::metadata(path).map_err(|e| SourceError::from_io(path, e))?;
+    if !meta.is_dir() {
+        return Ok(vec![path.to_owned()]);
+    }
+    let mut files = Vec::new();
+    for entry in fs::read_dir(path).map_err(|e| SourceError::from_io(path, e))? {
+        let entry = entry.map_err(|e| SourceError::from_io(path, e))?;
+        let file = entry.path();
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        // Dot files are editor swap files and the `..data` links of ConfigMap mounts.
+        if name.starts_with('.') || !has_extension(&file, &EXTENSIONS) {
+            continue;
+        }
+        // Follows symlinks, as ConfigMap volumes are made of them.
+        match fs::metadata(&file) {
+            Ok(m) if m.is_file() => files.push(file),
+            Ok(_) => {}
+            Err(e) => return Err(SourceError::from_io(&file, e)),
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// One manifest file's objects.
+pub fn load_file(file: &Path) -> Result<Objects, SourceError> {
+    let text = fs::read_to_string(file).map_err(|e| SourceError::from_io(file, e))?;
+    Ok(parse_str(file, &text))
+}
+
+impl Objects {
+    /// Adds `other`'s objects after this one's.
+    pub fn append(&mut self, other: Objects) {
+        self.services.extend(other.services);
+        self.slices.extend(other.slices);
+        self.nodes.extend(other.nodes);
+        self.errors.extend(other.errors);
+    }
 }
 
 /// Parse the text of one file; `file` is only used to name it in errors and to tell
@@ -125,9 +139,7 @@ pub fn parse_str(file: &Path, text: &str) -> Objects {
             .collect()
     });
     for part in parts {
-        objects.services.extend(part.services);
-        objects.slices.extend(part.slices);
-        objects.errors.extend(part.errors);
+        objects.append(part);
     }
     objects
 }
