@@ -67,13 +67,25 @@ pub fn state_of(flow: &Flow) -> u8 {
 }
 
 /// The translation of a known flow, with its entry refreshed for the GC.
+///
+/// A SYN (or SYN-ACK) on the tuple of a flow that already ended (FIN or RST seen)
+/// starts a new connection that reuses the client's port: the old translation must
+/// not apply to it. The entry is dropped and `None` returned, so a SYN to a Service
+/// is balanced afresh and a SYN-ACK of a connection that never went through a
+/// Service (the client reached the pod directly) passes untouched.
 #[inline(always)]
 pub fn follow(flow: &Flow) -> Option<Tuple> {
-    let entry = LB_CT.get_ptr_mut(key_of(flow))?;
+    let key = key_of(flow);
+    let entry = LB_CT.get_ptr_mut(&key)?;
     // SAFETY: the pointer is valid for this program run; concurrent updates of the
     // same entry from another CPU only race on the timestamp and state bits, which
     // are monotonic hints for the GC.
     let entry = unsafe { &mut *entry };
+    let ended = entry.state & (CT_STATE_FIN | CT_STATE_RST) != 0;
+    if ended && flow.proto == IPPROTO_TCP && flow.tcp_flags & TCP_FLAG_SYN != 0 {
+        let _ = LB_CT.remove(&key);
+        return None;
+    }
     let now = now();
     // Rewriting the timestamp on every packet dirties a shared cache line; once per
     // millisecond is plenty for timeouts measured in seconds.

@@ -23,10 +23,12 @@ const UDP: u8 = 17;
 const SYN: u8 = 0x02;
 const ACK: u8 = 0x10;
 const RST: u8 = 0x04;
+const FIN: u8 = 0x01;
 
 const NODE: [u8; 4] = [192, 168, 50, 2];
 const CLIENT: [u8; 4] = [203, 0, 113, 5];
 const LOCAL_POD: [u8; 4] = [10, 244, 1, 11];
+const OTHER_LOCAL_POD: [u8; 4] = [10, 244, 1, 12];
 const REMOTE_POD: [u8; 4] = [10, 244, 2, 21];
 const NODE_PORT: u16 = 30080;
 
@@ -820,4 +822,58 @@ fn a_large_table_is_written_in_batches_exactly_as_planned() {
             "the kernel's table differs from the plan's"
         );
     }
+}
+
+/// A client that reuses its port after a NodePort connection ended: a SYN-ACK from
+/// the pod for a connection the client opened to the pod IP directly must arrive
+/// untouched, and a new SYN to the NodePort is balanced afresh (here onto the
+/// backend that replaced the old one), instead of following the ended flow's entry.
+#[test]
+fn an_ended_flow_does_not_capture_a_new_connection_on_the_same_ports() {
+    let mut f = Fixture::new();
+    f.program(&node_port(
+        Protocol::Tcp,
+        &[backend(LOCAL_POD, 8080, true)],
+        None,
+    ));
+    let to_pod = Seen {
+        src: CLIENT,
+        sport: 40000,
+        dst: LOCAL_POD,
+        dport: 8080,
+    };
+    let syn = Packet::tcp(CLIENT, 40000, NODE, NODE_PORT, SYN);
+    assert_eq!(inspect(&f.external(&syn.frame()).1), to_pod);
+    // Both sides close.
+    let fin = Packet::tcp(CLIENT, 40000, NODE, NODE_PORT, FIN | ACK);
+    assert_eq!(inspect(&f.external(&fin.frame()).1), to_pod);
+    let reply_fin = Packet::tcp(LOCAL_POD, 8080, CLIENT, 40000, FIN | ACK);
+    assert_eq!(inspect(&f.internal(&reply_fin.frame()).1).src, NODE);
+
+    // The client now connects to the pod IP from the same port; the pod's SYN-ACK
+    // must keep the pod's address, or the client would reset it.
+    let direct_reply = Packet::tcp(LOCAL_POD, 8080, CLIENT, 40000, SYN | ACK);
+    let (verdict, out) = f.internal(&direct_reply.frame());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(
+        inspect(&out),
+        Seen {
+            src: LOCAL_POD,
+            sport: 8080,
+            dst: CLIENT,
+            dport: 40000
+        }
+    );
+
+    // The Service's backend changed meanwhile; a new SYN to the NodePort from the
+    // same port goes to the current backend, not the ended flow's.
+    f.program(&node_port(
+        Protocol::Tcp,
+        &[backend(OTHER_LOCAL_POD, 8080, true)],
+        None,
+    ));
+    let out = inspect(&f.external(&syn.frame()).1);
+    assert_eq!(out.dst, OTHER_LOCAL_POD);
+    let reply = Packet::tcp(OTHER_LOCAL_POD, 8080, CLIENT, 40000, SYN | ACK);
+    assert_eq!(inspect(&f.internal(&reply.frame()).1).src, NODE);
 }
