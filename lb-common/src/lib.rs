@@ -13,7 +13,7 @@
 
 /// Bumped whenever a map's key or value layout changes. Maps are pinned under
 /// `<pin-dir>/v<PIN_LAYOUT_VERSION>/` so an agent never reuses a map with another layout.
-pub const PIN_LAYOUT_VERSION: u32 = 1;
+pub const PIN_LAYOUT_VERSION: u32 = 2;
 
 /// Map names, as the kernel object defines them and as they are pinned.
 pub mod map_names {
@@ -114,12 +114,11 @@ pub struct ServiceValue {
     /// Master: number of backend slots; 0 means "no usable endpoints", which the
     /// hooks answer with ECONNREFUSED like kube-proxy's REJECT rule.
     pub count: u16,
-    /// Non-zero id of this frontend; keys affinity entries.
-    pub rev_nat_id: u16,
     /// `SVC_FLAG_*` bits.
     pub flags: u16,
-    /// Explicit padding.
-    pub _pad: u16,
+    /// Non-zero id of this frontend; keys affinity entries and per-Service counters.
+    /// 32 bits: a 16-bit id (Cilium's rev-NAT index) caps a node at 65535 Service ports.
+    pub rev_nat_id: u32,
     /// `sessionAffinityConfig.clientIP.timeoutSeconds` when `SVC_FLAG_AFFINITY` is set.
     pub affinity_timeout_sec: u32,
 }
@@ -169,10 +168,12 @@ pub struct SockRevNatValue {
     pub address: u32,
     /// Service port, network byte order.
     pub port: u16,
+    /// Explicit padding.
+    pub _pad: u16,
     /// `rev_nat_id` of the frontend at the time of the translation.
-    pub rev_nat_id: u16,
+    pub rev_nat_id: u32,
 }
-const _: () = assert!(core::mem::size_of::<SockRevNatValue>() == 8);
+const _: () = assert!(core::mem::size_of::<SockRevNatValue>() == 12);
 
 /// Key of `LB_AFFINITY` (LRU). The client is identified by its network namespace
 /// cookie: before `connect` a socket has no source address yet, and two pods on one
@@ -186,9 +187,9 @@ pub struct AffinityKey {
     /// are small counters and never set the top bit).
     pub client: u64,
     /// Frontend the affinity belongs to.
-    pub rev_nat_id: u16,
+    pub rev_nat_id: u32,
     /// Explicit padding.
-    pub _pad: [u8; 6],
+    pub _pad: u32,
 }
 const _: () = assert!(core::mem::size_of::<AffinityKey>() == 16);
 
@@ -254,13 +255,13 @@ pub struct CtValue {
     /// Backend of the flow (for `lb conntrack` and affinity).
     pub backend_id: u32,
     /// Frontend the flow was addressed to.
-    pub rev_nat_id: u16,
+    pub rev_nat_id: u32,
     /// `CT_STATE_*` bits seen so far in this direction.
     pub state: u8,
     /// `CT_DIR_FORWARD` or `CT_DIR_REPLY`.
     pub dir: u8,
     /// Explicit padding up to the 8-byte alignment of `last_seen_ns`.
-    pub _pad2: u32,
+    pub _pad2: u16,
 }
 const _: () = assert!(core::mem::size_of::<CtValue>() == 32);
 

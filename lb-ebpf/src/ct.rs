@@ -76,14 +76,14 @@ pub fn state_of(flow: &Flow) -> u8 {
 #[inline(always)]
 pub fn follow(flow: &Flow) -> Option<Tuple> {
     let key = key_of(flow);
-    let entry = LB_CT.get_ptr_mut(&key)?;
+    let entry = LB_CT.get_ptr_mut(key)?;
     // SAFETY: the pointer is valid for this program run; concurrent updates of the
     // same entry from another CPU only race on the timestamp and state bits, which
     // are monotonic hints for the GC.
     let entry = unsafe { &mut *entry };
     let ended = entry.state & (CT_STATE_FIN | CT_STATE_RST) != 0;
     if ended && flow.proto == IPPROTO_TCP && flow.tcp_flags & TCP_FLAG_SYN != 0 {
-        let _ = LB_CT.remove(&key);
+        let _ = LB_CT.remove(key);
         return None;
     }
     let now = now();
@@ -105,7 +105,7 @@ pub fn follow(flow: &Flow) -> Option<Tuple> {
 }
 
 #[inline(always)]
-pub fn entry(to: &Tuple, backend_id: u32, rev_nat_id: u16, state: u8, dir: u8) -> CtValue {
+pub fn entry(to: &Tuple, backend_id: u32, rev_nat_id: u32, state: u8, dir: u8) -> CtValue {
     CtValue {
         last_seen_ns: now(),
         nat_src_addr: to.saddr,

@@ -35,7 +35,7 @@ pub fn translate(ctx: &TcContext, e: &IcmpError) -> Result<Option<(u32, u32)>, i
         _pad: [0; 3],
     };
     // SAFETY: copied out at once.
-    let Some(entry) = (unsafe { LB_CT.get(&key) }).copied() else {
+    let Some(entry) = (unsafe { LB_CT.get(key) }).copied() else {
         return Ok(None);
     };
     if entry.dir != CT_DIR_REPLY {

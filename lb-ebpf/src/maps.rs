@@ -54,7 +54,7 @@ pub static LB_CT: LruHashMap<CtKey, CtValue, { DEFAULT_CT_MAX as usize }> = LruH
 /// traffic times the CPUs, not the map size times the CPUs.
 #[btf_map]
 pub static LB_SVC_STATS: PerCpuHashMap<
-    u16,
+    u32,
     SvcStats,
     { DEFAULT_SERVICES_MAX as usize },
     { aya_ebpf::bindings::BPF_F_NO_PREALLOC as usize },

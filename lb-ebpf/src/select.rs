@@ -70,16 +70,16 @@ fn with_affinity(
     let key = AffinityKey {
         client,
         rev_nat_id: master.rev_nat_id,
-        _pad: [0; 6],
+        _pad: 0,
     };
     // SAFETY: copied out at once.
-    if let Some(remembered) = unsafe { LB_AFFINITY.get(&key) }.copied() {
+    if let Some(remembered) = unsafe { LB_AFFINITY.get(key) }.copied() {
         let timeout_ns = master.affinity_timeout_sec as u64 * NSEC_PER_SEC;
         if now.wrapping_sub(remembered.last_used_ns) <= timeout_ns {
             // Backend ids belong to one frontend and vanish with the endpoint, so a
             // hit here is still a live backend of this Service.
             // SAFETY: copied out at once.
-            if let Some(backend) = unsafe { LB_BACKENDS.get(&remembered.backend_id) }.copied() {
+            if let Some(backend) = unsafe { LB_BACKENDS.get(remembered.backend_id) }.copied() {
                 remember(&key, remembered.backend_id, now);
                 return Some((remembered.backend_id, backend));
             }
@@ -97,7 +97,7 @@ fn remember(key: &AffinityKey, backend_id: u32, now: u64) {
         backend_id,
         _pad: 0,
     };
-    if LB_AFFINITY.insert(key, &value, 0).is_err() {
+    if LB_AFFINITY.insert(key, value, 0).is_err() {
         stats::bump(stat::AFFINITY_UPDATE_FAILED);
     }
 }
@@ -109,8 +109,8 @@ fn slot(master_key: &ServiceKey, master: &ServiceValue, entropy: u32) -> Option<
         ..*master_key
     };
     // SAFETY: copied out at once.
-    let slot = unsafe { LB_SERVICES.get(&slot_key) }.copied()?;
+    let slot = unsafe { LB_SERVICES.get(slot_key) }.copied()?;
     // SAFETY: copied out at once.
-    let backend = unsafe { LB_BACKENDS.get(&slot.backend_id) }.copied()?;
+    let backend = unsafe { LB_BACKENDS.get(slot.backend_id) }.copied()?;
     Some((slot.backend_id, backend))
 }

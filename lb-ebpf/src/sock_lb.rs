@@ -72,9 +72,10 @@ pub fn translate_forward(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let revnat = SockRevNatValue {
         address: dst.ip,
         port: dst.port,
+        _pad: 0,
         rev_nat_id: master.rev_nat_id,
     };
-    if LB_SOCK_REVNAT.insert(&revnat_key, &revnat, 0).is_err() {
+    if LB_SOCK_REVNAT.insert(revnat_key, revnat, 0).is_err() {
         stats::bump(stat::REVNAT_UPDATE_FAILED);
     }
 
@@ -97,7 +98,7 @@ pub fn translate_reverse(ctx: &SockAddrContext) {
         _pad: 0,
     };
     // SAFETY: copied out at once.
-    if let Some(frontend) = unsafe { LB_SOCK_REVNAT.get(&key) }.copied() {
+    if let Some(frontend) = unsafe { LB_SOCK_REVNAT.get(key) }.copied() {
         sock::write(ctx, frontend.address, frontend.port);
         stats::bump(stat::REVERSE_TRANSLATED);
     }
@@ -106,7 +107,7 @@ pub fn translate_reverse(ctx: &SockAddrContext) {
 /// kube-proxy answers a Service without endpoints with REJECT; the socket
 /// equivalent is failing the call with ECONNREFUSED right away.
 #[inline(always)]
-fn refuse(rev_nat_id: u16) -> i32 {
+fn refuse(rev_nat_id: u32) -> i32 {
     stats::bump(stat::NO_BACKEND);
     stats::service(rev_nat_id, true);
     // SAFETY: plain helper call; connect4/sendmsg4 may set the syscall's return value.

@@ -16,7 +16,7 @@ pub fn bump(index: u32) {
 
 /// Counts one connection of a frontend (`refused`: for want of a backend).
 #[inline(always)]
-pub fn service(rev_nat_id: u16, refused: bool) {
+pub fn service(rev_nat_id: u32, refused: bool) {
     if let Some(entry) = LB_SVC_STATS.get_ptr_mut(rev_nat_id) {
         // SAFETY: this CPU's slot of a per-CPU value.
         let entry = unsafe { &mut *entry };

@@ -125,7 +125,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let mut maps = PinnedMaps::open(&config.pin)?;
     // Frontend names by id, as of the last sync: a scrape reads only the counter
     // maps, never the whole service table.
-    let frontend_names: Arc<Mutex<BTreeMap<u16, String>>> = Arc::default();
+    let frontend_names: Arc<Mutex<BTreeMap<u32, String>>> = Arc::default();
     // A second handle for scrapes, so /metrics reads fresh datapath counters.
     let stats_maps = PinnedMaps::open(&config.pin)?;
     let names = frontend_names.clone();
@@ -406,5 +406,5 @@ struct SyncOutcome {
     services_used: usize,
     backends_used: usize,
     /// Frontends by id, when they may have changed.
-    frontend_names: Option<BTreeMap<u16, String>>,
+    frontend_names: Option<BTreeMap<u32, String>>,
 }

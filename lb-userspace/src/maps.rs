@@ -43,7 +43,7 @@ pub struct PinnedMaps {
     backends: HashMap<MapData, u32, Backend>,
     stats: PerCpuArray<MapData, u64>,
     conntrack: HashMap<MapData, CtKey, CtValue>,
-    service_stats: PerCpuHashMap<MapData, u16, SvcStats>,
+    service_stats: PerCpuHashMap<MapData, u32, SvcStats>,
     /// The service and backend maps' descriptors again, for batched updates (aya
     /// 0.14 has no batch API).
     services_fd: OwnedFd,
@@ -91,6 +91,7 @@ impl PinnedMaps {
             capacity: Capacity {
                 services: services_max,
                 backends: backends_max,
+                frontend_ids: crate::reconcile::MAX_REV_NAT_ID,
             },
         })
     }
@@ -250,7 +251,7 @@ impl PinnedMaps {
     }
 
     /// Per-frontend counters (by `rev_nat_id`), summed over CPUs.
-    pub fn service_stats(&self) -> Result<Vec<(u16, SvcStats)>, MapsError> {
+    pub fn service_stats(&self) -> Result<Vec<(u32, SvcStats)>, MapsError> {
         self.service_stats
             .iter()
             .map(|entry| {
@@ -273,16 +274,16 @@ impl PinnedMaps {
     /// never reused do not pile up.
     pub fn prune_service_stats(
         &mut self,
-        live: &std::collections::BTreeSet<u16>,
+        live: &std::collections::BTreeSet<u32>,
     ) -> Result<usize, MapsError> {
         let read_error = |source| MapsError::Read {
             map: map_names::SVC_STATS,
             source,
         };
-        let stale: Vec<u16> = self
+        let stale: Vec<u32> = self
             .service_stats
             .keys()
-            .collect::<Result<Vec<u16>, MapError>>()
+            .collect::<Result<Vec<u32>, MapError>>()
             .map_err(read_error)?
             .into_iter()
             .filter(|id| !live.contains(id))

@@ -21,6 +21,8 @@ pub struct MapSnapshot {
 pub struct Capacity {
     pub services: u32,
     pub backends: u32,
+    /// Largest frontend id (`rev_nat_id`) to hand out; 0 is reserved.
+    pub frontend_ids: u32,
 }
 
 /// One map write, applied in plan order.
@@ -86,8 +88,9 @@ impl Plan {
 
 /// Most backends one frontend can have: slot numbers are `u16` and slot 0 is the master.
 pub const MAX_BACKENDS_PER_FRONTEND: usize = u16::MAX as usize - 1;
-/// Largest `rev_nat_id`; 0 is reserved for "none".
-const MAX_REV_NAT_ID: u32 = u16::MAX as u32;
+/// Largest `rev_nat_id`; 0 is reserved for "none". Ids are 32-bit in the maps; this
+/// leaves room far beyond any service map while keeping counts in a `u32`.
+pub const MAX_REV_NAT_ID: u32 = u32::MAX - 1;
 
 /// The `LB_SERVICES` key of one slot (0 = master) of a frontend.
 pub fn service_key(frontend: &Frontend, slot: u16) -> ServiceKey {
@@ -113,7 +116,7 @@ pub fn backend_value(backend: &BackendAddr, protocol: Protocol) -> Backend {
 fn master_value(
     spec: &FrontendSpec,
     count: u16,
-    rev_nat_id: u16,
+    rev_nat_id: u32,
     external_scope: bool,
 ) -> ServiceValue {
     let mut flags = 0;
@@ -126,14 +129,13 @@ fn master_value(
     ServiceValue {
         backend_id: 0,
         count,
-        rev_nat_id,
         flags,
-        _pad: 0,
+        rev_nat_id,
         affinity_timeout_sec: spec.affinity_timeout_sec.unwrap_or(0),
     }
 }
 
-fn slot_value(backend_id: u32, rev_nat_id: u16) -> ServiceValue {
+fn slot_value(backend_id: u32, rev_nat_id: u32) -> ServiceValue {
     ServiceValue {
         backend_id,
         rev_nat_id,
@@ -235,7 +237,7 @@ struct Planner<'a> {
     /// Ids a frontend of this plan has taken (kept or left in place), so that a
     /// corrupted table naming one id from two frontends cannot make them share it.
     claimed_backends: HashSet<u32>,
-    claimed_rev_nat_ids: HashSet<u16>,
+    claimed_rev_nat_ids: HashSet<u32>,
     /// How many slot entries name each backend id once the ops so far have run; a
     /// backend is deleted only when nothing names it.
     refs: HashMap<u32, usize>,
@@ -291,8 +293,8 @@ pub fn plan(desired: &DesiredState, current: &MapSnapshot, capacity: Capacity) -
         backends_used: current.backends.len() as u64,
         backend_ids: IdAllocator::new(current.backends.keys().copied().chain(slot_ids), u32::MAX),
         rev_nat_ids: IdAllocator::new(
-            current.services.values().map(|v| u32::from(v.rev_nat_id)),
-            MAX_REV_NAT_ID,
+            current.services.values().map(|v| v.rev_nat_id),
+            capacity.frontend_ids,
         ),
         claimed_backends: HashSet::new(),
         claimed_rev_nat_ids: HashSet::new(),
@@ -398,12 +400,12 @@ impl Planner<'_> {
                 m.rev_nat_id
             }
             _ => match self.rev_nat_ids.alloc() {
-                Some(id) => id as u16,
+                Some(id) => id,
                 None => {
                     let e = ReconcileError::OutOfIds {
                         service: spec.service.clone(),
                         frontend: *frontend,
-                        max: MAX_REV_NAT_ID,
+                        max: self.capacity.frontend_ids,
                     };
                     self.reject(entries, e);
                     return;
@@ -548,6 +550,7 @@ mod tests {
     const ROOMY: Capacity = Capacity {
         services: 1 << 20,
         backends: 1 << 20,
+        frontend_ids: MAX_REV_NAT_ID,
     };
 
     fn fe(last: u8, port: u16, protocol: Protocol) -> Frontend {
@@ -656,7 +659,7 @@ mod tests {
             desired.frontends.len() + desired.backend_count()
         );
         assert_eq!(s.backends.len(), desired.backend_count(), "backends leaked");
-        let revs: BTreeSet<u16> = table.iter().map(|f| f.rev_nat_id).collect();
+        let revs: BTreeSet<u32> = table.iter().map(|f| f.rev_nat_id).collect();
         assert_eq!(revs.len(), table.len(), "frontend ids shared");
         assert!(!revs.contains(&0));
     }
@@ -704,7 +707,7 @@ mod tests {
             .collect()
     }
 
-    fn rev_nat_id(s: &MapSnapshot, f: Frontend) -> u16 {
+    fn rev_nat_id(s: &MapSnapshot, f: Frontend) -> u32 {
         s.services[&service_key(&f, 0)].rev_nat_id
     }
 
@@ -980,6 +983,7 @@ mod tests {
             Capacity {
                 services: 7,
                 backends: 100,
+                frontend_ids: MAX_REV_NAT_ID,
             },
         );
         assert_eq!(
@@ -1004,6 +1008,7 @@ mod tests {
             Capacity {
                 services: 7,
                 backends: 100,
+                frontend_ids: MAX_REV_NAT_ID,
             },
         );
         assert!(p2.rejected.is_empty());
@@ -1021,6 +1026,7 @@ mod tests {
             Capacity {
                 services: 100,
                 backends: 4,
+                frontend_ids: MAX_REV_NAT_ID,
             },
         );
         assert!(matches!(
@@ -1061,8 +1067,14 @@ mod tests {
 
     #[test]
     fn out_of_frontend_ids() {
+        // Ids are 32-bit; a small id space stands in for running out of them.
+        const MAX: u32 = 300;
+        let tight = Capacity {
+            frontend_ids: MAX,
+            ..ROOMY
+        };
         let mut s = MapSnapshot::default();
-        for rev in 1..=u16::MAX {
+        for rev in 1..=MAX {
             let f = Frontend::internal(
                 Ipv4Addr::new(10, 97, (rev >> 8) as u8, rev as u8),
                 80,
@@ -1074,15 +1086,38 @@ mod tests {
             );
         }
         // Everything old goes away, but only after the new frontend would need its id.
-        let p = plan(&state(&[(tcp(1), &[1], None)]), &s, ROOMY);
+        let p = plan(&state(&[(tcp(1), &[1], None)]), &s, tight);
         assert!(matches!(
             &p.rejected[..],
-            [ReconcileError::OutOfIds { max: 65_535, .. }]
+            [ReconcileError::OutOfIds { max: MAX, .. }]
         ));
         assert!(p
             .ops
             .iter()
             .all(|op| matches!(op, MapOp::DeleteService { .. })));
+    }
+
+    #[test]
+    fn frontend_ids_go_past_16_bits() {
+        // 70k frontends: more than a 16-bit id could number.
+        let mut desired = DesiredState::default();
+        for i in 0..70_000u32 {
+            let f = Frontend::internal(
+                Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 0)) + i),
+                80,
+                Protocol::Tcp,
+            );
+            desired.frontends.insert(f, spec(&[1], None));
+        }
+        let p = plan(&desired, &MapSnapshot::default(), ROOMY);
+        assert!(p.rejected.is_empty(), "{:?}", &p.rejected[..1]);
+        let mut s = MapSnapshot::default();
+        apply(&mut s, &p.ops);
+        let table = table::decode(&s);
+        assert_eq!(table.len(), 70_000);
+        let ids: BTreeSet<u32> = table.iter().map(|f| f.rev_nat_id).collect();
+        assert_eq!(ids.len(), 70_000);
+        assert!(ids.last().copied().unwrap() > u32::from(u16::MAX));
     }
 
     #[test]

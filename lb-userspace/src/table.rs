@@ -17,7 +17,7 @@ use crate::reconcile::MapSnapshot;
 pub struct ProgrammedFrontend {
     pub frontend: Frontend,
     /// 0 when the master entry is missing.
-    pub rev_nat_id: u16,
+    pub rev_nat_id: u32,
     pub affinity_timeout_sec: Option<u32>,
     /// The backends the master counts, in slot order, as far as they are present.
     pub backends: Vec<ProgrammedBackend>,
@@ -160,7 +160,7 @@ fn decode_one(
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ServiceCounters {
     pub frontend: Frontend,
-    pub rev_nat_id: u16,
+    pub rev_nat_id: u32,
     pub connections: u64,
     pub no_backend: u64,
 }
@@ -169,9 +169,9 @@ pub struct ServiceCounters {
 /// frontends that are gone are left out.
 pub fn service_counters(
     snapshot: &MapSnapshot,
-    counters: &[(u16, lb_common::SvcStats)],
+    counters: &[(u32, lb_common::SvcStats)],
 ) -> Vec<ServiceCounters> {
-    let by_id: BTreeMap<u16, lb_common::SvcStats> = counters.iter().copied().collect();
+    let by_id: BTreeMap<u32, lb_common::SvcStats> = counters.iter().copied().collect();
     decode(snapshot)
         .into_iter()
         .map(|f| {
@@ -276,7 +276,7 @@ mod tests {
         }
     }
 
-    fn master(count: u16, rev: u16) -> ServiceValue {
+    fn master(count: u16, rev: u32) -> ServiceValue {
         ServiceValue {
             count,
             rev_nat_id: rev,
@@ -284,7 +284,7 @@ mod tests {
         }
     }
 
-    fn slot(id: u32, rev: u16) -> ServiceValue {
+    fn slot(id: u32, rev: u32) -> ServiceValue {
         ServiceValue {
             backend_id: id,
             rev_nat_id: rev,
