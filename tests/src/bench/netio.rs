@@ -110,6 +110,17 @@ pub struct ClientReport {
     pub mb_per_sec: Option<f64>,
     /// Watch mode: CLOCK_MONOTONIC (ns) of the first answer from `--until`.
     pub seen_at_ns: Option<u64>,
+    /// Paired modes: the same figures for `--baseline`, measured interleaved with
+    /// the target's so that both see the same machine.
+    #[serde(default)]
+    pub baseline_p50_us: Option<f64>,
+    #[serde(default)]
+    pub baseline_p99_us: Option<f64>,
+    #[serde(default)]
+    pub baseline_mb_per_sec: Option<f64>,
+    /// Paired bulk: median over rounds of target MB/s / baseline MB/s.
+    #[serde(default)]
+    pub bulk_ratio: Option<f64>,
     /// Names of the backends that answered (first few).
     pub backends: Vec<String>,
 }
@@ -129,6 +140,8 @@ fn name_of(resp: &[u8]) -> String {
 
 pub struct ClientArgs {
     pub to: SocketAddrV4,
+    /// Paired modes: the address measured alternately with `to`.
+    pub baseline: Option<SocketAddrV4>,
     pub mode: String,
     pub count: u64,
     pub secs: f64,
@@ -195,27 +208,74 @@ pub fn client(a: &ClientArgs) -> Result<ClientReport> {
             report.conn_per_sec = Some(report.count as f64 / start.elapsed().as_secs_f64());
         }
         "bulk" => {
-            let mut s = TcpStream::connect_timeout(&a.to.into(), IO_TIMEOUT)?;
-            s.set_write_timeout(Some(Duration::from_secs(10)))?;
-            s.set_read_timeout(Some(Duration::from_secs(30)))?;
-            let buf = vec![0x5au8; 128 * 1024];
-            let dur = Duration::from_secs_f64(a.secs);
-            let start = Instant::now();
-            let mut sent: u64 = 0;
-            while start.elapsed() < dur {
-                s.write_all(&buf)?;
-                sent += buf.len() as u64;
-            }
-            s.shutdown(Shutdown::Write)?;
-            let mut count = [0u8; 8];
-            s.read_exact(&mut count)?;
-            let elapsed = start.elapsed().as_secs_f64();
-            let got = u64::from_be_bytes(count);
-            if got != sent {
-                bail!("bulk: sent {sent} bytes, server counted {got}");
-            }
             report.count = 1;
-            report.mb_per_sec = Some(sent as f64 / elapsed / 1e6);
+            report.mb_per_sec = Some(bulk_window(a.to, a.secs)?);
+        }
+        "paired-lat" => {
+            // One connection to each in turn, the order swapped every pair: drift
+            // and interference hit both series alike.
+            let baseline = a.baseline.context("paired-lat needs --baseline")?;
+            warm_up(a.to, &req, &mut resp)?;
+            warm_up(baseline, &req, &mut resp)?;
+            let mut target = Vec::with_capacity(a.count as usize);
+            let mut base = Vec::with_capacity(a.count as usize);
+            for i in 0..a.count {
+                let order = if i % 2 == 0 {
+                    [(a.to, true), (baseline, false)]
+                } else {
+                    [(baseline, false), (a.to, true)]
+                };
+                for (to, is_target) in order {
+                    let t = Instant::now();
+                    match one_rr(to, &req, &mut resp) {
+                        Ok(()) => {
+                            let us = t.elapsed().as_nanos() as f64 / 1000.0;
+                            if is_target {
+                                target.push(us);
+                                note(&mut report, &resp);
+                            } else {
+                                base.push(us);
+                            }
+                        }
+                        Err(_) => report.errors += 1,
+                    }
+                }
+            }
+            if target.is_empty() || base.is_empty() {
+                bail!("no connection to {} or {baseline} succeeded", a.to);
+            }
+            target.sort_by(f64::total_cmp);
+            base.sort_by(f64::total_cmp);
+            report.count = target.len() as u64;
+            report.p50_us = Some(percentile(&target, 0.50));
+            report.p99_us = Some(percentile(&target, 0.99));
+            report.baseline_p50_us = Some(percentile(&base, 0.50));
+            report.baseline_p99_us = Some(percentile(&base, 0.99));
+        }
+        "paired-bulk" => {
+            // Short windows to each in turn, order swapped every round; the ratio
+            // is taken per round, where both saw nearly the same machine.
+            let baseline = a.baseline.context("paired-bulk needs --baseline")?;
+            let window = a.secs / PAIRED_BULK_ROUNDS as f64;
+            let (mut target, mut base, mut ratios) = (vec![], vec![], vec![]);
+            for round in 0..PAIRED_BULK_ROUNDS {
+                let (t, b) = if round % 2 == 0 {
+                    let t = bulk_window(a.to, window)?;
+                    (t, bulk_window(baseline, window)?)
+                } else {
+                    let b = bulk_window(baseline, window)?;
+                    (bulk_window(a.to, window)?, b)
+                };
+                target.push(t);
+                base.push(b);
+                ratios.push(t / b);
+            }
+            let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+            ratios.sort_by(f64::total_cmp);
+            report.count = PAIRED_BULK_ROUNDS as u64;
+            report.mb_per_sec = Some(mean(&target));
+            report.baseline_mb_per_sec = Some(mean(&base));
+            report.bulk_ratio = Some(percentile(&ratios, 0.50));
         }
         "watch" => {
             let until = a.until.clone().context("watch needs --until")?;
@@ -242,6 +302,33 @@ pub fn client(a: &ClientArgs) -> Result<ClientReport> {
         other => bail!("unknown client mode {other}"),
     }
     Ok(report)
+}
+
+/// Rounds of a paired bulk run (each one window to each address).
+const PAIRED_BULK_ROUNDS: usize = 8;
+
+/// One bulk connection sending for `secs`; MB/s (10^6 bytes) as the server counted.
+fn bulk_window(to: SocketAddrV4, secs: f64) -> Result<f64> {
+    let mut s = TcpStream::connect_timeout(&to.into(), IO_TIMEOUT)?;
+    s.set_write_timeout(Some(Duration::from_secs(10)))?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let buf = vec![0x5au8; 128 * 1024];
+    let dur = Duration::from_secs_f64(secs);
+    let start = Instant::now();
+    let mut sent: u64 = 0;
+    while start.elapsed() < dur {
+        s.write_all(&buf)?;
+        sent += buf.len() as u64;
+    }
+    s.shutdown(Shutdown::Write)?;
+    let mut count = [0u8; 8];
+    s.read_exact(&mut count)?;
+    let elapsed = start.elapsed().as_secs_f64();
+    let got = u64::from_be_bytes(count);
+    if got != sent {
+        bail!("bulk to {to}: sent {sent} bytes, server counted {got}");
+    }
+    Ok(sent as f64 / elapsed / 1e6)
 }
 
 /// 200 connections first (caches, ARP, conntrack); fails fast if the first ones fail.

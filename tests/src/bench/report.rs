@@ -180,17 +180,42 @@ one real endpoint (pod-a) so that every connection reaches the same server.\n\n"
     o += "\nBulk throughput is measured where it can differ (direct, socket-lb, tc-nodeport): \
           only a flow's first packet walks iptables/nft rules (BENCH-NOTES).\n\n";
 
+    o += "## Our datapaths paired with their direct path
+
+";
+    o += "The ratios above compare runs minutes apart, and this machine drifts by more than \
+          the 3-5% the targets are about. Here one client process alternates, connection by \
+          connection (bulk: window by window, 8 rounds), between the Service and the same \
+          backend's pod IP, swapping the order every pair, so both series see the same \
+          moment of the machine. Each figure is the median over repetitions of the per-run \
+          ratio, `[min–max]` over repetitions.\n\n";
+    o += "| datapath | S | paired with | p50 ratio | p99 ratio | bulk ratio |\n|---|---|---|---|---|---|\n";
+    for d in res.datapaths.iter().filter(|d| d.paired_baseline.is_some()) {
+        let _ = writeln!(
+            o,
+            "| {} | {} | {} | {} | {} | {} |",
+            d.datapath,
+            d.services,
+            d.paired_baseline.as_deref().unwrap_or(""),
+            fmt_ratio(&d.paired_p50_ratio),
+            fmt_ratio(&d.paired_p99_ratio),
+            fmt_ratio(&d.paired_bulk_ratio),
+        );
+    }
+    o += "\n";
+
     o += "## Control plane (S Services x 10 endpoints)\n\n";
-    o += "| datapath | S | program (s) | EndpointSlice change → datapath (ms) | agent VmHWM (MiB) | rules (bytes) | how |\n|---|---|---|---|---|---|---|\n";
+    o += "| datapath | S | program (s) | of which (agent log, ms) | EndpointSlice change → datapath (ms) | agent VmHWM (MiB) | rules (bytes) | how |\n|---|---|---|---|---|---|---|---|\n";
     for c in &res.control {
         let _ = writeln!(
             o,
-            "| {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
             c.datapath,
             c.services,
             c.program_secs
                 .map(|v| format!("{v:.3}"))
                 .unwrap_or("–".into()),
+            phases(&c.agent_phases),
             c.change_ms.map(|v| format!("{v:.1}")).unwrap_or("–".into()),
             c.agent_vmhwm_kib
                 .map(|v| format!("{:.1}", v as f64 / 1024.0))
@@ -233,14 +258,40 @@ one real endpoint (pod-a) so that every connection reaches the same server.\n\n"
   cycles over 200 ms, `errors` failed ones).\n\
 - iptables mode pays for every KUBE-SERVICES rule it skips: the measured Service is last \
   (worst case); a random position averages half of that.\n\
-- The agent's EndpointSlice change time includes its manifest poll interval (200 ms) and \
-  re-reading every manifest file; an API-server watch would not poll.\n\
-- The agent's programming time includes loading and attaching the BPF programs (about \
-  0.15 s: the S=1 row).\n\n";
+- The agent's EndpointSlice change time includes its manifest poll interval (200 ms), \
+  re-reading the changed file and rebuilding the desired state from all objects; an \
+  API-server watch would not poll.\n\
+- The agent's programming time includes loading the BPF programs (about 0.1 s, \
+  overlapping the manifest parse) and attaching them (the S=1 row is the floor).\n\
+- The paired ratios are the figures to judge the ≤1.03x / ≥0.95x targets by: the \
+  unpaired ratios above mix runs minutes apart on a shared 2-vCPU VM.\n\n";
     if plots {
         o += "## Plots\n\n![connect+request latency p50 vs S](latency.png)\n\n![connection rate vs S](conn_rate.png)\n";
     }
     o
+}
+
+/// `1.02x [1.01–1.04]`.
+fn fmt_ratio(s: &Option<Stat>) -> String {
+    match s {
+        Some(s) => format!("{:.3}x [{:.3}–{:.3}]", s.median, s.min, s.max),
+        None => "–".into(),
+    }
+}
+
+/// The agent's start-up phases: `load 98 · parse 460 · plan 33 · apply 218 (209985 ops)`.
+fn phases(p: &std::collections::BTreeMap<String, u64>) -> String {
+    if p.is_empty() {
+        return "–".into();
+    }
+    let mut parts: Vec<String> = ["load_ms", "parse_ms", "plan_ms", "apply_ms"]
+        .iter()
+        .filter_map(|k| Some(format!("{} {}", k.trim_end_matches("_ms"), p.get(*k)?)))
+        .collect();
+    if let Some(ops) = p.get("operations") {
+        parts.push(format!("({ops} map writes)"));
+    }
+    parts.join(" · ")
 }
 
 fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
@@ -261,50 +312,27 @@ fn verdict(ok: Option<bool>) -> &'static str {
 fn targets(res: &Results) -> String {
     let mut o =
         String::from("## Targets and where we stand\n\n| target | measured | |\n|---|---|---|\n");
-    let base = direct_base(res);
-    let base = base.as_ref();
-    let b50 = base.and_then(|b| med(&b.lat_p50_us));
-    // 1. socket-LB latency.
-    let lb: Vec<&DataResult> = res
-        .datapaths
-        .iter()
-        .filter(|d| d.datapath == "socket-lb")
-        .collect();
-    let ratios: Vec<(usize, f64)> = lb
-        .iter()
-        .filter_map(|d| ratio(med(&d.lat_p50_us), b50).map(|r| (d.services, r)))
-        .collect();
-    let worst = ratios
-        .iter()
-        .map(|r| r.1)
-        .fold(None, |m: Option<f64>, r| Some(m.map_or(r, |m| m.max(r))));
-    // The run's own noise: the spread of every direct p50 sample around their median.
-    let direct_p50: Vec<f64> = [&res.direct_start, &res.direct_end]
-        .into_iter()
-        .flatten()
-        .filter_map(|d| d.lat_p50_us.as_ref())
-        .flat_map(|s| s.samples.iter().copied())
-        .collect();
-    let noise = Stat::of(direct_p50).map(|s| (s.max - s.min) / 2.0 / s.median);
-    let mut lat_verdict = verdict(worst.map(|w| w <= 1.03)).to_string();
-    if let (Some(n), Some(_)) = (noise, worst) {
-        if n > 0.03 {
-            let _ = write!(
-                lat_verdict,
-                " (but direct's own p50 samples spread ±{:.0}% in this run: a 3% target \
-                 cannot be confirmed on this machine)",
-                n * 100.0
-            );
-        }
-    }
+    // 1. socket-LB latency, from the paired runs (the unpaired ratios are noise at 3%).
+    let paired = |dp: &str, pick: fn(&DataResult) -> &Option<Stat>| -> Vec<(usize, Stat)> {
+        res.datapaths
+            .iter()
+            .filter(|d| d.datapath == dp)
+            .filter_map(|d| Some((d.services, pick(d).clone()?)))
+            .collect()
+    };
+    let show = |v: &[(usize, Stat)]| {
+        v.iter()
+            .map(|(s, r)| format!("S={s}: {:.3}x [{:.3}–{:.3}]", r.median, r.min, r.max))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let lat = paired("socket-lb", |d| &d.paired_p50_ratio);
+    let worst = lat.iter().map(|(_, r)| r.median).reduce(f64::max);
     let _ = writeln!(
         o,
-        "| socket-LB p50 latency ≤ 1.03x direct, flat in S | {} | {lat_verdict} |",
-        ratios
-            .iter()
-            .map(|(s, r)| format!("S={s}: {r:.2}x"))
-            .collect::<Vec<_>>()
-            .join(", "),
+        "| socket-LB p50 latency ≤ 1.03x direct, flat in S | {} (paired with the pod IP) | {} |",
+        show(&lat),
+        verdict(worst.map(|w| w <= 1.03))
     );
     // 2. conn rate vs iptables at the largest S both have.
     let ipt_s = res
@@ -335,63 +363,55 @@ fn targets(res: &Results) -> String {
             }
         );
     }
-    // 3. NodePort throughput.
-    let bbulk = base.and_then(|b| med(&b.bulk_mb_per_sec));
-    let np: Vec<(usize, f64)> = res
-        .datapaths
-        .iter()
-        .filter(|d| d.datapath == "tc-nodeport")
-        .filter_map(|d| ratio(med(&d.bulk_mb_per_sec), bbulk).map(|r| (d.services, r)))
-        .collect();
-    let npw = np
-        .iter()
-        .map(|r| r.1)
-        .fold(None, |m: Option<f64>, r| Some(m.map_or(r, |m| m.min(r))));
+    // 3. NodePort throughput, paired with the pod IP routed through the same node.
+    let np = paired("tc-nodeport", |d| &d.paired_bulk_ratio);
+    let npw = np.iter().map(|(_, r)| r.median).reduce(f64::min);
     let _ = writeln!(
         o,
-        "| NodePort throughput ≥ 0.95x direct | {} | {} |",
-        np.iter()
-            .map(|(s, r)| format!("S={s}: {r:.2}x"))
-            .collect::<Vec<_>>()
-            .join(", "),
+        "| NodePort throughput ≥ 0.95x direct | {} (paired with the pod IP routed via the node) | {} |",
+        show(&np),
         verdict(npw.map(|w| w >= 0.95))
     );
-    // 4. programming 10k.
-    let p10k = res
+    // 4. programming 10k: the agent's whole start, and the map programming in it.
+    let c10k = res
         .control
         .iter()
-        .find(|c| c.datapath == "socket-lb" && c.services == 10_000)
-        .and_then(|c| c.program_secs);
+        .find(|c| c.datapath == "socket-lb" && c.services == 10_000);
+    let p10k = c10k.and_then(|c| c.program_secs);
+    let maps_ms =
+        c10k.and_then(|c| Some(c.agent_phases.get("plan_ms")? + c.agent_phases.get("apply_ms")?));
     let _ = writeln!(
         o,
-        "| 10k Services x 10 endpoints programmed < 0.5 s | {} | {} |",
-        p10k.map(|v| format!("{v:.2} s (agent start to full listing)"))
+        "| 10k Services x 10 endpoints programmed < 0.5 s | {}{} | {} |",
+        p10k.map(|v| format!("{v:.2} s from agent start (BPF load, 33 MB of YAML, sync, attach)"))
             .unwrap_or("–".into()),
-        verdict(p10k.map(|v| v < 0.5))
+        maps_ms
+            .map(|m| format!(
+                "; of which planning and writing the maps {:.2} s",
+                m as f64 / 1000.0
+            ))
+            .unwrap_or_default(),
+        match (p10k, maps_ms) {
+            (Some(p), _) if p < 0.5 => "**met**",
+            (Some(_), Some(m)) if m < 500 =>
+                "**met** for programming the maps; **missed** for a cold start from YAML",
+            (p, _) => verdict(p.map(|v| v < 0.5)),
+        }
     );
     o += "\n";
     if p10k.is_some_and(|v| v >= 0.5) {
-        o += "Where the programming time goes: the figure runs from spawning `lb agent` to \
-              `lb services --json` listing every frontend, so it includes loading and \
-              attaching the BPF programs (~0.15 s, the S=1 row), reading and parsing \
-              S Services + S EndpointSlices of YAML from the services file, planning, and one \
-              map update per backend, slot and master entry (S x 12 updates). The agent logs \
-              `service table applied read_ms=.. plan_ms=.. apply_ms=..` for the last three; \
-              in a 100k run its log showed ~22 s between start and the first plan (YAML \
-              parsing), plan 0.4 s, apply 2.1 s for 1.38M map operations: the file source's \
-              parsing dominates, not the datapath maps.\n\n";
+        o += "Where the start goes is in the control-plane table's \"of which\" column, from the \
+              agent's own log: BPF load (overlapping the parse), manifest parse (block-style \
+              YAML read without libyaml, on every CPU; see lb-userspace/src/source/block_yaml.rs), \
+              planning, and map writes (batched, BPF_MAP_UPDATE_BATCH). Before this round's \
+              work the same start took 3.9 s, 3.4 s of it in libyaml.\n\n";
     }
-    let lim = res
+    for l in res
         .skipped
         .iter()
-        .find(|s| s.datapath.starts_with("socket-lb") && s.reason.contains("cannot hold"));
-    if let Some(l) = lim {
-        let _ = writeln!(
-            o,
-            "Scale limit: at S={} {}. Frontend ids are 16-bit, so one agent programs at most \
-             65535 Service ports (65k is the largest scale measured).\n",
-            l.services, l.reason
-        );
+        .filter(|s| s.datapath.starts_with("socket-lb") && s.reason.contains("cannot hold"))
+    {
+        let _ = writeln!(o, "Scale limit: at S={} {}.\n", l.services, l.reason);
     }
     o
 }

@@ -72,7 +72,7 @@ impl Config {
             } else {
                 vec![1, 1000, 10_000]
             },
-            // 65k: just under the agent's 16-bit frontend ids; 100k: shows that limit.
+            // Beyond what the peers load in the time budget (and beyond 16-bit ids).
             ours_extra_scales: if quick { vec![] } else { vec![65_000, 100_000] },
             iptables_max: 10_000,
             // nft -f of 10k Services took ~105 s with 4 endpoints (BENCH-NOTES); with
@@ -134,6 +134,27 @@ pub struct DataResult {
     /// Connection cycles over 200 ms in the rate runs (lost SYNs).
     #[serde(default)]
     pub stalls: u64,
+    /// What the paired figures below compare against.
+    #[serde(default)]
+    pub paired_baseline: Option<String>,
+    /// Per repetition: p50 (p99) of this datapath / p50 (p99) of the baseline, with
+    /// connections to the two interleaved one by one in the same client process.
+    #[serde(default)]
+    pub paired_p50_ratio: Option<Stat>,
+    #[serde(default)]
+    pub paired_p99_ratio: Option<Stat>,
+    /// Per repetition: median over alternating bulk windows of MB/s / baseline MB/s.
+    #[serde(default)]
+    pub paired_bulk_ratio: Option<Stat>,
+}
+
+/// The direct path a datapath is paired with: the same backend by its pod IP, from
+/// the same client.
+#[derive(Clone, Copy)]
+struct Baseline {
+    rr: SocketAddrV4,
+    bulk: SocketAddrV4,
+    what: &'static str,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -148,6 +169,41 @@ pub struct ControlResult {
     pub agent_vmhwm_kib: Option<u64>,
     pub rules_bytes: Option<usize>,
     pub note: String,
+    /// Where the agent's start went, from its own log (ms; `operations` is a count).
+    #[serde(default)]
+    pub agent_phases: std::collections::BTreeMap<String, u64>,
+}
+
+/// The agent's start-up phases from its log: BPF load, manifest parse, plan and
+/// map writes of the first sync.
+fn agent_phases(log: &[String]) -> std::collections::BTreeMap<String, u64> {
+    let mut phases = std::collections::BTreeMap::new();
+    let wanted: [(&str, &[(&str, &str)]); 3] = [
+        ("datapath programs loaded", &[("load_ms", "load_ms")]),
+        ("manifests read", &[("read_ms", "parse_ms")]),
+        (
+            "service table applied",
+            &[
+                ("plan_ms", "plan_ms"),
+                ("apply_ms", "apply_ms"),
+                ("operations", "operations"),
+            ],
+        ),
+    ];
+    for (needle, fields) in wanted {
+        let Some(line) = log.iter().find(|l| l.contains(needle)) else {
+            continue;
+        };
+        for (field, name) in fields {
+            let value = line
+                .split_whitespace()
+                .find_map(|word| word.strip_prefix(field)?.strip_prefix('=')?.parse().ok());
+            if let Some(value) = value {
+                phases.insert(name.to_string(), value);
+            }
+        }
+    }
+    phases
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -298,6 +354,25 @@ fn manifest_of(svc: &SvcPort) -> String {
     format!("{}---\n{}", service.to_yaml(), slice.to_yaml())
 }
 
+/// `pod_ip(0)`, as a constant.
+const POD_A: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 11);
+
+/// Socket LB's baseline: pod-a's IP from the same client pod, in the agent's cgroup
+/// (so its connects pass the connect4 hook, which finds no Service).
+const SOCKET_BASELINE: Baseline = Baseline {
+    rr: SocketAddrV4::new(POD_A, RR_PORT),
+    bulk: SocketAddrV4::new(POD_A, BULK_PORT),
+    what: "pod IP, same client",
+};
+
+/// NodePort's baseline: pod-a's IP routed through the node from the same external
+/// client, i.e. the same hops without the Service translation.
+const NODEPORT_BASELINE: Baseline = Baseline {
+    rr: SocketAddrV4::new(POD_A, RR_PORT),
+    bulk: SocketAddrV4::new(POD_A, BULK_PORT),
+    what: "pod IP routed via the node, same external client",
+};
+
 impl Env {
     pub fn new(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Self> {
         crate::util::require_root()?;
@@ -346,6 +421,11 @@ impl Env {
         env.ext
             .ip(&["addr", "add", &format!("{EXT_IP}/24"), "dev", "eth0"])?;
         env.ext.ip(&["link", "set", "eth0", "up"])?;
+        // The NodePort baseline reaches the pods directly, routed by the node.
+        let [a, b, c, _] = crate::topology::GATEWAY.octets();
+        let pods = format!("{a}.{b}.{c}.0/24");
+        env.ext
+            .ip(&["route", "add", &pods, "via", &NODE_IP.to_string()])?;
         node.sysctls(&[("net/ipv4/conf/*/rp_filter", "0")])?;
         for i in 0..2 {
             let pod = &env.topo.pods()[i];
@@ -394,7 +474,9 @@ impl Env {
         serde_json::from_str(line).with_context(|| format!("client printed {out}"))
     }
 
-    /// Latency, rate and (optionally) bulk, `reps` times.
+    /// Latency, rate and (optionally) bulk, `reps` times; with a baseline, also
+    /// latency and bulk interleaved with it.
+    #[allow(clippy::too_many_arguments)]
     fn measure(
         &self,
         name: &str,
@@ -403,8 +485,10 @@ impl Env {
         cg: bool,
         to: SocketAddrV4,
         bulk_to: Option<SocketAddrV4>,
+        baseline: Option<Baseline>,
     ) -> Result<DataResult> {
         let (mut p50, mut p99, mut rate, mut bulk) = (vec![], vec![], vec![], vec![]);
+        let (mut pair_p50, mut pair_p99, mut pair_bulk) = (vec![], vec![], vec![]);
         let mut errors = 0;
         let mut stalls = 0;
         for rep in 0..self.cfg.reps {
@@ -451,6 +535,51 @@ impl Env {
                 )?;
                 bulk.extend(r.mb_per_sec);
             }
+            if let Some(base) = baseline {
+                let base_arg = |a: SocketAddrV4| ["--baseline".to_string(), a.to_string()];
+                let lat = self.client(
+                    ns,
+                    cg,
+                    to,
+                    &[
+                        &["--mode".into(), "paired-lat".into()][..],
+                        &["--count".into(), self.cfg.lat_count.to_string()],
+                        &base_arg(base.rr),
+                    ]
+                    .concat(),
+                )?;
+                errors += lat.errors;
+                if let (Some(t), Some(b)) = (lat.p50_us, lat.baseline_p50_us) {
+                    pair_p50.push(t / b);
+                }
+                if let (Some(t), Some(b)) = (lat.p99_us, lat.baseline_p99_us) {
+                    pair_p99.push(t / b);
+                }
+                if let Some(bulk_to) = bulk_to {
+                    let r = self.client(
+                        ns,
+                        cg,
+                        bulk_to,
+                        &[
+                            &["--mode".into(), "paired-bulk".into()][..],
+                            &["--secs".into(), (2.0 * self.cfg.bulk_secs).to_string()],
+                            &base_arg(base.bulk),
+                        ]
+                        .concat(),
+                    )?;
+                    pair_bulk.extend(r.bulk_ratio);
+                }
+                println!(
+                    "  {name:<10} S={s:<6} rep {rep}: paired with {}: p50 {:.3}x, p99 {:.3}x{}",
+                    base.what,
+                    pair_p50.last().copied().unwrap_or_default(),
+                    pair_p99.last().copied().unwrap_or_default(),
+                    pair_bulk
+                        .last()
+                        .map(|b| format!(", bulk {b:.3}x"))
+                        .unwrap_or_default()
+                );
+            }
             println!(
                 "  {name:<10} S={s:<6} rep {rep}: p50 {:.1} us, p99 {:.1} us, {:.0} conn/s ({} stalls){} (backends {:?})",
                 lat.p50_us.unwrap_or_default(),
@@ -471,6 +600,10 @@ impl Env {
             bulk_mb_per_sec: Stat::of(bulk),
             errors,
             stalls,
+            paired_baseline: baseline.map(|b| b.what.to_owned()),
+            paired_p50_ratio: Stat::of(pair_p50),
+            paired_p99_ratio: Stat::of(pair_p99),
+            paired_bulk_ratio: Stat::of(pair_bulk),
         })
     }
 
@@ -529,6 +662,7 @@ impl Env {
             false,
             to,
             Some(bulk),
+            None,
         )
     }
 
@@ -549,7 +683,7 @@ impl Env {
             took.as_secs_f64(),
             rules.len()
         );
-        let mut d = self.measure("iptables", s, ns, false, self.vip_addr(s), None)?;
+        let mut d = self.measure("iptables", s, ns, false, self.vip_addr(s), None, None)?;
         d.position = Some(if s == 1 {
             "only".into()
         } else {
@@ -583,6 +717,7 @@ impl Env {
             agent_vmhwm_kib: None,
             rules_bytes: Some(rules.len()),
             note,
+            agent_phases: Default::default(),
         });
         Ok(())
     }
@@ -600,7 +735,7 @@ impl Env {
             took.as_secs_f64(),
             rules.len()
         );
-        let d = self.measure("nftables", s, ns, false, self.vip_addr(s), None)?;
+        let d = self.measure("nftables", s, ns, false, self.vip_addr(s), None, None)?;
         res.datapaths.push(d);
         let mut changed = svcs[s - 1].clone();
         changed.endpoints = vec![pod_ip(1)];
@@ -618,6 +753,7 @@ impl Env {
             agent_vmhwm_kib: None,
             rules_bytes: Some(rules.len()),
             note: "nft -f of the whole table (one transaction)".into(),
+            agent_phases: Default::default(),
         });
         Ok(())
     }
@@ -668,35 +804,33 @@ impl Env {
         let want = s + 1;
         // Bounded: 100k Services get at most READY_TIMEOUT + 150 s.
         let timeout = READY_TIMEOUT + Duration::from_secs((s as u64 / 200).min(150));
-        let listed = loop {
-            crate::interrupt::check()?;
-            if let Some(line) = agent
-                .log()
-                .iter()
-                .find(|l| l.contains("no free frontend id"))
-            {
-                bail!("the agent cannot hold {want} frontends: {}", line.trim());
-            }
-            if let Ok(entries) = agent.services_json() {
-                let n = entries
-                    .iter()
-                    .filter(|e| e.frontend.port == SVC_PORT || e.frontend.port == SVC_PORT + 1)
-                    .count();
-                if n >= want {
-                    break t.elapsed().as_secs_f64();
-                }
-            }
-            if t.elapsed() > timeout {
-                bail!(
-                    "agent did not program {want} frontends within {timeout:?}; log tail:\n{}",
-                    tail(&agent.log(), 5)
-                );
-            }
-            std::thread::sleep(Duration::from_millis(if s > 10_000 { 200 } else { 20 }));
-        };
-        agent.wait_ready(READY_TIMEOUT)?;
+        // The agent says `ready and serving` once every map entry is written and the
+        // hooks are attached; watching its log costs the agent nothing, where
+        // polling `lb services` would compete with it for the CPUs.
+        agent
+            .wait_for_line("ready and serving", timeout)
+            .with_context(|| {
+                format!("agent did not program {want} frontends within {timeout:?}")
+            })?;
+        let ready = t.elapsed().as_secs_f64();
+        if let Some(line) = agent
+            .log()
+            .iter()
+            .find(|l| l.contains("no free frontend id"))
+        {
+            bail!("the agent cannot hold {want} frontends: {}", line.trim());
+        }
+        // Then check the claim: every frontend is in the maps.
+        let listed = agent
+            .services_json()?
+            .iter()
+            .filter(|e| e.frontend.port == SVC_PORT || e.frontend.port == SVC_PORT + 1)
+            .count();
+        if listed < want {
+            bail!("agent said ready with {listed} of {want} frontends in the maps");
+        }
         let pid = pid_of_agent(agent.pin_dir()).unwrap_or(0);
-        Ok((agent, listed, pid))
+        Ok((agent, ready, pid))
     }
 
     pub fn ours(&self, s: usize, res: &mut Results, peers_too: bool) -> Result<()> {
@@ -707,8 +841,15 @@ impl Env {
         let to = self.vip_addr(s);
         let bulk = SocketAddrV4::new(vip(s - 1), SVC_PORT + 1);
         let ns = self.topo.client().netns();
-        res.datapaths
-            .push(self.measure("socket-lb", s, ns, true, to, Some(bulk))?);
+        res.datapaths.push(self.measure(
+            "socket-lb",
+            s,
+            ns,
+            true,
+            to,
+            Some(bulk),
+            Some(SOCKET_BASELINE),
+        )?);
         let change_ms =
             self.change_latency(ns, true, to, || self.set_measured_backend(s, pod_ip(1)))?;
         let hwm = vm_hwm_kib(pid);
@@ -720,7 +861,8 @@ impl Env {
             change_ms: Some(change_ms),
             agent_vmhwm_kib: hwm,
             rules_bytes: None,
-            note: "agent start (load, attach, parse, sync) until `lb services --json` lists every frontend; change = manifest file rewrite (agent polls every 200 ms)".into(),
+            note: "agent start (load, parse, sync, attach) until it logs `ready and serving`, then checked with `lb services --json`; change = manifest file rewrite (agent polls every 200 ms)".into(),
+            agent_phases: agent_phases(&agent.log()),
         });
         drop(agent);
         self.set_measured_backend(s, pod_ip(0))?;
@@ -745,7 +887,15 @@ impl Env {
         let to = SocketAddrV4::new(NODE_IP, NODE_PORT);
         let bulk = SocketAddrV4::new(NODE_IP, NODE_PORT + 1);
         let d = self
-            .measure("tc-nodeport", s, &self.ext, false, to, Some(bulk))
+            .measure(
+                "tc-nodeport",
+                s,
+                &self.ext,
+                false,
+                to,
+                Some(bulk),
+                Some(NODEPORT_BASELINE),
+            )
             .map_err(|e| {
                 let stats = agent.lb_command(&["stats"]).unwrap_or_default();
                 let ct = agent.lb_command(&["conntrack"]).unwrap_or_default();
@@ -767,6 +917,7 @@ impl Env {
             agent_vmhwm_kib: vm_hwm_kib(pid),
             rules_bytes: None,
             note: "agent in the node namespace with --iface ext0 --pod-iface vpod-a/b".into(),
+            agent_phases: agent_phases(&agent.log()),
         });
         drop(agent);
         Ok(())

@@ -70,7 +70,7 @@ enum Cmd {
     Client {
         #[arg(long)]
         to: SocketAddrV4,
-        /// lat | rate | bulk | watch
+        /// lat | rate | bulk | watch | paired-lat | paired-bulk
         #[arg(long)]
         mode: String,
         #[arg(long, default_value_t = 2000)]
@@ -82,6 +82,9 @@ enum Cmd {
         /// watch: stop at the first answer from this backend.
         #[arg(long)]
         until: Option<String>,
+        /// paired-lat | paired-bulk: measured alternately with --to.
+        #[arg(long)]
+        baseline: Option<SocketAddrV4>,
     },
 }
 
@@ -137,9 +140,11 @@ fn real_main() -> Result<()> {
             secs,
             cpu,
             until,
+            baseline,
         } => {
             let args = netio::ClientArgs {
                 to,
+                baseline,
                 mode,
                 count,
                 secs,
