@@ -23,6 +23,7 @@ pub fn to_json(doc: &str) -> Option<String> {
         pos: 0,
         out: String::with_capacity(doc.len()),
         keys: Vec::new(),
+        depth: 0,
     };
     reader.skip_blank();
     match reader.current() {
@@ -101,7 +102,13 @@ struct Reader<'a> {
     /// Keys of the mappings being read, innermost last: one allocation per
     /// document instead of one per mapping.
     keys: Vec<Cow<'a, str>>,
+    /// Nesting of the node being read; deeper documents go to serde_yaml, which
+    /// refuses them with an error instead of this reader recursing without bound.
+    depth: usize,
 }
+
+/// Deeper than any Kubernetes object; serde_yaml's own limit is 128.
+const MAX_DEPTH: usize = 64;
 
 impl<'a> Reader<'a> {
     fn current(&self) -> Option<Line<'a>> {
@@ -116,6 +123,16 @@ impl<'a> Reader<'a> {
 
     /// The node starting at the current line, which is indented by `indent`.
     fn node(&mut self, indent: usize) -> Option<()> {
+        if self.depth == MAX_DEPTH {
+            return None;
+        }
+        self.depth += 1;
+        let read = self.node_here(indent);
+        self.depth -= 1;
+        read
+    }
+
+    fn node_here(&mut self, indent: usize) -> Option<()> {
         let line = self.current()?;
         if line.is_sequence_item() {
             return self.sequence(indent);
@@ -828,6 +845,14 @@ ports:
             accepted > 300,
             "the fast path took only {accepted} documents"
         );
+    }
+
+    #[test]
+    fn deep_nesting_is_left_to_serde_yaml() {
+        let deep: String = (0..200).map(|i| format!("{}k:\n", " ".repeat(i))).collect();
+        assert!(to_json(&deep).is_none());
+        let shallow: String = (0..20).map(|i| format!("{}k:\n", " ".repeat(i))).collect();
+        assert!(agrees(&shallow));
     }
 
     /// Layouts: indentation, sequences, literals, comments and what must be refused.

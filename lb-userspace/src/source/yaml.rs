@@ -729,27 +729,11 @@ items:
     #[test]
     fn the_fast_path_loads_what_the_general_path_loads() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-        let list = "\
-apiVersion: v1
-kind: List
-items:
-- apiVersion: v1
-  kind: Service
-  metadata:
-    name: listed
-    namespace: default
-  spec:
-    clusterIP: 10.96.0.7
-    ports:
-    - port: 80
-      targetPort: http
-- apiVersion: v1
-  kind: ConfigMap
-  metadata:
-    name: ignored
-";
         let texts = [
-            format!("{SERVICE}---\n{list}"),
+            format!(
+                "{SERVICE}---\n{}",
+                include_str!("testdata/kubectl-web-list.yaml")
+            ),
             fs::read_to_string(root.join("examples/services.yaml")).unwrap(),
             fs::read_to_string(root.join("examples/endpointslices.yaml")).unwrap(),
         ];
