@@ -284,7 +284,7 @@ fn interpret(objects: &Objects, options: &SourceOptions, status: &AgentStatus) -
 /// This node's IPv4 InternalIP/ExternalIP addresses from its Node object: where
 /// NodePorts are served when `--node-ip` does not say.
 fn node_addresses(
-    nodes: &[k8s_openapi::api::core::v1::Node],
+    nodes: &[Arc<k8s_openapi::api::core::v1::Node>],
     node_name: &str,
 ) -> Vec<std::net::Ipv4Addr> {
     nodes

@@ -22,7 +22,7 @@ const QUIET: Duration = Duration::from_millis(400);
 const PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
 const HEADLESS: &str = "service.kubernetes.io/headless";
 
-fn names<T: kube::ResourceExt>(objects: &[T]) -> Vec<String> {
+fn names<T: kube::ResourceExt>(objects: &[std::sync::Arc<T>]) -> Vec<String> {
     objects
         .iter()
         .map(|o| match o.namespace() {

@@ -2,6 +2,7 @@
 //! socket hooks translate, and the NodePort, externalIP and LoadBalancer frontends
 //! the per-packet path serves.
 
+use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr};
 
@@ -186,9 +187,10 @@ struct SliceInfo {
 
 /// Turn Services and EndpointSlices into the frontends this node should translate.
 /// Problems with single objects come back as errors; everything else still applies.
-pub fn build_desired(
-    services: &[Service],
-    slices: &[EndpointSlice],
+/// Takes the objects owned or shared (`Arc`), as the sources hold them.
+pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
+    services: &[S],
+    slices: &[E],
     opts: &SourceOptions,
 ) -> (DesiredState, Vec<ObjectError>) {
     let mut errors = Vec::new();
@@ -196,7 +198,7 @@ pub fn build_desired(
     // Sorted so that the first of two Services claiming a frontend is well defined.
     let mut sorted: Vec<(ObjectId, &Service)> = services
         .iter()
-        .map(|s| (object_id(&s.metadata), s))
+        .map(|s| (object_id(&s.borrow().metadata), s.borrow()))
         .collect();
     sorted.sort_by(|a, b| a.0.cmp(&b.0));
     let known: BTreeSet<&ObjectId> = sorted.iter().map(|(id, _)| id).collect();
@@ -207,8 +209,10 @@ pub fn build_desired(
         .collect();
     let proxied: BTreeSet<&ObjectId> = plans.iter().map(|p| &p.id).collect();
 
-    let mut sorted_slices: Vec<(ObjectId, &EndpointSlice)> =
-        slices.iter().map(|s| (object_id(&s.metadata), s)).collect();
+    let mut sorted_slices: Vec<(ObjectId, &EndpointSlice)> = slices
+        .iter()
+        .map(|s| (object_id(&s.borrow().metadata), s.borrow()))
+        .collect();
     sorted_slices.sort_by(|a, b| a.0.cmp(&b.0));
     let mut slices_of: BTreeMap<ObjectId, Vec<SliceInfo>> = BTreeMap::new();
     for ((ns, name), slice) in &sorted_slices {

@@ -312,12 +312,12 @@ impl Caches {
     }
 }
 
-fn sorted<K>(store: &Store<K>) -> Vec<K>
+fn sorted<K>(store: &Store<K>) -> Vec<Arc<K>>
 where
     K: Resource + Clone,
     K::DynamicType: Eq + std::hash::Hash + Clone,
 {
-    let mut objects: Vec<K> = store.state().iter().map(|o| (**o).clone()).collect();
+    let mut objects: Vec<Arc<K>> = store.state();
     objects.sort_by_cached_key(|o| (o.namespace(), o.name_any()));
     objects
 }

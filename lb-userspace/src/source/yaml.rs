@@ -4,6 +4,7 @@ use std::borrow::Cow;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -16,10 +17,12 @@ use super::{block_yaml, Location, ObjectError, Problem};
 /// rest still load, so one broken document does not take the others down with it.
 #[derive(Clone, Debug, Default)]
 pub struct Objects {
-    pub services: Vec<Service>,
-    pub slices: Vec<EndpointSlice>,
+    /// Shared, not copied: a snapshot is built from per-file (or per-cache) parts
+    /// that stay alive next to it, and a copy would double the agent's memory.
+    pub services: Vec<Arc<Service>>,
+    pub slices: Vec<Arc<EndpointSlice>>,
     /// Only the API-server source fills this; files carry no Nodes.
-    pub nodes: Vec<Node>,
+    pub nodes: Vec<Arc<Node>>,
     pub errors: Vec<ObjectError>,
 }
 
@@ -243,12 +246,12 @@ fn take_json_document(json: &str, objects: &mut Objects) -> bool {
 fn take_json_object(json: &str, head: Head, objects: &mut Objects) -> bool {
     match (head.kind.as_deref(), head.api_version.as_deref()) {
         (Some("Service"), Some("v1")) => match serde_json::from_str::<Service>(json) {
-            Ok(service) => objects.services.push(service),
+            Ok(service) => objects.services.push(Arc::new(service)),
             Err(_) => return false,
         },
         (Some("EndpointSlice"), Some("discovery.k8s.io/v1")) => {
             match serde_json::from_str::<EndpointSlice>(json) {
-                Ok(slice) => objects.slices.push(slice),
+                Ok(slice) => objects.slices.push(Arc::new(slice)),
                 Err(_) => return false,
             }
         }
@@ -496,12 +499,12 @@ fn take_object(value: Value, location: &Location, objects: &mut Objects) {
     };
     if kind == "Service" {
         match serde_json::from_value::<Service>(value) {
-            Ok(svc) => objects.services.push(svc),
+            Ok(svc) => objects.services.push(Arc::new(svc)),
             Err(e) => objects.errors.push(error(kind, schema(e, kind))),
         }
     } else {
         match serde_json::from_value::<EndpointSlice>(value) {
-            Ok(slice) => objects.slices.push(slice),
+            Ok(slice) => objects.slices.push(Arc::new(slice)),
             Err(e) => objects.errors.push(error(kind, schema(e, kind))),
         }
     }
