@@ -160,25 +160,15 @@ impl PinnedMaps {
         for chunk in run.chunks(BATCH_CHUNK) {
             let applied = match chunk[0] {
                 MapOp::PutBackend { .. } => {
-                    let (ids, backends): (Vec<u32>, Vec<Backend>) = chunk
-                        .iter()
-                        .filter_map(|op| match op {
-                            MapOp::PutBackend { id, backend } => Some((*id, *backend)),
-                            _ => None,
-                        })
-                        .unzip();
-                    update_batch(self.backends_fd.as_fd(), &ids, &backends)
+                    update_batch(self.backends_fd.as_fd(), chunk, |op| match op {
+                        MapOp::PutBackend { id, backend } => Some((*id, *backend)),
+                        _ => None,
+                    })
                 }
-                _ => {
-                    let (keys, values): (Vec<ServiceKey>, Vec<ServiceValue>) = chunk
-                        .iter()
-                        .filter_map(|op| match op {
-                            MapOp::PutService { key, value } => Some((*key, *value)),
-                            _ => None,
-                        })
-                        .unzip();
-                    update_batch(self.services_fd.as_fd(), &keys, &values)
-                }
+                _ => update_batch(self.services_fd.as_fd(), chunk, |op| match op {
+                    MapOp::PutService { key, value } => Some((*key, *value)),
+                    _ => None,
+                }),
             };
             // After a failure the whole chunk is redone one by one: the kernel's
             // count of applied elements is not written on every error path (an
@@ -337,14 +327,19 @@ struct BatchAttr {
 
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 
-/// Inserts `keys[i] -> values[i]` in order with one syscall. The arrays' element
-/// types are the map's key and value types, so their sizes are the map's.
+/// Inserts the entries `entry` picks out of a run of ops, in order, with one
+/// syscall. `K` and `V` are the map's key and value types, so their sizes are the
+/// map's.
 fn update_batch<K: bytemuck::Pod, V: bytemuck::Pod>(
     map: BorrowedFd<'_>,
-    keys: &[K],
-    values: &[V],
+    run: &[MapOp],
+    entry: impl Fn(&MapOp) -> Option<(K, V)>,
 ) -> io::Result<()> {
-    assert_eq!(keys.len(), values.len());
+    let (keys, values): (Vec<K>, Vec<V>) = run.iter().filter_map(entry).unzip();
+    if keys.len() != run.len() {
+        // A mixed run: not for one map; the caller applies it op by op.
+        return Err(io::ErrorKind::InvalidInput.into());
+    }
     let mut attr = BatchAttr {
         keys: keys.as_ptr() as u64,
         values: values.as_ptr() as u64,
