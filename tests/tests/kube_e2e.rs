@@ -172,9 +172,14 @@ impl KubeBed {
             &format!("the VIP to have backends {names:?}"),
             SYNC,
             |entries| {
+                // The whole change, not a prefix of it: while the agent rewrites
+                // slots, the old count can still show one address twice.
                 entries.len() == 1
-                    && find_frontend(entries, VIP, PORT, "TCP")
-                        .is_some_and(|e| e.backend_addrs() == want)
+                    && find_frontend(entries, VIP, PORT, "TCP").is_some_and(|e| {
+                        e.backend_addrs() == want
+                            && e.backends.len() == want.len()
+                            && e.problems.is_empty()
+                    })
             },
         )?;
         Ok(entries[0].clone())
