@@ -48,6 +48,8 @@ pub struct PinnedMaps {
     /// 0.14 has no batch API).
     services_fd: OwnedFd,
     backends_fd: OwnedFd,
+    /// Entries written through batch syscalls since open (the rest went one by one).
+    batched: u64,
     capacity: Capacity,
 }
 
@@ -88,12 +90,18 @@ impl PinnedMaps {
                 .map_err(|e| typed(map_names::SVC_STATS, e))?,
             services_fd,
             backends_fd,
+            batched: 0,
             capacity: Capacity {
                 services: services_max,
                 backends: backends_max,
                 frontend_ids: crate::reconcile::MAX_REV_NAT_ID,
             },
         })
+    }
+
+    /// How many entries went to the kernel in batches rather than one by one.
+    pub fn batched_writes(&self) -> u64 {
+        self.batched
     }
 
     pub fn capacity(&self) -> Capacity {
@@ -175,7 +183,10 @@ impl PinnedMaps {
             // unsupported command leaves it as passed), and inserting the same
             // entry again changes nothing.
             match applied {
-                Ok(()) => done += chunk.len(),
+                Ok(()) => {
+                    done += chunk.len();
+                    self.batched += chunk.len() as u64;
+                }
                 Err(_) => return done,
             }
         }

@@ -813,7 +813,20 @@ fn a_large_table_is_written_in_batches_exactly_as_planned() {
         assert!(plan.rejected.is_empty(), "{:?}", plan.rejected);
         let mut expected = before;
         reconcile::apply(&mut expected, &plan.ops);
+        let batched_before = fx.maps.batched_writes();
         fx.maps.apply(&plan.ops).unwrap();
+        // Nearly every op is an insert in a long run: those went as batches.
+        let puts = plan
+            .ops
+            .iter()
+            .filter(|op| {
+                matches!(
+                    op,
+                    reconcile::MapOp::PutBackend { .. } | reconcile::MapOp::PutService { .. }
+                )
+            })
+            .count() as u64;
+        assert_eq!(fx.maps.batched_writes() - batched_before, puts);
         let written = fx.maps.snapshot().unwrap();
         assert_eq!(written.services.len(), 3000 * 11);
         assert_eq!(written.backends.len(), 3000 * 10);
