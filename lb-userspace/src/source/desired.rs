@@ -3,7 +3,7 @@
 //! the per-packet path serves.
 
 use std::borrow::Borrow;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr};
 
 use k8s_openapi::api::core::v1::{Service, ServicePort};
@@ -83,22 +83,22 @@ const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
 const DEFAULT_AFFINITY_TIMEOUT: i32 = 10_800;
 const MAX_AFFINITY_TIMEOUT: i32 = 86_400;
 
-type ObjectId = (String, String);
+/// (namespace, name), borrowed from the object: tens of thousands of them are
+/// sorted and looked up on every change.
+type ObjectId<'a> = (&'a str, &'a str);
 
 /// Objects without a namespace are taken to be in `default`, as `kubectl apply` of
 /// the same file would place them with a default context.
-fn object_id(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> ObjectId {
+fn object_id(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> ObjectId<'_> {
     (
-        meta.namespace
-            .clone()
-            .unwrap_or_else(|| "default".to_owned()),
-        meta.name.clone().unwrap_or_default(),
+        meta.namespace.as_deref().unwrap_or("default"),
+        meta.name.as_deref().unwrap_or_default(),
     )
 }
 
 /// One Service port this agent proxies.
-struct PortPlan {
-    name: String,
+struct PortPlan<'a> {
+    name: &'a str,
     protocol: Protocol,
     port: u16,
     /// Set for `type: NodePort` and `LoadBalancer` Services that have one.
@@ -106,9 +106,9 @@ struct PortPlan {
 }
 
 /// A Service that passed validation.
-struct ServicePlan {
-    id: ObjectId,
-    ports: Vec<PortPlan>,
+struct ServicePlan<'a> {
+    id: ObjectId<'a>,
+    ports: Vec<PortPlan<'a>>,
     cluster_ips: Vec<Ipv4Addr>,
     /// `spec.externalIPs` and `status.loadBalancer.ingress[].ip` (IPv4 ones).
     external_ips: Vec<Ipv4Addr>,
@@ -121,7 +121,7 @@ struct ServicePlan {
     health_check_node_port: Option<u16>,
 }
 
-impl ServicePlan {
+impl ServicePlan<'_> {
     /// This node's usable endpoints of the Service (distinct addresses over all its
     /// ports), what a health check reports.
     fn local_endpoints(&self, slices: &[SliceInfo]) -> usize {
@@ -144,7 +144,13 @@ impl ServicePlan {
         node_ips: &[Ipv4Addr],
     ) -> Vec<(Frontend, BTreeSet<BackendAddr>)> {
         let mut out = Vec::new();
-        let clustered = select_backends(port, self.internal_local, slices);
+        let all = select_backends(port, false, slices);
+        let local = if self.internal_local || self.external_local {
+            select_backends(port, true, slices)
+        } else {
+            BTreeSet::new()
+        };
+        let clustered = if self.internal_local { &local } else { &all };
         for &ip in &self.cluster_ips {
             out.push((
                 Frontend::internal(ip, port.port, port.protocol),
@@ -156,8 +162,6 @@ impl ServicePlan {
                 .into_iter()
                 .flat_map(|np| node_ips.iter().map(move |&ip| (ip, np))),
         );
-        let all = select_backends(port, false, slices);
-        let local = select_backends(port, true, slices);
         for (ip, p) in external {
             let frontend = Frontend::internal(ip, p, port.protocol);
             out.push((frontend, all.clone()));
@@ -179,9 +183,9 @@ struct EndpointInfo {
 }
 
 /// An IPv4 EndpointSlice that passed validation.
-struct SliceInfo {
+struct SliceInfo<'a> {
     /// (port name, protocol as written or `TCP`, port).
-    ports: Vec<(String, String, u16)>,
+    ports: Vec<(&'a str, &'a str, u16)>,
     endpoints: Vec<EndpointInfo>,
 }
 
@@ -201,28 +205,28 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         .map(|s| (object_id(&s.borrow().metadata), s.borrow()))
         .collect();
     sorted.sort_by(|a, b| a.0.cmp(&b.0));
-    let known: BTreeSet<&ObjectId> = sorted.iter().map(|(id, _)| id).collect();
+    let known: HashSet<ObjectId> = sorted.iter().map(|(id, _)| *id).collect();
 
     let plans: Vec<ServicePlan> = sorted
         .iter()
-        .filter_map(|(id, svc)| plan_service(id, svc, opts, &mut errors))
+        .filter_map(|&(id, svc)| plan_service(id, svc, opts, &mut errors))
         .collect();
-    let proxied: BTreeSet<&ObjectId> = plans.iter().map(|p| &p.id).collect();
+    let proxied: HashSet<ObjectId> = plans.iter().map(|p| p.id).collect();
 
     let mut sorted_slices: Vec<(ObjectId, &EndpointSlice)> = slices
         .iter()
         .map(|s| (object_id(&s.borrow().metadata), s.borrow()))
         .collect();
     sorted_slices.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut slices_of: BTreeMap<ObjectId, Vec<SliceInfo>> = BTreeMap::new();
-    for ((ns, name), slice) in &sorted_slices {
+    let mut slices_of: HashMap<ObjectId, Vec<SliceInfo>> = HashMap::new();
+    for &((ns, name), slice) in &sorted_slices {
         let slice_error = |problem| ObjectError::new(SLICE, ns, name, problem);
         let labels = slice.metadata.labels.as_ref();
         let Some(svc_name) = labels.and_then(|l| l.get(LABEL_SERVICE_NAME)) else {
             errors.push(slice_error(Problem::MissingServiceName));
             continue;
         };
-        let svc_id = (ns.clone(), svc_name.clone());
+        let svc_id = (ns, svc_name.as_str());
         if !known.contains(&svc_id) {
             let service = format!("{ns}/{svc_name}");
             errors.push(slice_error(Problem::ServiceNotFound { service }));
@@ -238,9 +242,9 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     }
 
     let mut desired = DesiredState::default();
-    let mut owners: BTreeMap<Frontend, ObjectId> = BTreeMap::new();
+    let mut owners: HashMap<Frontend, ObjectId> = HashMap::new();
     for plan in &plans {
-        let (ns, name) = &plan.id;
+        let (ns, name) = plan.id;
         let slices = slices_of.get(&plan.id).map(Vec::as_slice).unwrap_or(&[]);
         if let Some(port) = plan.health_check_node_port {
             if let Some(owner) = desired.health_checks.get(&port) {
@@ -255,8 +259,8 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 desired.health_checks.insert(
                     port,
                     HealthCheck {
-                        namespace: ns.clone(),
-                        name: name.clone(),
+                        namespace: ns.to_owned(),
+                        name: name.to_owned(),
                         local_endpoints: plan.local_endpoints(slices),
                     },
                 );
@@ -279,7 +283,7 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                     ));
                     continue;
                 }
-                owners.insert(frontend, plan.id.clone());
+                owners.insert(frontend, plan.id);
                 desired.frontends.insert(
                     frontend,
                     FrontendSpec {
@@ -295,12 +299,12 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
 }
 
 /// Validate one Service; `None` when it is not proxied (skipped or invalid).
-fn plan_service(
-    id: &ObjectId,
-    svc: &Service,
+fn plan_service<'a>(
+    id: ObjectId<'a>,
+    svc: &'a Service,
     opts: &SourceOptions,
     errors: &mut Vec<ObjectError>,
-) -> Option<ServicePlan> {
+) -> Option<ServicePlan<'a>> {
     let (ns, name) = id;
     let error = |problem| ObjectError::new(SERVICE, ns, name, problem);
     let labels = svc.metadata.labels.as_ref();
@@ -309,14 +313,18 @@ fn plan_service(
     if labels.is_some_and(|l| l.contains_key(LABEL_PROXY_NAME) || l.contains_key(LABEL_HEADLESS)) {
         return None;
     }
-    let spec = svc.spec.clone().unwrap_or_default();
+    // Without a spec there is no cluster IP, as with an empty one.
+    let Some(spec) = svc.spec.as_ref() else {
+        errors.push(error(Problem::MissingClusterIp));
+        return None;
+    };
     if spec.type_.as_deref() == Some("ExternalName") {
         return None;
     }
 
-    let cluster_ips: Vec<String> = match (&spec.cluster_ips, &spec.cluster_ip) {
-        (Some(ips), _) if !ips.is_empty() => ips.clone(),
-        (_, Some(ip)) if !ip.is_empty() => vec![ip.clone()],
+    let cluster_ips: &[String] = match (&spec.cluster_ips, &spec.cluster_ip) {
+        (Some(ips), _) if !ips.is_empty() => ips,
+        (_, Some(ip)) if !ip.is_empty() => std::slice::from_ref(ip),
         _ => {
             errors.push(error(Problem::MissingClusterIp));
             return None;
@@ -326,7 +334,7 @@ fn plan_service(
         return None; // headless: clients resolve pod IPs through DNS
     }
     let mut v4 = Vec::new();
-    for value in &cluster_ips {
+    for value in cluster_ips {
         match value.parse::<IpAddr>() {
             Ok(IpAddr::V4(ip)) if !v4.contains(&ip) => v4.push(ip),
             Ok(_) => {}
@@ -413,7 +421,7 @@ fn plan_service(
     };
 
     Some(ServicePlan {
-        id: id.clone(),
+        id,
         ports,
         cluster_ips: v4,
         external_ips,
@@ -424,11 +432,11 @@ fn plan_service(
     })
 }
 
-fn plan_port(
-    sp: &ServicePort,
+fn plan_port<'a>(
+    sp: &'a ServicePort,
     node_port_range: Option<&NodePortRange>,
     report: &mut dyn FnMut(Problem),
-) -> Option<PortPlan> {
+) -> Option<PortPlan<'a>> {
     let Some(port) = valid_port(sp.port) else {
         report(Problem::PortOutOfRange { port: sp.port });
         return None;
@@ -466,7 +474,7 @@ fn plan_port(
         _ => None,
     };
     Some(PortPlan {
-        name: sp.name.clone().unwrap_or_default(),
+        name: sp.name.as_deref().unwrap_or_default(),
         protocol,
         port,
         node_port,
@@ -477,22 +485,24 @@ fn valid_port(port: i32) -> Option<u16> {
     u16::try_from(port).ok().filter(|&p| p != 0)
 }
 
-fn read_slice(
-    slice: &EndpointSlice,
+fn read_slice<'a>(
+    slice: &'a EndpointSlice,
     opts: &SourceOptions,
     report: &mut dyn FnMut(Problem),
-) -> SliceInfo {
+) -> SliceInfo<'a> {
     let mut ports = Vec::new();
     for p in slice.ports.iter().flatten() {
-        let name = p.name.clone().unwrap_or_default();
+        let name = p.name.as_deref().unwrap_or_default();
         match p.port {
-            None => report(Problem::EndpointPortMissing { name }),
+            None => report(Problem::EndpointPortMissing {
+                name: name.to_owned(),
+            }),
             Some(n) => match valid_port(n) {
-                Some(port) => {
-                    let protocol = p.protocol.clone().unwrap_or_else(|| "TCP".to_owned());
-                    ports.push((name, protocol, port));
-                }
-                None => report(Problem::EndpointPortOutOfRange { name, port: n }),
+                Some(port) => ports.push((name, p.protocol.as_deref().unwrap_or("TCP"), port)),
+                None => report(Problem::EndpointPortOutOfRange {
+                    name: name.to_owned(),
+                    port: n,
+                }),
             },
         }
     }
@@ -511,14 +521,14 @@ fn read_slice(
             });
             continue;
         };
-        let conditions = ep.conditions.clone().unwrap_or_default();
+        let conditions = ep.conditions.as_ref();
         // Unknown readiness counts as ready, and a ready endpoint is serving.
-        let ready = conditions.ready.unwrap_or(true);
+        let ready = conditions.and_then(|c| c.ready).unwrap_or(true);
         endpoints.push(EndpointInfo {
             ip,
             ready,
-            serving: conditions.serving.unwrap_or(ready),
-            terminating: conditions.terminating.unwrap_or(false),
+            serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
+            terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
             local: ep.node_name.as_deref() == Some(opts.node_name.as_str()),
         });
     }
@@ -533,7 +543,10 @@ fn select_backends(
     local_only: bool,
     slices: &[SliceInfo],
 ) -> BTreeSet<BackendAddr> {
-    let protocol = port.protocol.to_string();
+    let protocol = match port.protocol {
+        Protocol::Tcp => "TCP",
+        Protocol::Udp => "UDP",
+    };
     let candidates: Vec<(BackendAddr, &EndpointInfo)> = slices
         .iter()
         .filter_map(|s| {
