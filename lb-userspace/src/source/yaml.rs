@@ -158,13 +158,13 @@ fn parse_documents(file: &Path, docs: &[Document], objects: &mut Objects) {
             line: doc.line,
             item: None,
         };
-        // Block-style YAML (what kubectl writes) is read without libyaml; whatever
-        // that reader leaves, or whatever does not load cleanly from it, takes the
-        // full path below, which also words every error.
-        if let Some(json) = block_yaml::to_json(&doc.text) {
-            if take_json_document(&json, objects) {
-                continue;
-            }
+        // Block-style YAML (what kubectl writes) is read without libyaml, straight
+        // into the typed objects; whatever that reader leaves, or whatever does not
+        // load cleanly from it, takes the full path below, which also words every
+        // error.
+        if let Some(manifest) = block_yaml::from_str::<Manifest>(&doc.text) {
+            manifest.add_to(objects);
+            continue;
         }
         match serde_yaml::from_str::<Value>(&doc.text) {
             Ok(value) => take_document(value, &location, objects),
@@ -182,6 +182,110 @@ fn parse_documents(file: &Path, docs: &[Document], objects: &mut Objects) {
                 });
             }
         }
+    }
+}
+
+/// A document (or an item of a list) read by the block YAML reader, typed by its
+/// `apiVersion` and `kind` before its fields are read. Only clean loads: anything
+/// the general path would report (a missing kind, another version of a kind we
+/// proxy, a schema error) fails the whole document, which then takes that path.
+enum Manifest {
+    Service(Arc<Service>),
+    Slice(Arc<EndpointSlice>),
+    List(Vec<Manifest>),
+    /// Not ours to proxy, read through only to check it is well-formed.
+    Other,
+}
+
+impl Manifest {
+    fn add_to(self, objects: &mut Objects) {
+        match self {
+            Manifest::Service(service) => objects.services.push(service),
+            Manifest::Slice(slice) => objects.slices.push(slice),
+            Manifest::List(items) => items.into_iter().for_each(|i| i.add_to(objects)),
+            Manifest::Other => {}
+        }
+    }
+}
+
+/// `items` of a list; typed lists from the API leave kind and apiVersion out of
+/// their items, so those are read as the list's item type.
+#[derive(serde::Deserialize)]
+struct Items<T> {
+    #[serde(default = "Option::default")]
+    items: Option<Vec<T>>,
+}
+
+impl<T> Items<T> {
+    fn into_manifests(self, wrap: impl Fn(T) -> Manifest) -> Manifest {
+        Manifest::List(self.items.into_iter().flatten().map(wrap).collect())
+    }
+}
+
+/// A list's item: an object of any kind, but not another list.
+struct ListItem(Manifest);
+
+impl<'de> serde::Deserialize<'de> for Manifest {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_enum(
+            block_yaml::KIND_TAGGED,
+            &[],
+            ManifestVisitor { lists: true },
+        )
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for ListItem {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_enum(
+            block_yaml::KIND_TAGGED,
+            &[],
+            ManifestVisitor { lists: false },
+        )
+        .map(ListItem)
+    }
+}
+
+struct ManifestVisitor {
+    /// Whether a list is read as one; items that are lists are not ours to proxy,
+    /// as on the general path.
+    lists: bool,
+}
+
+impl<'de> serde::de::Visitor<'de> for ManifestVisitor {
+    type Value = Manifest;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a Kubernetes object")
+    }
+
+    fn visit_enum<A: serde::de::EnumAccess<'de>>(self, data: A) -> Result<Manifest, A::Error> {
+        use serde::de::{Error, IgnoredAny, VariantAccess};
+        let ((api_version, kind), object): ((Cow<str>, Cow<str>), _) = data.variant()?;
+        let not_clean = || A::Error::custom("left to the general path");
+        Ok(match (api_version.as_ref(), kind.as_ref()) {
+            ("v1", "Service") => Manifest::Service(Arc::new(object.newtype_variant()?)),
+            ("discovery.k8s.io/v1", "EndpointSlice") => {
+                Manifest::Slice(Arc::new(object.newtype_variant()?))
+            }
+            (_, "Service" | "EndpointSlice" | "") => return Err(not_clean()),
+            (_, "List") if self.lists => {
+                let list: Items<ListItem> = object.newtype_variant()?;
+                list.into_manifests(|item| item.0)
+            }
+            (_, "ServiceList") if self.lists => {
+                let list: Items<Service> = object.newtype_variant()?;
+                list.into_manifests(|s| Manifest::Service(Arc::new(s)))
+            }
+            (_, "EndpointSliceList") if self.lists => {
+                let list: Items<EndpointSlice> = object.newtype_variant()?;
+                list.into_manifests(|s| Manifest::Slice(Arc::new(s)))
+            }
+            _ => {
+                object.newtype_variant::<IgnoredAny>()?;
+                Manifest::Other
+            }
+        })
     }
 }
 
@@ -609,6 +713,128 @@ items:
         );
     }
 
+    /// Lists in block style take the typed reader, item kinds and all; what it
+    /// cannot load cleanly (an item of another version of a kind we proxy, or
+    /// without a kind) goes to the general path and is reported there.
+    #[test]
+    fn block_style_lists_load_typed_or_are_reported_by_the_general_path() {
+        let lists = "\
+apiVersion: v1
+kind: List
+items:
+- apiVersion: v1
+  kind: Service
+  metadata:
+    name: a
+    namespace: default
+  spec:
+    clusterIP: 10.96.0.1
+    ports:
+    - port: 80
+- apiVersion: v1
+  kind: ConfigMap
+  metadata:
+    name: ignored
+  data:
+    key: value
+- apiVersion: v1
+  kind: List
+  items:
+  - apiVersion: v1
+    kind: Service
+    metadata:
+      name: nested-lists-are-not-read
+- apiVersion: discovery.k8s.io/v1
+  kind: EndpointSlice
+  metadata:
+    name: a-1
+    namespace: default
+  addressType: IPv4
+  endpoints:
+---
+apiVersion: v1
+kind: ServiceList
+items:
+- metadata:
+    name: b
+    namespace: default
+  spec:
+    clusterIP: 10.96.0.2
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSliceList
+items:
+---
+apiVersion: v1
+kind: EndpointSliceList
+items:
+- metadata:
+    name: b-1
+    namespace: default
+  addressType: IPv4
+  endpoints: []
+";
+        for doc in split_documents(lists) {
+            assert!(
+                block_yaml::from_str::<Manifest>(&doc.text).is_some(),
+                "{}",
+                doc.text
+            );
+        }
+        let fast = parse(lists);
+        let general = general_path_only(lists);
+        assert!(fast.errors.is_empty(), "{:?}", fast.errors);
+        assert_eq!(fast.services, general.services);
+        assert_eq!(fast.slices, general.slices);
+        let names: Vec<_> = fast
+            .services
+            .iter()
+            .chain(general.services.iter())
+            .filter_map(|s| s.metadata.name.as_deref())
+            .collect();
+        assert_eq!(names, ["a", "b", "a", "b"]);
+        assert_eq!(fast.slices.len(), 2);
+
+        let refused = "\
+apiVersion: v1
+kind: List
+items:
+- apiVersion: v1
+  kind: Service
+  metadata:
+    name: fine
+- apiVersion: v2
+  kind: Service
+  metadata:
+    name: future
+    namespace: ns1
+- metadata:
+    name: kindless
+";
+        assert!(block_yaml::from_str::<Manifest>(refused).is_none());
+        let o = parse(refused);
+        assert_eq!(o.services.len(), 1);
+        let problems: Vec<_> = o
+            .errors
+            .iter()
+            .map(|e| (e.location.as_ref().unwrap().item, e.reason.clone()))
+            .collect();
+        assert_eq!(
+            problems,
+            [
+                (
+                    Some(1),
+                    Problem::UnsupportedApiVersion {
+                        kind: "Service".into(),
+                        found: "v2".into(),
+                        expected: "v1"
+                    }
+                ),
+                (Some(2), Problem::MissingKind)
+            ]
+        );
+    }
+
     #[test]
     fn broken_documents_are_reported_and_the_rest_load() {
         let text = format!(
@@ -743,7 +969,11 @@ items:
         for text in &texts {
             // Block style throughout: the reader takes every document.
             for doc in split_documents(text) {
-                assert!(block_yaml::to_json(&doc.text).is_some(), "{}", doc.text);
+                assert!(
+                    block_yaml::from_str::<Manifest>(&doc.text).is_some(),
+                    "{}",
+                    doc.text
+                );
             }
             let fast = parse(text);
             let general = general_path_only(text);
