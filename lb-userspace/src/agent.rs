@@ -107,6 +107,10 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             )
         }
     };
+    // The source's task was spawned into this worker's LIFO slot, which other
+    // workers cannot steal: yield once so it starts reading (on a blocking thread)
+    // while this task loads the programs, instead of after.
+    tokio::task::yield_now().await;
     sys::ensure_bpffs(config.pin.root())?;
     let object = loader::kernel_object(config.bpf_object.as_deref())?;
     // Maps first, hooks only after the first sync filled them: a first start, or an
@@ -117,6 +121,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let snat_ip = config.node_ips.first().copied();
     let loading = Instant::now();
     let mut ebpf = loader::load(&object, &config.pin, config.sizes, snat_ip)?;
+    loader::verify(&mut ebpf, &config.tc)?;
     info!(
         load_ms = loading.elapsed().as_millis() as u64,
         "datapath programs loaded"
@@ -386,12 +391,7 @@ fn sync(
             "service table applied"
         );
     }
-    let frontend_names = (!plan.is_empty() || read_kernel).then(|| {
-        table::decode(&current)
-            .into_iter()
-            .map(|f| (f.rev_nat_id, f.frontend.to_string()))
-            .collect()
-    });
+    let frontend_names = (!plan.is_empty() || read_kernel).then(|| table::frontend_names(&current));
     let outcome = SyncOutcome {
         services_used: current.services.len(),
         backends_used: current.backends.len(),

@@ -169,6 +169,36 @@ pub fn kernel_object(path: Option<&Path>) -> Result<Vec<u8>, LoadError> {
     }
 }
 
+/// Has the kernel verify every program the agent will attach, without attaching
+/// any: the agent does this while the first sync is still being read, so the
+/// verifier's time is off the path to serving, and a rejection stops the start
+/// before a single map write. `attach` loads whatever this did not.
+pub fn verify(ebpf: &mut Ebpf, tc: &TcConfig) -> Result<(), LoadError> {
+    for program in program_names::ALL {
+        let prog: &mut CgroupSockAddr = ebpf
+            .program_mut(program)
+            .ok_or(LoadError::MissingProgram { program })?
+            .try_into()
+            .map_err(|e| program_error(program, e))?;
+        prog.load().map_err(|e| verifier_error(program, e))?;
+    }
+    for (program, ifaces) in [
+        (program_names::TC_EXTERNAL, &tc.external_ifaces),
+        (program_names::TC_INTERNAL, &tc.internal_ifaces),
+    ] {
+        if ifaces.is_empty() {
+            continue;
+        }
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut(program)
+            .ok_or(LoadError::MissingProgram { program })?
+            .try_into()
+            .map_err(|e| program_error(program, e))?;
+        prog.load().map_err(|e| verifier_error(program, e))?;
+    }
+    Ok(())
+}
+
 /// Attaches every hook of a loaded object to `cgroup` and the TC devices, and pins
 /// the links. Links of a previous agent are replaced only after the new ones are
 /// attached: both translate identically, and a socket already rewritten to a backend
@@ -203,7 +233,9 @@ pub fn attach(
             .ok_or(LoadError::MissingProgram { program })?
             .try_into()
             .map_err(|e| program_error(program, e))?;
-        prog.load().map_err(|e| verifier_error(program, e))?;
+        if prog.fd().is_err() {
+            prog.load().map_err(|e| verifier_error(program, e))?;
+        }
         for iface in ifaces {
             if let TcLink::Tcx(link) = attach_tc(prog, program, iface, tc.attach)? {
                 // bpffs names cannot contain '.', which VLAN devices have.
@@ -269,7 +301,9 @@ fn attach_cgroup(
         .ok_or(LoadError::MissingProgram { program })?
         .try_into()
         .map_err(|e| program_error(program, e))?;
-    prog.load().map_err(|e| verifier_error(program, e))?;
+    if prog.fd().is_err() {
+        prog.load().map_err(|e| verifier_error(program, e))?;
+    }
     // With bpf_link the kernel always allows several programs per cgroup and rejects
     // the legacy BPF_F_ALLOW_MULTI flag, so "Single" (flags 0) is the right mode.
     let link_id = prog

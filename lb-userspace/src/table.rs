@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::Ipv4Addr;
 
-use lb_common::{ServiceValue, SVC_FLAG_AFFINITY};
+use lb_common::{ServiceKey, ServiceValue, SVC_FLAG_AFFINITY};
 use serde::Serialize;
 
 use crate::model::{Frontend, Protocol, Scope};
@@ -42,27 +42,38 @@ pub fn ip_of(address: u32) -> Ipv4Addr {
 
 type Group = (Option<ServiceValue>, BTreeMap<u16, ServiceValue>);
 
+/// The frontend a service entry belongs to. Entries with a protocol the hooks never
+/// look up, or with padding set, can never match a lookup; the reconciler deletes
+/// them and there is no frontend to show them under.
+fn frontend_of(key: &ServiceKey) -> Option<Frontend> {
+    if key._pad != [0; 2] {
+        return None;
+    }
+    Some(Frontend {
+        ip: ip_of(key.address),
+        port: u16::from_be(key.port),
+        protocol: Protocol::from_number(key.proto)?,
+        scope: Scope::from_number(key.scope)?,
+    })
+}
+
+/// Frontend ids and the frontends they name, from the master entries alone: what
+/// the metrics label counters with, without decoding every backend.
+pub fn frontend_names(snapshot: &MapSnapshot) -> BTreeMap<u32, String> {
+    snapshot
+        .services
+        .iter()
+        .filter(|(key, _)| key.backend_slot == 0)
+        .filter_map(|(key, master)| Some((master.rev_nat_id, frontend_of(key)?.to_string())))
+        .collect()
+}
+
 /// Group the service entries by frontend and check each against the backends map.
 pub fn decode(snapshot: &MapSnapshot) -> Vec<ProgrammedFrontend> {
     let mut groups: BTreeMap<Frontend, Group> = BTreeMap::new();
     for (key, value) in &snapshot.services {
-        // Entries with a protocol the hooks never look up, or with padding set, can
-        // never match a lookup; the reconciler deletes them and there is no frontend
-        // to show them under.
-        let Some(protocol) = Protocol::from_number(key.proto) else {
+        let Some(frontend) = frontend_of(key) else {
             continue;
-        };
-        let Some(scope) = Scope::from_number(key.scope) else {
-            continue;
-        };
-        if key._pad != [0; 2] {
-            continue;
-        }
-        let frontend = Frontend {
-            ip: ip_of(key.address),
-            port: u16::from_be(key.port),
-            protocol,
-            scope,
         };
         let group = groups.entry(frontend).or_default();
         if key.backend_slot == 0 {

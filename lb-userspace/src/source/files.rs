@@ -75,14 +75,18 @@ impl FileCache {
 pub fn watch(path: PathBuf, interval: Duration) -> watch::Receiver<Option<Arc<Objects>>> {
     let (tx, rx) = watch::channel(None);
     tokio::spawn(async move {
-        let mut ticker = tokio::time::interval(interval);
+        // The first read starts at once, not at the first tick: a timer fires only
+        // when the runtime's driver turns, which on a busy start (programs being
+        // loaded) is after the work the read should overlap.
+        let first_poll = tokio::time::Instant::now() + interval;
+        let mut ticker = tokio::time::interval_at(first_poll, interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last = None;
         let mut cache = FileCache::default();
         loop {
-            ticker.tick().await;
             let seen = fingerprint(&path);
             if last.as_ref() == Some(&seen) {
+                ticker.tick().await;
                 continue;
             }
             last = Some(seen);
@@ -115,6 +119,7 @@ pub fn watch(path: PathBuf, interval: Duration) -> watch::Receiver<Option<Arc<Ob
                 }
                 Err(e) => warn!("{e}; keeping the current service table"),
             }
+            ticker.tick().await;
         }
     });
     rx
