@@ -183,12 +183,16 @@ one real endpoint (pod-a) so that every connection reaches the same server.\n\n"
     o += "## Our datapaths paired with their direct path
 
 ";
-    o += "The ratios above compare runs minutes apart, and this machine drifts by more than \
-          the 3-5% the targets are about. Here one client process alternates, connection by \
-          connection (bulk: window by window, 8 rounds), between the Service and the same \
-          backend's pod IP, swapping the order every pair, so both series see the same \
-          moment of the machine. Each figure is the median over repetitions of the per-run \
-          ratio, `[min–max]` over repetitions.\n\n";
+    let _ = write!(
+        o,
+        "The ratios above compare runs minutes apart, and this machine drifts by more than \
+         the 3-5% the targets are about. Here one client process alternates, connection by \
+         connection (bulk: window by window, {} rounds), between the Service and the same \
+         backend's pod IP, swapping the order every pair, so both series see the same \
+         moment of the machine. Each figure is the median over repetitions of the per-run \
+         ratio, `[min–max]` over repetitions.\n\n",
+        super::netio::PAIRED_BULK_ROUNDS
+    );
     o += "| datapath | S | paired with | p50 ratio | p99 ratio | bulk ratio |\n|---|---|---|---|---|---|\n";
     for d in res.datapaths.iter().filter(|d| d.paired_baseline.is_some()) {
         let _ = writeln!(
