@@ -192,8 +192,9 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         status.record_pending();
         let started = Instant::now();
         let desired = interpret(&current, &options, &status);
-        debug!(
-            interpret_ms = started.elapsed().as_millis() as u64,
+        info!(
+            desired_ms = started.elapsed().as_millis() as u64,
+            frontends = desired.frontends.len(),
             "desired state built"
         );
         match sync(&mut maps, &desired, &mut known_table) {

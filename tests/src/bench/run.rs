@@ -176,13 +176,14 @@ pub struct ControlResult {
     pub agent_phases: std::collections::BTreeMap<String, u64>,
 }
 
-/// The agent's start-up phases from its log: BPF load, manifest parse, plan and
-/// map writes of the first sync.
+/// The agent's start-up phases from its log: BPF load, manifest parse, desired
+/// state, plan and map writes of the first sync.
 fn agent_phases(log: &[String]) -> std::collections::BTreeMap<String, u64> {
     let mut phases = std::collections::BTreeMap::new();
-    let wanted: [(&str, &[(&str, &str)]); 3] = [
+    let wanted: [(&str, &[(&str, &str)]); 4] = [
         ("datapath programs loaded", &[("load_ms", "load_ms")]),
         ("manifests read", &[("read_ms", "parse_ms")]),
+        ("desired state built", &[("desired_ms", "desired_ms")]),
         (
             "service table applied",
             &[
