@@ -197,7 +197,30 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             frontends = desired.frontends.len(),
             "desired state built"
         );
-        match sync(&mut maps, &desired, &mut known_table) {
+        // The hooks attach as soon as the first table is in the kernel; the
+        // agent's own bookkeeping of what it wrote comes after.
+        let written = write_table(&mut maps, &desired, &mut known_table).map_err(SyncError::from);
+        let recorded = written.and_then(|written| {
+            if !attached {
+                loader::attach(&mut ebpf, &config.pin, &config.cgroup, &config.tc)
+                    .map_err(SyncError::Attach)?;
+                attached = true;
+                info!(
+                    cgroup = %config.cgroup.display(),
+                    pin_dir = %config.pin.root().display(),
+                    "hooks attached"
+                );
+                retire_layouts(&retired);
+                status.mark_initial_sync();
+                info!(
+                    frontends = desired.frontends.len(),
+                    backends = desired.backend_count(),
+                    "ready and serving"
+                );
+            }
+            Ok(record_table(&mut maps, written, &mut known_table)?)
+        });
+        match recorded {
             Ok(outcome) => {
                 retry = None;
                 for e in health_checks.update(&desired.health_checks).await {
@@ -222,24 +245,9 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                     desired.frontends.len(),
                     desired.backend_count(),
                 );
-                if !attached {
-                    loader::attach(&mut ebpf, &config.pin, &config.cgroup, &config.tc)?;
-                    attached = true;
-                    info!(
-                        cgroup = %config.cgroup.display(),
-                        pin_dir = %config.pin.root().display(),
-                        "hooks attached"
-                    );
-                    retire_layouts(&retired);
-                    status.mark_initial_sync();
-                    info!(
-                        frontends = desired.frontends.len(),
-                        backends = desired.backend_count(),
-                        "ready and serving"
-                    );
-                }
             }
-            Err(e) => {
+            Err(SyncError::Attach(e)) => return Err(e.into()),
+            Err(SyncError::Maps(e)) => {
                 status.record_sync_error();
                 warn!("applying the service table failed, retrying: {e}");
                 retry = Some(current);
@@ -348,21 +356,35 @@ fn collect_idle_flows(
     Ok(removed)
 }
 
-/// Returns the entries in use afterwards (services, backends) and, when the table
-/// changed, the frontends by id.
-///
-/// `known` is the table as the last successful sync left it. The agent is the maps'
-/// only writer, so that copy stays exact and a change costs only its own writes,
-/// not a read of the whole table; after a failure it is dropped and the next sync
-/// reads the kernel's state again.
-fn sync(
+/// Why a sync did not complete: the maps (retried with the same objects), or
+/// attaching the hooks after the first one (fatal).
+#[derive(Debug, thiserror::Error)]
+enum SyncError {
+    #[error(transparent)]
+    Maps(#[from] MapsError),
+    #[error(transparent)]
+    Attach(LoadError),
+}
+
+/// The first half of a sync: the desired table planned against what the maps hold
+/// and written to the kernel.
+struct Written {
+    current: reconcile::MapSnapshot,
+    plan: reconcile::Plan,
+    /// `current` was read from the kernel, not remembered.
+    read_kernel: bool,
+}
+
+/// Writes the difference between `desired` and the maps. `known` is what the last
+/// sync left; it is taken, so a failure makes the next sync read the kernel again.
+fn write_table(
     maps: &mut PinnedMaps,
     desired: &DesiredState,
     known: &mut Option<reconcile::MapSnapshot>,
-) -> Result<SyncOutcome, MapsError> {
+) -> Result<Written, MapsError> {
     let started = Instant::now();
     let read_kernel = known.is_none();
-    let mut current = match known.take() {
+    let current = match known.take() {
         Some(table) => table,
         None => maps.snapshot()?,
     };
@@ -374,14 +396,6 @@ fn sync(
     }
     if !plan.is_empty() {
         maps.apply(&plan.ops)?;
-        reconcile::apply(&mut current, &plan.ops);
-        let live = current
-            .services
-            .iter()
-            .filter(|(key, _)| key.backend_slot == 0)
-            .map(|(_, master)| master.rev_nat_id)
-            .collect();
-        maps.prune_service_stats(&live)?;
         info!(
             read_ms = read.as_millis() as u64,
             plan_ms = (planned - read).as_millis() as u64,
@@ -391,6 +405,35 @@ fn sync(
             backends = desired.backend_count(),
             "service table applied"
         );
+    }
+    Ok(Written {
+        current,
+        plan,
+        read_kernel,
+    })
+}
+
+/// The second half: remembers what was written and drops the counters of
+/// frontends that are gone.
+fn record_table(
+    maps: &mut PinnedMaps,
+    written: Written,
+    known: &mut Option<reconcile::MapSnapshot>,
+) -> Result<SyncOutcome, MapsError> {
+    let Written {
+        mut current,
+        plan,
+        read_kernel,
+    } = written;
+    if !plan.is_empty() {
+        reconcile::apply(&mut current, &plan.ops);
+        let live = current
+            .services
+            .iter()
+            .filter(|(key, _)| key.backend_slot == 0)
+            .map(|(_, master)| master.rev_nat_id)
+            .collect();
+        maps.prune_service_stats(&live)?;
     }
     let frontend_names = (!plan.is_empty() || read_kernel).then(|| table::frontend_names(&current));
     let outcome = SyncOutcome {
