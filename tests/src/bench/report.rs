@@ -129,7 +129,7 @@ fn readme(res: &Results, plots: bool) -> String {
 One node namespace with a bridge; backend pods `pod-a`/`pod-b` run `lb-bench serve` (a \
 compiled sequential server); client pods run `lb-bench client` (compiled; one connection \
 at a time: connect, 64-byte request, 64-byte response, close). Client and servers are pinned \
-to the same CPU (BENCH-NOTES: spreading them over both vCPUs gave ±40% swings).\n\n\
+to the same CPU ([NOTES.md](NOTES.md): spreading them over both vCPUs gave ±40% swings).\n\n\
 | datapath | how |\n|---|---|\n\
 | direct | client connects to the pod IP |\n\
 | iptables | kube-proxy iptables-mode rules (tests/src/bench/kubeproxy.rs) loaded with `iptables-restore` (nft backend, no `--noflush`) into the client pod's namespace (nat OUTPUT → KUBE-SERVICES); the measured Service is **last** in KUBE-SERVICES (worst case) |\n\
@@ -178,7 +178,7 @@ one real endpoint (pod-a) so that every connection reaches the same server.\n\n"
         );
     }
     o += "\nBulk throughput is measured where it can differ (direct, socket-lb, tc-nodeport): \
-          only a flow's first packet walks iptables/nft rules (BENCH-NOTES).\n\n";
+          only a flow's first packet walks iptables/nft rules ([NOTES.md](NOTES.md)).\n\n";
 
     o += "## Our datapaths paired with their direct path
 

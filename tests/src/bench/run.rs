@@ -77,7 +77,7 @@ impl Config {
             // Beyond what the peers load in the time budget (and beyond 16-bit ids).
             ours_extra_scales: if quick { vec![] } else { vec![65_000, 100_000] },
             iptables_max: 10_000,
-            // nft -f of 10k Services took ~105 s with 4 endpoints (BENCH-NOTES); with
+            // nft -f of 10k Services took ~105 s with 4 endpoints (docs/benchmarks/NOTES.md); with
             // 10 endpoints it does not fit the bench's time budget.
             nft_max: 1000,
             reps: if quick { 1 } else { 3 },
@@ -728,7 +728,7 @@ impl Env {
                 ns_exec(ns, "iptables-restore", &["--noflush"], Some(&pfile)).map(drop)
             })?);
         } else {
-            note += "; change skipped: iptables-nft-restore --noflush takes minutes at this size (BENCH-NOTES)";
+            note += "; change skipped: iptables-nft-restore --noflush takes minutes at this size (docs/benchmarks/NOTES.md)";
         }
         res.control.push(ControlResult {
             datapath: "iptables".into(),
@@ -1059,7 +1059,7 @@ pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
                 res.skipped.push(Skipped {
                     datapath: "nftables".into(),
                     services: s,
-                    reason: "nft -f of 10k Services x 4 endpoints took ~105 s (~0.7 GB) here (BENCH-NOTES); with 10 endpoints it does not fit the bench's time budget".into(),
+                    reason: "nft -f of 10k Services x 4 endpoints took ~105 s (~0.7 GB) here (docs/benchmarks/NOTES.md); with 10 endpoints it does not fit the bench's time budget".into(),
                 });
             }
         }
