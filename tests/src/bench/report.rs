@@ -378,16 +378,21 @@ fn targets(res: &Results) -> String {
         verdict(npw.map(|w| w >= 0.95))
     );
     // 4. programming 10k: the agent's whole start, and the map programming in it.
-    let c10k = res
-        .control
-        .iter()
-        .find(|c| c.datapath == "socket-lb" && c.services == 10_000);
+    // Both agents (socket LB, and the same agent with the TC path) program the same
+    // table; each start is measured once, so both are shown and both must pass.
+    let start_of = |datapath: &str| {
+        res.control
+            .iter()
+            .find(|c| c.datapath == datapath && c.services == 10_000)
+    };
+    let c10k = start_of("socket-lb");
     let p10k = c10k.and_then(|c| c.program_secs);
+    let tc10k = start_of("tc-nodeport").and_then(|c| c.program_secs);
     let maps_ms =
         c10k.and_then(|c| Some(c.agent_phases.get("plan_ms")? + c.agent_phases.get("apply_ms")?));
     let _ = writeln!(
         o,
-        "| 10k Services x 10 endpoints programmed < 0.5 s | {}{} | {} |",
+        "| 10k Services x 10 endpoints programmed < 0.5 s | {}{}{} | {} |",
         p10k.map(|v| format!("{v:.2} s from agent start (BPF load, 33 MB of YAML, sync, attach)"))
             .unwrap_or("–".into()),
         maps_ms
@@ -396,15 +401,20 @@ fn targets(res: &Results) -> String {
                 m as f64 / 1000.0
             ))
             .unwrap_or_default(),
-        match (p10k, maps_ms) {
-            (Some(p), _) if p < 0.5 => "**met**",
-            (Some(_), Some(m)) if m < 500 =>
+        tc10k
+            .map(|v| format!("; the TC agent's start in the same run {v:.2} s"))
+            .unwrap_or_default(),
+        match (p10k, tc10k, maps_ms) {
+            (Some(p), t, _) if p < 0.5 && t.is_none_or(|t| t < 0.5) => "**met**",
+            (Some(p), Some(_), _) if p < 0.5 =>
+                "**met** by the socket-LB agent's start, **missed** by the TC agent's (one start each)",
+            (Some(_), _, Some(m)) if m < 500 =>
                 "**met** for programming the maps; **missed** for a cold start from YAML",
-            (p, _) => verdict(p.map(|v| v < 0.5)),
+            (p, _, _) => verdict(p.map(|v| v < 0.5)),
         }
     );
     o += "\n";
-    if p10k.is_some_and(|v| v >= 0.5) {
+    if p10k.into_iter().chain(tc10k).any(|v| v >= 0.5) {
         o += "Where the start goes is in the control-plane table's \"of which\" column, from the \
               agent's own log: BPF load and verification (overlapping the parse), manifest \
               parse (block-style YAML read by a serde Deserializer straight into the Kubernetes \
