@@ -175,28 +175,70 @@ pub fn kernel_object(path: Option<&Path>) -> Result<Vec<u8>, LoadError> {
 /// before a single map write. `attach` loads whatever this did not.
 pub fn verify(ebpf: &mut Ebpf, tc: &TcConfig) -> Result<(), LoadError> {
     for program in program_names::ALL {
-        let prog: &mut CgroupSockAddr = ebpf
-            .program_mut(program)
-            .ok_or(LoadError::MissingProgram { program })?
-            .try_into()
-            .map_err(|e| program_error(program, e))?;
-        prog.load().map_err(|e| verifier_error(program, e))?;
+        cgroup_program(ebpf, program)?;
     }
-    for (program, ifaces) in [
-        (program_names::TC_EXTERNAL, &tc.external_ifaces),
-        (program_names::TC_INTERNAL, &tc.internal_ifaces),
-    ] {
-        if ifaces.is_empty() {
-            continue;
+    for (program, ifaces) in tc_programs(tc) {
+        if !ifaces.is_empty() {
+            tc_program(ebpf, program)?;
         }
-        let prog: &mut SchedClassifier = ebpf
-            .program_mut(program)
-            .ok_or(LoadError::MissingProgram { program })?
-            .try_into()
-            .map_err(|e| program_error(program, e))?;
-        prog.load().map_err(|e| verifier_error(program, e))?;
     }
     Ok(())
+}
+
+/// The per-packet programs and the devices each goes on.
+fn tc_programs(tc: &TcConfig) -> [(&'static str, &Vec<String>); 2] {
+    [
+        (program_names::TC_EXTERNAL, &tc.external_ifaces),
+        (program_names::TC_INTERNAL, &tc.internal_ifaces),
+    ]
+}
+
+/// Program types the agent loads, each once however often it is asked for.
+trait LoadOnce {
+    fn load_once(&mut self) -> Result<(), ProgramError>;
+}
+
+impl LoadOnce for CgroupSockAddr {
+    fn load_once(&mut self) -> Result<(), ProgramError> {
+        self.fd().map(|_| ()).or_else(|_| self.load())
+    }
+}
+
+impl LoadOnce for SchedClassifier {
+    fn load_once(&mut self) -> Result<(), ProgramError> {
+        self.fd().map(|_| ()).or_else(|_| self.load())
+    }
+}
+
+/// A program of the object, loaded into the kernel unless it already is.
+fn loaded_program<'a, P: LoadOnce>(
+    ebpf: &'a mut Ebpf,
+    program: &'static str,
+) -> Result<&'a mut P, LoadError>
+where
+    &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
+{
+    let prog: &mut P = ebpf
+        .program_mut(program)
+        .ok_or(LoadError::MissingProgram { program })?
+        .try_into()
+        .map_err(|e| program_error(program, e))?;
+    prog.load_once().map_err(|e| verifier_error(program, e))?;
+    Ok(prog)
+}
+
+fn cgroup_program<'a>(
+    ebpf: &'a mut Ebpf,
+    program: &'static str,
+) -> Result<&'a mut CgroupSockAddr, LoadError> {
+    loaded_program(ebpf, program)
+}
+
+fn tc_program<'a>(
+    ebpf: &'a mut Ebpf,
+    program: &'static str,
+) -> Result<&'a mut SchedClassifier, LoadError> {
+    loaded_program(ebpf, program)
 }
 
 /// Attaches every hook of a loaded object to `cgroup` and the TC devices, and pins
@@ -220,22 +262,11 @@ pub fn attach(
         let link = attach_cgroup(ebpf, program, &cgroup_file)?;
         pinned.insert(pin_link(link, program, &links_dir, program)?);
     }
-    let tc_attachments = [
-        (program_names::TC_EXTERNAL, &tc.external_ifaces),
-        (program_names::TC_INTERNAL, &tc.internal_ifaces),
-    ];
-    for (program, ifaces) in tc_attachments {
+    for (program, ifaces) in tc_programs(tc) {
         if ifaces.is_empty() {
             continue;
         }
-        let prog: &mut SchedClassifier = ebpf
-            .program_mut(program)
-            .ok_or(LoadError::MissingProgram { program })?
-            .try_into()
-            .map_err(|e| program_error(program, e))?;
-        if prog.fd().is_err() {
-            prog.load().map_err(|e| verifier_error(program, e))?;
-        }
+        let prog = tc_program(ebpf, program)?;
         for iface in ifaces {
             if let TcLink::Tcx(link) = attach_tc(prog, program, iface, tc.attach)? {
                 // bpffs names cannot contain '.', which VLAN devices have.
@@ -296,14 +327,7 @@ fn attach_cgroup(
     program: &'static str,
     cgroup: &File,
 ) -> Result<FdLink, LoadError> {
-    let prog: &mut CgroupSockAddr = ebpf
-        .program_mut(program)
-        .ok_or(LoadError::MissingProgram { program })?
-        .try_into()
-        .map_err(|e| program_error(program, e))?;
-    if prog.fd().is_err() {
-        prog.load().map_err(|e| verifier_error(program, e))?;
-    }
+    let prog = cgroup_program(ebpf, program)?;
     // With bpf_link the kernel always allows several programs per cgroup and rejects
     // the legacy BPF_F_ALLOW_MULTI flag, so "Single" (flags 0) is the right mode.
     let link_id = prog
