@@ -107,9 +107,9 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             )
         }
     };
-    // The source's task was spawned into this worker's LIFO slot, which other
-    // workers cannot steal: yield once so it starts reading (on a blocking thread)
-    // while this task loads the programs, instead of after.
+    // The runtime is single-threaded: the source's task first runs when this one
+    // yields. Yield once so it starts reading (on a blocking thread) while this task
+    // loads the programs, instead of after.
     tokio::task::yield_now().await;
     sys::ensure_bpffs(config.pin.root())?;
     let object = loader::kernel_object(config.bpf_object.as_deref())?;

@@ -330,6 +330,17 @@ mod tests {
         let orphan = frontend([10, 96, 0, 13], 80, Protocol::Tcp);
         s.services.insert(key_of(&orphan, 1), slot(11, 9));
 
+        // Metric labels come from the masters alone; the orphan slot has none.
+        let names: Vec<_> = frontend_names(&s).into_iter().collect();
+        assert_eq!(
+            names,
+            [
+                (1, "10.96.0.10:80/TCP".to_owned()),
+                (2, "10.96.0.11:53/UDP".to_owned()),
+                (3, "10.96.0.12:443/TCP".to_owned()),
+            ]
+        );
+
         let t = decode(&s);
         assert_eq!(t.len(), 4);
         assert_eq!(t[0].frontend, web);
