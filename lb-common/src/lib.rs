@@ -24,8 +24,9 @@ pub mod map_names {
     pub const STATS: &str = "LB_STATS";
     pub const CT: &str = "LB_CT";
     pub const SVC_STATS: &str = "LB_SVC_STATS";
+    pub const ATTACHMENTS: &str = "LB_ATTACHMENTS";
     /// Every map the agent pins.
-    pub const ALL: [&str; 7] = [
+    pub const ALL: [&str; 8] = [
         SERVICES,
         BACKENDS,
         SOCK_REVNAT,
@@ -33,6 +34,7 @@ pub mod map_names {
         STATS,
         CT,
         SVC_STATS,
+        ATTACHMENTS,
     ];
 }
 
@@ -283,6 +285,47 @@ pub struct SvcStats {
 }
 const _: () = assert!(core::mem::size_of::<SvcStats>() == 16);
 
+/// Longest interface name the kernel allows, with its NUL (`IFNAMSIZ`).
+pub const IFNAMSIZ: usize = 16;
+
+/// Value of `LB_ATTACHMENTS`, keyed by ifindex (`u32`): a device the agent attached
+/// a per-packet program to. No program reads it; it is the agent's record for
+/// `lb status` (which links, and why) and `lb cleanup` (detach exactly these, never
+/// another owner's filter), and it outlives the agent like the attachments do.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Attachment {
+    /// Device name when attached, NUL-padded.
+    pub name: [u8; IFNAMSIZ],
+    /// `ATTACH_ROLE_*`: which program the device got.
+    pub role: u8,
+    /// `ATTACH_REASON_*`: why the device got it.
+    pub reason: u8,
+    /// `ATTACH_MODE_*`: how the program is attached.
+    pub mode: u8,
+    /// Explicit padding to a 4-byte multiple.
+    pub _pad: u8,
+}
+const _: () = assert!(core::mem::size_of::<Attachment>() == 20);
+
+/// `Attachment::role`: node-facing device, `lb_tc_external`.
+pub const ATTACH_ROLE_NODE: u8 = 1;
+/// `Attachment::role`: pod-facing device, `lb_tc_internal`.
+pub const ATTACH_ROLE_POD: u8 = 2;
+/// `Attachment::reason`: chosen by the agent from the device's addresses.
+pub const ATTACH_REASON_AUTO: u8 = 1;
+/// `Attachment::reason`: named by `--iface` / `--pod-iface`.
+pub const ATTACH_REASON_FLAG: u8 = 2;
+/// `Attachment::mode`: a TCX bpf_link, pinned under `<pin-dir>/links/`.
+pub const ATTACH_MODE_TCX: u8 = 1;
+/// `Attachment::mode`: a cls_bpf filter at lb's priority and handle on clsact.
+pub const ATTACH_MODE_NETLINK: u8 = 2;
+
+/// Most devices the agent records (a node with this many pods is far beyond
+/// Kubernetes' 110-pods-per-node default).
+pub const ATTACHMENTS_MAX: u32 = 16_384;
+
 /// Indexes of the per-CPU `LB_STATS` array (u64 counters). Plain constants rather
 /// than an enum: the index crosses the kernel boundary as a raw `u32`.
 pub mod stat {
@@ -346,4 +389,5 @@ mod user {
     unsafe impl aya::Pod for CtKey {}
     unsafe impl aya::Pod for CtValue {}
     unsafe impl aya::Pod for SvcStats {}
+    unsafe impl aya::Pod for Attachment {}
 }

@@ -5,7 +5,9 @@
 //! packet to the egress device with neighbour resolution.
 
 use aya_ebpf::{
-    bindings::{bpf_fib_lookup, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS},
+    bindings::{
+        bpf_fib_lookup, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SRC,
+    },
     helpers::generated::{bpf_fib_lookup as fib_lookup, bpf_redirect_neigh},
     programs::TcContext,
     EbpfContext,
@@ -49,6 +51,35 @@ pub fn redirect(ctx: &TcContext, saddr: u32, daddr: u32) -> Option<i32> {
     Some(verdict as i32)
 }
 
+/// The source address the node would use towards `daddr` (what MASQUERADE picks):
+/// the route's preferred source, else the egress device's address. `None` when
+/// there is no route, or the kernel predates `BPF_FIB_LOOKUP_SRC` (6.7).
+#[inline(always)]
+pub fn source_towards(ctx: &TcContext, saddr: u32, daddr: u32) -> Option<u32> {
+    // SAFETY: an all-zero bpf_fib_lookup is a valid request to fill in.
+    let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    params.family = AF_INET;
+    // SAFETY: reading the program's own context.
+    params.ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    params.__bindgen_anon_3.ipv4_src = saddr;
+    params.__bindgen_anon_4.ipv4_dst = daddr;
+    // SAFETY: params lives on this stack frame for the call.
+    let rc = unsafe {
+        fib_lookup(
+            ctx.as_ptr(),
+            &mut params,
+            core::mem::size_of::<bpf_fib_lookup>() as i32,
+            BPF_FIB_LOOKUP_SRC,
+        )
+    };
+    if rc != BPF_FIB_LKUP_RET_SUCCESS as i64 && rc != BPF_FIB_LKUP_RET_NO_NEIGH as i64 {
+        return None;
+    }
+    // SAFETY: the kernel filled the IPv4 member of the union it was asked about.
+    let source = unsafe { params.__bindgen_anon_3.ipv4_src };
+    (source != 0).then_some(source)
+}
+
 #[inline(always)]
 fn decrement_ttl(ctx: &TcContext) -> Option<()> {
     // TTL and protocol form one 16-bit word of the header checksum.
@@ -58,6 +89,7 @@ fn decrement_ttl(ctx: &TcContext) -> Option<()> {
         return None;
     }
     let new = u16::from_ne_bytes([ttl - 1, old.to_ne_bytes()[1]]);
-    ctx.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 2).ok()?;
+    ctx.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 2)
+        .ok()?;
     ctx.store(IP_TTL_OFF, &new, 0).ok()
 }

@@ -6,9 +6,9 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use lb_common::{
-    AffinityKey, AffinityValue, Backend, CtKey, CtValue, ServiceKey, ServiceValue,
-    SockRevNatKey, SockRevNatValue, SvcStats, DEFAULT_AFFINITY_MAX, DEFAULT_BACKENDS_MAX, DEFAULT_CT_MAX,
-    DEFAULT_SERVICES_MAX, DEFAULT_SOCK_REVNAT_MAX,
+    AffinityKey, AffinityValue, Attachment, Backend, CtKey, CtValue, ServiceKey, ServiceValue,
+    SockRevNatKey, SockRevNatValue, SvcStats, DEFAULT_AFFINITY_MAX, DEFAULT_BACKENDS_MAX,
+    DEFAULT_CT_MAX, DEFAULT_SERVICES_MAX, DEFAULT_SOCK_REVNAT_MAX,
 };
 
 /// Not preallocated: sized for 100k frontends x 10 endpoints, memory follows the
@@ -59,3 +59,9 @@ pub static LB_SVC_STATS: PerCpuHashMap<
     { DEFAULT_SERVICES_MAX as usize },
     { aya_ebpf::bindings::BPF_F_NO_PREALLOC as usize },
 > = PerCpuHashMap::new();
+
+/// The agent's record of the devices it attached to (see `lb_common::Attachment`);
+/// no program reads it.
+#[btf_map]
+pub static LB_ATTACHMENTS: HashMap<u32, Attachment, { lb_common::ATTACHMENTS_MAX as usize }> =
+    HashMap::new();

@@ -38,7 +38,14 @@ pub fn rewrite(ctx: &TcContext, flow: &Flow, to: &Tuple) -> Result<(), i64> {
         rewrite_port(ctx, flow.l4_off, csum_off, l4_flags, flow.sport, to.sport)?;
     }
     if flow.dport != to.dport {
-        rewrite_port(ctx, flow.l4_off + 2, csum_off, l4_flags, flow.dport, to.dport)?;
+        rewrite_port(
+            ctx,
+            flow.l4_off + 2,
+            csum_off,
+            l4_flags,
+            flow.dport,
+            to.dport,
+        )?;
     }
     Ok(())
 }

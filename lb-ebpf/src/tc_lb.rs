@@ -24,8 +24,9 @@ const SNAT_PORT_MIN: u32 = 32_768;
 const SNAT_PORT_SPAN: u32 = 28_232;
 const SNAT_RETRIES: u32 = 8;
 
-/// This node's address for SNAT towards remote backends; set by the agent at load
-/// time (`--node-ip`). 0 disables SNAT.
+/// This node's address for SNAT towards remote backends when `--node-ip` names
+/// one; set by the agent at load time. 0: the address the node's routing picks
+/// towards the backend (see [`snat_source`]).
 #[unsafe(no_mangle)]
 static LB_NODE_IPV4: u32 = 0;
 
@@ -126,8 +127,7 @@ fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
     }
     let client = || AFFINITY_CLIENT_IP | flow.saddr as u64;
     let entropy = unsafe { bpf_get_prandom_u32() };
-    let Some((backend_id, backend)) = select::backend(&master_key, &master, client, entropy)
-    else {
+    let Some((backend_id, backend)) = select::backend(&master_key, &master, client, entropy) else {
         stats::bump(stat::TC_NO_BACKEND);
         return TC_ACT_SHOT;
     };
@@ -146,9 +146,19 @@ fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
         sport: flow.sport,
         dport: backend.port,
     };
-    let reply_entry = ct::entry(&original_reply, backend_id, master.rev_nat_id, 0, CT_DIR_REPLY);
-    let node = node_ip();
-    if backend.flags & BACKEND_FLAG_LOCAL != 0 || node == 0 {
+    let reply_entry = ct::entry(
+        &original_reply,
+        backend_id,
+        master.rev_nat_id,
+        0,
+        CT_DIR_REPLY,
+    );
+    let node = if backend.flags & BACKEND_FLAG_LOCAL != 0 {
+        0
+    } else {
+        snat_source(ctx, flow.saddr, backend.address)
+    };
+    if node == 0 {
         // Replies of a local backend pass through this node anyway: keep the client's
         // address (what externalTrafficPolicy: Local promises).
         let reply_key = ct::key_of_tuple(&reply_tuple(&forward), flow.proto);
@@ -180,7 +190,13 @@ fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
             return TC_ACT_SHOT;
         }
     }
-    let forward_entry = ct::entry(&forward, backend_id, master.rev_nat_id, state, CT_DIR_FORWARD);
+    let forward_entry = ct::entry(
+        &forward,
+        backend_id,
+        master.rev_nat_id,
+        state,
+        CT_DIR_FORWARD,
+    );
     if ct::put(&ct::key_of(flow), &forward_entry).is_err() {
         stats::bump(stat::TC_CT_FULL);
         return TC_ACT_SHOT;
@@ -188,6 +204,18 @@ fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
     stats::bump(stat::TC_NEW_FLOW);
     stats::service(master.rev_nat_id, false);
     apply(ctx, flow, &forward)
+}
+
+/// The source of a flow SNATed towards a remote backend: `--node-ip` when given,
+/// else whatever address the node's routing would use to reach the backend, so no
+/// address has to be configured. 0 (keep the client's address) only when neither
+/// is known: a kernel before 6.7 without `--node-ip`, or no route to the backend.
+#[inline(always)]
+fn snat_source(ctx: &TcContext, client: u32, backend: u32) -> u32 {
+    match node_ip() {
+        0 => fib::source_towards(ctx, client, backend).unwrap_or(0),
+        configured => configured,
+    }
 }
 
 /// The tuple of a packet answering one sent with `t`.

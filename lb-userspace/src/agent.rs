@@ -11,9 +11,11 @@ use lb_common::map_names;
 use tracing::{debug, info, warn};
 
 use crate::conntrack;
-use crate::loader::{self, LoadError, MapSizes, PinLayout, TcConfig};
+use crate::loader::{self, LoadError, MapSizes, PinLayout, TcAttach};
 use crate::maps::{MapsError, PinnedMaps};
 use crate::model::DesiredState;
+use crate::netlink::{self, NetlinkError};
+use crate::node_net::{self, NodeNet, NodePortAddresses, Overrides};
 use crate::ops::{
     self, AgentStatus, BindAddress, HealthCheckServers, OpsServer, Routes, ServeConfig,
 };
@@ -21,6 +23,7 @@ use crate::reconcile;
 use crate::source::{self, files, kube, yaml::Objects, SourceOptions};
 use crate::sys::{self, SysError};
 use crate::table;
+use crate::tc_links::{TcLinks, TcLinksError};
 
 /// How long to wait before retrying a service table the kernel refused.
 const RETRY_INTERVAL: Duration = Duration::from_secs(1);
@@ -43,16 +46,21 @@ pub struct AgentConfig {
     pub pin: PinLayout,
     /// Endpoints on this node are "local" (internalTrafficPolicy: Local).
     pub node_name: String,
-    /// This node's addresses: NodePorts are served on them, and the first one is the
-    /// source address for traffic SNATed to backends on other nodes.
+    /// `--node-ip`: NodePorts are served on these (unless `nodeport_addresses`
+    /// selects otherwise), and the first one is the source address for traffic
+    /// SNATed to backends on other nodes. Empty: found from the node's devices.
     pub node_ips: Vec<std::net::Ipv4Addr>,
+    /// kube-proxy's `--nodeport-addresses`.
+    pub nodeport_addresses: NodePortAddresses,
     /// NodePorts outside this range are refused.
     pub node_port_range: source::NodePortRange,
     /// Kernel object to load instead of the embedded one.
     pub bpf_object: Option<PathBuf>,
     pub sizes: MapSizes,
-    /// Per-packet path attachments (none: socket hooks only).
-    pub tc: TcConfig,
+    /// How the per-packet programs attach (`Off`: socket hooks only).
+    pub tc_mode: TcAttach,
+    /// Devices whose role the operator fixed (`--iface`, `--pod-iface`).
+    pub tc_overrides: Overrides,
     /// How often the manifest files are checked for changes.
     pub poll_interval: Duration,
     /// Conntrack idle timeouts of the per-packet path.
@@ -78,6 +86,10 @@ pub enum AgentError {
     Ops(#[from] ops::OpsError),
     #[error(transparent)]
     Kube(#[from] kube::KubeSourceError),
+    #[error(transparent)]
+    Netlink(#[from] NetlinkError),
+    #[error(transparent)]
+    TcLinks(#[from] TcLinksError),
     #[error("cannot install signal handler: {0}")]
     Signal(#[source] std::io::Error),
 }
@@ -111,6 +123,10 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     // yields. Yield once so it starts reading (on a blocking thread) while this task
     // loads the programs, instead of after.
     tokio::task::yield_now().await;
+    // The node's devices and addresses: where NodePorts are served and which
+    // devices get the per-packet programs, followed from here on.
+    let mut node_net = netlink::watch().await?;
+    let mut net = node_net.borrow_and_update().clone();
     sys::ensure_bpffs(config.pin.root())?;
     let object = loader::kernel_object(config.bpf_object.as_deref())?;
     // Maps first, hooks only after the first sync filled them: a first start, or an
@@ -121,7 +137,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let snat_ip = config.node_ips.first().copied();
     let loading = Instant::now();
     let mut ebpf = loader::load(&object, &config.pin, config.sizes, snat_ip)?;
-    loader::verify(&mut ebpf, &config.tc)?;
+    loader::verify(&mut ebpf, config.tc_mode)?;
     info!(
         load_ms = loading.elapsed().as_millis() as u64,
         "datapath programs loaded"
@@ -156,11 +172,20 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
 
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(AgentError::Signal)?;
-    let options = SourceOptions {
+    let mut options = SourceOptions {
         node_name: config.node_name.clone(),
         node_ips: config.node_ips.clone(),
         node_port_range: config.node_port_range,
     };
+    let overrides = Overrides {
+        off: config.tc_mode == TcAttach::Off,
+        ..config.tc_overrides.clone()
+    };
+    let mut tc_links = TcLinks::new(&config.pin, config.tc_mode)?;
+    // The objects of the last sync: a change of the node's addresses re-derives
+    // the table from them.
+    let mut last: Option<Arc<Objects>> = None;
+    let mut net_followed = true;
     // Set while the kernel rejected a write; the same objects are retried from a
     // fresh snapshot until they apply.
     let mut retry: Option<Arc<Objects>> = None;
@@ -184,6 +209,24 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 }
                 objects.borrow_and_update().clone()
             }
+            changed = node_net.changed(), if net_followed => {
+                if changed.is_err() {
+                    // The watcher logged why; what is attached stays attached.
+                    net_followed = false;
+                    continue;
+                }
+                net = node_net.borrow_and_update().clone();
+                if attached {
+                    tc_links.sync(&mut ebpf, &node_net::attachments(&net, &overrides));
+                }
+                // Only a change of the served addresses needs a new table.
+                let served = served_addresses(&net, &config, last.as_deref());
+                if served == options.node_ips {
+                    continue;
+                }
+                info!(addresses = ?served, "node addresses changed");
+                last.clone()
+            }
             _ = tokio::time::sleep(RETRY_INTERVAL), if retry.is_some() => retry.take(),
             _ = tokio::signal::ctrl_c() => break,
             _ = sigterm.recv() => break,
@@ -191,6 +234,8 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         let Some(current) = current else { continue };
         status.record_pending();
         let started = Instant::now();
+        options.node_ips = served_addresses(&net, &config, Some(&current));
+        last = Some(current.clone());
         let desired = interpret(&current, &options, &status);
         info!(
             desired_ms = started.elapsed().as_millis() as u64,
@@ -202,8 +247,12 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         let written = write_table(&mut maps, &desired, &mut known_table).map_err(SyncError::from);
         let recorded = written.and_then(|written| {
             if !attached {
-                loader::attach(&mut ebpf, &config.pin, &config.cgroup, &config.tc)
+                let mut pins = loader::attach_cgroup_hooks(&mut ebpf, &config.pin, &config.cgroup)
                     .map_err(SyncError::Attach)?;
+                tc_links.sync(&mut ebpf, &node_net::attachments(&net, &overrides));
+                pins.extend(tc_links.pins());
+                loader::remove_stale_links(&config.pin, &pins).map_err(SyncError::Attach)?;
+                tc_links.retire_stale_records();
                 attached = true;
                 info!(
                     cgroup = %config.cgroup.display(),
@@ -274,16 +323,6 @@ fn retire_layouts(retired: &[PathBuf]) {
 /// Applies kube-proxy's semantics to the objects; bad objects are logged and skipped
 /// so the rest still applies.
 fn interpret(objects: &Objects, options: &SourceOptions, status: &AgentStatus) -> DesiredState {
-    let from_node;
-    let options = if options.node_ips.is_empty() && !objects.nodes.is_empty() {
-        from_node = SourceOptions {
-            node_ips: node_addresses(&objects.nodes, &options.node_name),
-            ..options.clone()
-        };
-        &from_node
-    } else {
-        options
-    };
     for error in &objects.errors {
         warn!("skipped: {error}");
     }
@@ -295,8 +334,26 @@ fn interpret(objects: &Objects, options: &SourceOptions, status: &AgentStatus) -
     desired
 }
 
-/// This node's IPv4 InternalIP/ExternalIP addresses from its Node object: where
-/// NodePorts are served when `--node-ip` does not say.
+/// Where NodePorts are served now: kube-proxy's `--nodeport-addresses` over the
+/// node's addresses, `--node-ip`, and the Node object's (for `primary`).
+fn served_addresses(
+    net: &NodeNet,
+    config: &AgentConfig,
+    objects: Option<&Objects>,
+) -> Vec<std::net::Ipv4Addr> {
+    let from_node = objects
+        .map(|o| node_addresses(&o.nodes, &config.node_name))
+        .unwrap_or_default();
+    node_net::nodeport_addresses(
+        net,
+        &config.nodeport_addresses,
+        &config.node_ips,
+        &from_node,
+    )
+}
+
+/// This node's IPv4 InternalIP/ExternalIP addresses from its Node object: its
+/// primary address when `--node-ip` does not say.
 fn node_addresses(
     nodes: &[Arc<k8s_openapi::api::core::v1::Node>],
     node_name: &str,

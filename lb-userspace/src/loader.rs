@@ -49,16 +49,6 @@ impl PinLayout {
     }
 }
 
-/// Where and how the per-packet path attaches.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct TcConfig {
-    /// Node-facing devices: traffic from outside the cluster and other nodes.
-    pub external_ifaces: Vec<String>,
-    /// Pod-facing devices: pods outside the hooked cgroup, replies of local backends.
-    pub internal_ifaces: Vec<String>,
-    pub attach: TcAttach,
-}
-
 /// `max_entries` of the maps the agent sizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MapSizes {
@@ -173,24 +163,16 @@ pub fn kernel_object(path: Option<&Path>) -> Result<Vec<u8>, LoadError> {
 /// any: the agent does this while the first sync is still being read, so the
 /// verifier's time is off the path to serving, and a rejection stops the start
 /// before a single map write. `attach` loads whatever this did not.
-pub fn verify(ebpf: &mut Ebpf, tc: &TcConfig) -> Result<(), LoadError> {
+pub fn verify(ebpf: &mut Ebpf, tc: TcAttach) -> Result<(), LoadError> {
     for program in program_names::ALL {
         cgroup_program(ebpf, program)?;
     }
-    for (program, ifaces) in tc_programs(tc) {
-        if !ifaces.is_empty() {
+    if tc != TcAttach::Off {
+        for program in [program_names::TC_EXTERNAL, program_names::TC_INTERNAL] {
             tc_program(ebpf, program)?;
         }
     }
     Ok(())
-}
-
-/// The per-packet programs and the devices each goes on.
-fn tc_programs(tc: &TcConfig) -> [(&'static str, &Vec<String>); 2] {
-    [
-        (program_names::TC_EXTERNAL, &tc.external_ifaces),
-        (program_names::TC_INTERNAL, &tc.internal_ifaces),
-    ]
 }
 
 /// Program types the agent loads, each once however often it is asked for.
@@ -241,17 +223,17 @@ fn tc_program<'a>(
     loaded_program(ebpf, program)
 }
 
-/// Attaches every hook of a loaded object to `cgroup` and the TC devices, and pins
-/// the links. Links of a previous agent are replaced only after the new ones are
-/// attached: both translate identically, and a socket already rewritten to a backend
-/// is not a frontend to the second program, so the overlap is harmless while a gap
-/// would not be.
-pub fn attach(
+/// Attaches the socket hooks of a loaded object to `cgroup` and pins the links;
+/// returns the pins. Links of a previous agent are replaced only after the new ones
+/// are attached: both translate identically, and a socket already rewritten to a
+/// backend is not a frontend to the second program, so the overlap is harmless
+/// while a gap would not be. The per-packet programs go on devices through
+/// [`crate::tc_links`].
+pub fn attach_cgroup_hooks(
     ebpf: &mut Ebpf,
     layout: &PinLayout,
     cgroup: &Path,
-    tc: &TcConfig,
-) -> Result<(), LoadError> {
+) -> Result<BTreeSet<PathBuf>, LoadError> {
     let cgroup_file = File::open(cgroup).map_err(|source| LoadError::Cgroup {
         path: cgroup.to_path_buf(),
         source,
@@ -262,20 +244,24 @@ pub fn attach(
         let link = attach_cgroup(ebpf, program, &cgroup_file)?;
         pinned.insert(pin_link(link, program, &links_dir, program)?);
     }
-    for (program, ifaces) in tc_programs(tc) {
-        if ifaces.is_empty() {
-            continue;
-        }
-        let prog = tc_program(ebpf, program)?;
-        for iface in ifaces {
-            if let TcLink::Tcx(link) = attach_tc(prog, program, iface, tc.attach)? {
-                // bpffs names cannot contain '.', which VLAN devices have.
-                let name = format!("{program}_{}", iface.replace('.', "_"));
-                pinned.insert(pin_link(link, program, &links_dir, &name)?);
-            }
-        }
-    }
-    remove_stale_links(&links_dir, &pinned)
+    Ok(pinned)
+}
+
+/// The pin name of a TCX link of `program` on `device`.
+pub(crate) fn tc_pin_name(program: &str, device: &str) -> String {
+    // bpffs names cannot contain '.', which VLAN devices have.
+    format!("{program}_{}", device.replace('.', "_"))
+}
+
+/// Attaches `program` (loading it if needed) to `device`'s ingress.
+pub(crate) fn attach_tc_device(
+    ebpf: &mut Ebpf,
+    program: &'static str,
+    device: &str,
+    mode: TcAttach,
+) -> Result<TcLink, LoadError> {
+    let prog = tc_program(ebpf, program)?;
+    attach_tc(prog, program, device, mode)
 }
 
 /// Creates (or reopens, keeping their contents across restarts) the pinned maps and
@@ -354,17 +340,30 @@ pub enum TcAttach {
     Tcx,
     /// A direct-action cls_bpf filter on the clsact qdisc, for older kernels.
     Netlink,
+    /// No per-packet path: socket hooks only (another component handles NodePort,
+    /// LoadBalancer and externalIPs).
+    Off,
+}
+
+/// Whether `mode` attaches through TCX on this kernel.
+pub(crate) fn uses_tcx(mode: TcAttach) -> bool {
+    match mode {
+        TcAttach::Auto => aya::util::KernelVersion::current()
+            .is_ok_and(|v| v >= aya::util::KernelVersion::new(6, 6, 0)),
+        TcAttach::Tcx => true,
+        TcAttach::Netlink | TcAttach::Off => false,
+    }
 }
 
 /// The netlink filter slot lb owns on each device: a fixed priority and handle, so a
 /// restarted agent finds its filter and swaps the program in place (no gap), and
 /// `lb cleanup` can find it without state.
-const NETLINK_PRIORITY: u16 = 0x4c42; // "LB"
-const NETLINK_HANDLE: TcHandle = TcHandle::new(0, 1);
+pub(crate) const NETLINK_PRIORITY: u16 = 0x4c42; // "LB"
+pub(crate) const NETLINK_HANDLE: TcHandle = TcHandle::new(0, 1);
 
 /// An attached per-packet program: a link to pin, or a netlink filter that lives on
 /// with the device.
-enum TcLink {
+pub(crate) enum TcLink {
     Tcx(FdLink),
     Netlink,
 }
@@ -380,13 +379,7 @@ fn attach_tc(
         iface: iface.to_owned(),
         message,
     };
-    let tcx = match mode {
-        TcAttach::Auto => aya::util::KernelVersion::current()
-            .is_ok_and(|v| v >= aya::util::KernelVersion::new(6, 6, 0)),
-        TcAttach::Tcx => true,
-        TcAttach::Netlink => false,
-    };
-    if tcx {
+    if uses_tcx(mode) {
         let options = TcAttachOptions::TcxOrder(LinkOrder::default());
         let link_id = prog
             .attach_with_options(iface, TcAttachType::Ingress, options)
@@ -442,24 +435,10 @@ fn attach_tc(
     Ok(TcLink::Netlink)
 }
 
-/// Removes lb's netlink filters from every device of this network namespace
-/// (`lb cleanup` for the netlink attach mode, which has no pins to follow).
-pub fn detach_netlink_filters() -> io::Result<Vec<String>> {
-    let mut removed = Vec::new();
-    for iface in interface_names()? {
-        for program in [program_names::TC_EXTERNAL, program_names::TC_INTERNAL] {
-            if tc::qdisc_detach_program(&iface, TcAttachType::Ingress, program).is_ok() {
-                removed.push(format!("{iface}/{program}"));
-            }
-        }
-    }
-    Ok(removed)
-}
-
 /// Pins `link` as `links_dir/name` and returns the path. The pin goes to a
 /// temporary name first and is renamed over the old one: the old link loses its
 /// last reference (and detaches) only once the new one is live.
-fn pin_link(
+pub(crate) fn pin_link(
     link: FdLink,
     program: &'static str,
     links_dir: &Path,
@@ -480,8 +459,9 @@ fn pin_link(
 }
 
 /// Unpins (and so detaches) links of a previous agent that this one did not
-/// replace, e.g. an interface no longer configured.
-fn remove_stale_links(links_dir: &Path, keep: &BTreeSet<PathBuf>) -> Result<(), LoadError> {
+/// replace, e.g. a device since deleted.
+pub fn remove_stale_links(layout: &PinLayout, keep: &BTreeSet<PathBuf>) -> Result<(), LoadError> {
+    let links_dir = &layout.links_dir();
     let stale_error = |source| LoadError::StaleLinks {
         path: links_dir.to_path_buf(),
         source,
@@ -526,31 +506,6 @@ fn verifier_error(program: &'static str, error: ProgramError) -> LoadError {
             program,
             source: Box::new(error),
         },
-    }
-}
-
-/// The devices of the calling thread's network namespace (not of whichever
-/// namespace /sys was mounted for).
-fn interface_names() -> io::Result<Vec<String>> {
-    // SAFETY: if_nameindex returns a NUL-terminated array (index 0 ends it) that
-    // stays valid until if_freenameindex.
-    unsafe {
-        let list = libc::if_nameindex();
-        if list.is_null() {
-            return Err(io::Error::last_os_error());
-        }
-        let mut names = Vec::new();
-        let mut entry = list;
-        while (*entry).if_index != 0 {
-            names.push(
-                std::ffi::CStr::from_ptr((*entry).if_name)
-                    .to_string_lossy()
-                    .into_owned(),
-            );
-            entry = entry.add(1);
-        }
-        libc::if_freenameindex(list);
-        Ok(names)
     }
 }
 

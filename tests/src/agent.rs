@@ -275,6 +275,19 @@ impl<'a> AgentSpec<'a> {
     }
 }
 
+/// An agent in the test's own (the host's) namespace must not attach the
+/// per-packet programs to the host's devices: unless the spec says otherwise it
+/// runs the socket hooks only. Agents in a test namespace keep the default (every
+/// device of that namespace, found by the agent).
+fn tc_default(spec: &AgentSpec<'_>) -> Vec<String> {
+    let chosen = spec.extra_args.iter().any(|a| a == "--tc-attach");
+    if spec.netns.is_none() && !chosen {
+        vec!["--tc-attach".into(), "off".into()]
+    } else {
+        Vec::new()
+    }
+}
+
 /// A running `lb agent`. Dropping it stops the agent, runs `lb cleanup` (detach and
 /// unpin), removes the pin dir, and prints the agent's log (shown by the test harness
 /// only when the test fails).
@@ -331,6 +344,7 @@ impl Agent {
                 // are off.
                 .args(["--healthz-bind-address", "127.0.0.1:0"])
                 .args(["--metrics-bind-address", ""])
+                .args(tc_default(spec))
                 .args(&spec.extra_args)
                 // Plain log lines (see also lines::strip_ansi).
                 .env("NO_COLOR", "1")

@@ -16,10 +16,13 @@
 //! route to any pod CIDR: a packet the datapath did not translate cannot reach a pod.
 //! It routes the external/LoadBalancer IPs a test asks for (/32) via node1.
 //!
-//! Agents: `--node-ip` the node's address, `--iface eth0` (node-facing), a
-//! `--pod-iface` for every pod's host-side veth, a cgroup of their own that no test
-//! process is in (so the socket hooks never translate anything here: everything goes
-//! through the TC path), and a pin dir of their own.
+//! Agents are started as the DaemonSet starts them on a real node: no interface,
+//! address or pod is named; each finds its node's devices and addresses itself and
+//! follows pods as their veths come and go ([`Cluster::add_pod`],
+//! [`Cluster::remove_pod`] while they run). Each has a cgroup of its own that no
+//! test process is in (so the socket hooks never translate anything here:
+//! everything goes through the TC path, except for [`Cluster::host_probe_in_cgroup`]),
+//! and a pin dir of its own.
 //!
 //! Nothing is connected to the host's own namespace, and every resource is owned by a
 //! guard (namespaces, cgroups, pin dirs, processes): dropping the cluster removes
@@ -148,7 +151,6 @@ pub struct Node {
     ns: NetNs,
     cgroup: Cgroup,
     index: usize,
-    pod_ifaces: Vec<String>,
 }
 
 impl Node {
@@ -181,9 +183,9 @@ impl Node {
         self.agent.as_mut().expect("agent not started")
     }
 
-    /// The host-side veths of this node's pods (the `--pod-iface` devices).
-    pub fn pod_ifaces(&self) -> &[String] {
-        &self.pod_ifaces
+    /// The host-side veth of pod `name` (what a CNI would create).
+    pub fn pod_iface(name: &str) -> String {
+        format!("v{name}")
     }
 }
 
@@ -289,7 +291,6 @@ impl Cluster {
             ns,
             cgroup,
             index: i,
-            pod_ifaces: Vec::new(),
         };
         // Before any device exists, so every device inherits `default`.
         node.ns.sysctls(&[
@@ -313,44 +314,9 @@ impl Cluster {
             "br0",
         ])?;
         node.ns.ip(&["link", "set", "br0", "up"])?;
-        let mut backends = 0u8;
-        let mut clients = 0u8;
         for pod in spec.pods.iter().filter(|p| p.node == i) {
-            let host = match pod.role {
-                Role::Backend => {
-                    backends += 1;
-                    10 + backends
-                }
-                Role::Client => {
-                    clients += 1;
-                    19 + clients
-                }
-            };
-            let ip = Ipv4Addr::new(10, 244, 1 + u8::try_from(i)?, host);
-            let host_if = format!("v{}", pod.name);
-            let mut p = Pod::create(
-                &pod.name,
-                &format!("{}-{}", self.base, pod.name),
-                ip,
-                pod_gateway(i),
-                &node.ns,
-                "br0",
-                &host_if,
-            )?;
-            if pod.role == Role::Backend {
-                p.start_echo_with(
-                    &self.tools.echo,
-                    &[ECHO_TCP_PORT, ECHO_UDP_PORT],
-                    &[
-                        "--whoami-port".into(),
-                        WHOAMI_PORT.to_string(),
-                        "--bulk-port".into(),
-                        BULK_PORT.to_string(),
-                    ],
-                )?;
-            }
+            let p = self.create_pod(&node, pod)?;
             node.pods.push(p);
-            node.pod_ifaces.push(host_if);
         }
         // Whatever the inheritance did (eth0 came from another namespace), every
         // interface ends up with the settings the node needs.
@@ -359,6 +325,93 @@ impl Cluster {
             ("net/ipv4/conf/*/send_redirects", "0"),
         ])?;
         Ok(node)
+    }
+
+    /// A pod on `node`, with the lowest free address of its role's range (so a pod
+    /// deleted and created again under its name gets its address back), its veth
+    /// in the node's bridge and, for a backend, lb-echo running.
+    fn create_pod(&self, node: &Node, pod: &PodSpec) -> Result<Pod> {
+        let first = match pod.role {
+            Role::Backend => 11u8,
+            Role::Client => 20u8,
+        };
+        let i = node.index;
+        let taken: Vec<Ipv4Addr> = node.pods.iter().map(|p| p.ip()).collect();
+        let ip = (first..first + 9)
+            .map(|host| Ipv4Addr::new(10, 244, 1 + u8::try_from(i).expect("few nodes"), host))
+            .find(|ip| !taken.contains(ip))
+            .with_context(|| format!("no free pod address on {}", node_name(i)))?;
+        let mut p = Pod::create(
+            &pod.name,
+            &format!("{}-{}", self.base, pod.name),
+            ip,
+            pod_gateway(i),
+            &node.ns,
+            "br0",
+            &Node::pod_iface(&pod.name),
+        )?;
+        if pod.role == Role::Backend {
+            p.start_echo_with(
+                &self.tools.echo,
+                &[ECHO_TCP_PORT, ECHO_UDP_PORT],
+                &[
+                    "--whoami-port".into(),
+                    WHOAMI_PORT.to_string(),
+                    "--bulk-port".into(),
+                    BULK_PORT.to_string(),
+                ],
+            )?;
+        }
+        Ok(p)
+    }
+
+    /// Create pod `name` on node `node` now (agents may be running): what a CNI
+    /// does when the kubelet starts a pod.
+    pub fn add_pod(&mut self, name: &str, node: usize, role: Role) -> Result<&Pod> {
+        let spec = PodSpec {
+            name: name.into(),
+            node,
+            role,
+        };
+        let pod = self.create_pod(&self.nodes[node], &spec)?;
+        self.nodes[node].ns.sysctls(&[
+            ("net/ipv4/conf/*/rp_filter", "0"),
+            ("net/ipv4/conf/*/send_redirects", "0"),
+        ])?;
+        let pods = &mut self.nodes[node].pods;
+        pods.push(pod);
+        Ok(pods.last().expect("just pushed"))
+    }
+
+    /// Delete pod `name` (its namespace, so its veth goes too): a pod that ended.
+    pub fn remove_pod(&mut self, name: &str) -> Result<()> {
+        for node in &mut self.nodes {
+            if let Some(at) = node.pods.iter().position(|p| p.name() == name) {
+                drop(node.pods.remove(at));
+                return Ok(());
+            }
+        }
+        bail!("no pod {name} in the cluster")
+    }
+
+    /// Run `lb-probe ARGS` as a host-network process of node `node`: in the
+    /// node's namespace and in the agent's hooked cgroup, as every process of a
+    /// real node is in the cgroup the DaemonSet attaches to.
+    pub fn host_probe_in_cgroup<T: DeserializeOwned>(
+        &self,
+        node: usize,
+        args: &[String],
+        timeout: Duration,
+    ) -> Result<T> {
+        let n = self.node(node);
+        let out = self
+            .probe_cmd(&n.ns)?
+            .cgroup(&n.cgroup)?
+            .args(args)
+            .output(timeout)?
+            .checked_stdout()?;
+        serde_json::from_str(out.trim())
+            .with_context(|| format!("lb-probe {args:?} printed unexpected output:\n{out}"))
     }
 
     pub fn nodes(&self) -> &[Node] {
@@ -397,16 +450,7 @@ impl Cluster {
     pub fn start_agents(&mut self, lb: &Path, extra: impl Fn(usize) -> Vec<String>) -> Result<()> {
         let services = self.manifests.path().to_path_buf();
         for node in &mut self.nodes {
-            let mut args = vec![
-                "--node-ip".to_string(),
-                node_ip(node.index).to_string(),
-                "--iface".into(),
-                "eth0".into(),
-            ];
-            for iface in &node.pod_ifaces {
-                args.extend(["--pod-iface".to_string(), iface.clone()]);
-            }
-            args.extend(extra(node.index));
+            let args = extra(node.index);
             let name = node_name(node.index);
             let spec = AgentSpec::new(&services, &node.cgroup, &name)
                 .netns(&node.ns)
@@ -507,6 +551,27 @@ impl Cluster {
         }
         let per_attempt = connect_timeout.max(Duration::from_secs(2)) + Duration::from_millis(500);
         self.probe_in(ns, &args, Duration::from_secs(30) + per_attempt * count)
+    }
+
+    /// [`Cluster::whoami`] from a host-network process of node `node` (see
+    /// [`Cluster::host_probe_in_cgroup`]).
+    pub fn host_whoami(&self, node: usize, to: SocketAddrV4, count: u32) -> Result<WhoamiReport> {
+        let args: Vec<String> = [
+            "whoami",
+            "--to",
+            &to.to_string(),
+            "--count",
+            &count.to_string(),
+            "--connect-timeout-ms",
+            "2000",
+        ]
+        .map(String::from)
+        .to_vec();
+        self.host_probe_in_cgroup(
+            node,
+            &args,
+            Duration::from_secs(30) + Duration::from_secs(3) * count,
+        )
     }
 
     /// `count` TCP connections from `ns` to an echo port `to`.

@@ -564,13 +564,8 @@ fn netlink_attach_serves_node_ports_and_is_cleaned_up() -> Result<()> {
         .arg(&pin_dir)
         .args(["--cgroup"])
         .arg(cluster.node(0).cgroup().path())
-        .args([
-            "--node-name",
-            &node_name(0),
-            "--node-ip",
-            &node1_ip().to_string(),
-        ])
-        .args(["--iface", "eth0", "--tc-attach", "netlink"])
+        .args(["--node-name", &node_name(0)])
+        .args(["--tc-attach", "netlink"])
         .args(["--healthz-bind-address", "", "--metrics-bind-address", ""])
         .stderr(std::process::Stdio::piped())
         .spawn()?;

@@ -7,11 +7,12 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use lb_userspace::agent::{self, AgentConfig, ObjectSource};
-use lb_userspace::loader::{self, MapSizes, PinLayout, TcAttach, TcConfig};
+use lb_userspace::loader::{self, MapSizes, PinLayout, TcAttach};
 use lb_userspace::maps::PinnedMaps;
+use lb_userspace::node_net::{NodePortAddresses, Overrides};
 use lb_userspace::ops::{self, BindAddress};
 use lb_userspace::source::NodePortRange;
-use lb_userspace::{conntrack, sys, table};
+use lb_userspace::{conntrack, sys, table, tc_links};
 
 /// The agent builds hundreds of thousands of small objects per full sync (the
 /// Kubernetes types, then the desired table); glibc's malloc spent about 60% of
@@ -55,6 +56,11 @@ enum Command {
         #[arg(long)]
         per_service: bool,
     },
+    /// Show which devices the per-packet programs are attached to, and why.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
     /// Detach the hooks and unpin every map and link under --pin-dir.
     Cleanup,
 }
@@ -77,22 +83,32 @@ struct AgentArgs {
     node_name: Option<String>,
     /// This node's IPv4 address: NodePorts are served on it, and it is the source of
     /// traffic SNATed to backends on other nodes. Repeat for several addresses; the
-    /// first is the SNAT source.
+    /// first is the SNAT source. Default: NodePorts on every address of the node
+    /// (see --nodeport-addresses), SNAT from the address the node's routing uses
+    /// towards the backend.
     #[arg(long = "node-ip")]
     node_ips: Vec<Ipv4Addr>,
+    /// kube-proxy's --nodeport-addresses: a comma-separated list of CIDRs (NodePorts
+    /// are served on the node's addresses inside them), or `primary` (the node's
+    /// primary address only). Default: every address of the node.
+    #[arg(long, default_value = "")]
+    nodeport_addresses: NodePortAddresses,
     /// The cluster's NodePort range (kube-apiserver's --service-node-port-range).
     #[arg(long, default_value = "30000-32767")]
     nodeport_range: NodePortRange,
-    /// Node-facing interface for the per-packet path (NodePort, LoadBalancer,
-    /// externalIPs, traffic from other nodes). Repeatable.
+    /// Treat this device as node-facing (NodePort, LoadBalancer, externalIPs, traffic
+    /// from other nodes). Repeatable. Not needed: by default every device holding an
+    /// IPv4 address is node-facing, and devices are followed as they come and go.
     #[arg(long = "iface")]
     ifaces: Vec<String>,
-    /// Pod-facing interface for the per-packet path (pods outside --cgroup, replies of
-    /// local backends). Repeatable.
+    /// Treat this device as pod-facing (pods outside --cgroup, replies of local
+    /// backends). Repeatable. Not needed: by default every device without an IPv4
+    /// address (a pod's veth, whatever the CNI names it) is pod-facing.
     #[arg(long = "pod-iface")]
     pod_ifaces: Vec<String>,
     /// How the per-packet programs attach: TCX links (kernel >= 6.6) or netlink
-    /// clsact filters; `auto` picks by kernel version.
+    /// clsact filters; `auto` picks by kernel version; `off` runs the socket hooks
+    /// only.
     #[arg(long, value_enum, default_value_t = TcAttach::Auto)]
     tc_attach: TcAttach,
     /// Load this kernel object instead of the one built into `lb`.
@@ -210,7 +226,19 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
+        Command::Status { json } => {
+            let links = tc_links::recorded(&layout)?;
+            if json {
+                let status = serde_json::json!({ "links": links });
+                println!("{}", serde_json::to_string_pretty(&status)?);
+            } else {
+                print!("{}", tc_links::render_text(&links));
+            }
+            Ok(())
+        }
         Command::Cleanup => {
+            // The netlink filters first: their record is a map about to be unpinned.
+            let filters = tc_links::cleanup(&layout);
             let report = loader::cleanup(&layout)
                 .with_context(|| format!("cleaning up {}", layout.root().display()))?;
             eprintln!(
@@ -218,8 +246,6 @@ fn main() -> Result<()> {
                 report.removed.len(),
                 layout.root().display()
             );
-            let filters = loader::detach_netlink_filters()
-                .context("removing netlink TC filters of this network namespace")?;
             if !filters.is_empty() {
                 eprintln!("removed netlink TC filters: {}", filters.join(", "));
             }
@@ -251,12 +277,14 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
             affinity: args.affinity_map_size,
             conntrack: args.conntrack_map_size,
         },
-        tc: TcConfig {
-            external_ifaces: args.ifaces,
-            internal_ifaces: args.pod_ifaces,
-            attach: args.tc_attach,
+        tc_mode: args.tc_attach,
+        tc_overrides: Overrides {
+            node_facing: args.ifaces,
+            pod_facing: args.pod_ifaces,
+            off: false,
         },
         node_ips: args.node_ips,
+        nodeport_addresses: args.nodeport_addresses,
         node_port_range: args.nodeport_range,
         poll_interval: Duration::from_millis(args.poll_interval_ms),
         ct_timeouts: conntrack::Timeouts {

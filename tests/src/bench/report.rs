@@ -135,7 +135,7 @@ to the same CPU ([NOTES.md](NOTES.md): spreading them over both vCPUs gave ±40%
 | iptables | kube-proxy iptables-mode rules (tests/src/bench/kubeproxy.rs) loaded with `iptables-restore` (nft backend, no `--noflush`) into the client pod's namespace (nat OUTPUT → KUBE-SERVICES); the measured Service is **last** in KUBE-SERVICES (worst case) |\n\
 | nftables | kube-proxy nftables-mode table (`nft -f`), verdict-map dispatch |\n\
 | socket-lb | `lb agent --services-file` with S Services, client in the agent's cgroup (connect4 rewrites the VIP) |\n\
-| tc-nodeport | `lb agent --iface ext0 --node-ip 192.168.77.1` in the node namespace; client in a separate namespace connects to NodePort 192.168.77.1:30080 (TC DNAT, reverse NAT at the pod veth) |\n\n\
+| tc-nodeport | `lb agent` in the node namespace (devices and addresses found by the agent); client in a separate namespace connects to NodePort 192.168.77.1:30080 (TC DNAT, reverse NAT at the pod veth) |\n\n\
 Every Service has 10 endpoints (unreachable addresses) except the measured one, which has \
 one real endpoint (pod-a) so that every connection reaches the same server.\n\n";
 

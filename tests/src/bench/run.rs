@@ -795,7 +795,7 @@ impl Env {
         let size = (s * (ENDPOINTS_PER_SERVICE + 2) + 4096)
             .max(65_536)
             .to_string();
-        let mut args: Vec<String> = vec![
+        let args: Vec<String> = vec![
             "--services-map-size".into(),
             size.clone(),
             "--backends-map-size".into(),
@@ -804,18 +804,7 @@ impl Env {
         let cg = if tc { &self.tc_cgroup } else { &self.cgroup };
         let mut spec = AgentSpec::new(self.manifests.path(), cg, NODE_NAME);
         if tc {
-            args.extend([
-                "--iface".into(),
-                "ext0".into(),
-                "--node-ip".into(),
-                NODE_IP.to_string(),
-            ]);
-            args.extend([
-                "--pod-iface".into(),
-                "vpod-a".into(),
-                "--pod-iface".into(),
-                "vpod-b".into(),
-            ]);
+            // As on a real node: the agent finds the devices and addresses itself.
             spec = spec.netns(self.topo.node());
         }
         let spec = spec.args(args);
@@ -938,7 +927,7 @@ impl Env {
             change_ms: None,
             agent_vmhwm_kib: vm_hwm_kib(pid),
             rules_bytes: None,
-            note: "agent in the node namespace with --iface ext0 --pod-iface vpod-a/b".into(),
+            note: "agent in the node namespace, devices and addresses found by the agent (no interface flags)".into(),
             agent_phases: agent_phases(&agent.log()),
         });
         drop(agent);

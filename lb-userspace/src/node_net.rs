@@ -1,0 +1,311 @@
+//! The node's network as the per-packet path sees it, and the two decisions drawn
+//! from it: on which addresses NodePorts are served (kube-proxy's
+//! `--nodeport-addresses`), and which program each device gets. Pure: the netlink
+//! watcher ([`crate::netlink`]) fills a [`NodeNet`], the agent acts on the answers.
+//!
+//! Why devices are told apart by their addresses, not their names: a device that
+//! holds one of the node's IPv4 addresses is where the node itself is reached
+//! (`eth0`, a bond, a VLAN, a CNI bridge such as `cni0`), so traffic from outside
+//! arrives there; a device without one (a pod's host-side veth, whatever the CNI
+//! calls it) leads to pods, and the replies of local backends enter the node there.
+//! That holds for bridge, ptp-with-bridge and routed (Calico-style) CNIs alike, and
+//! needs no name pattern.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+
+use ipnet::Ipv4Net;
+
+/// One device of the node's network namespace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Link {
+    pub name: String,
+    /// `IFF_LOOPBACK`: never attached to; local traffic is the socket hooks' job.
+    pub loopback: bool,
+    /// IPv4 addresses with their prefix length.
+    pub addresses: Vec<Ipv4Net>,
+}
+
+/// The devices by ifindex.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeNet {
+    pub links: BTreeMap<u32, Link>,
+}
+
+impl NodeNet {
+    /// Every address of a non-loopback device, sorted and without repeats.
+    pub fn addresses(&self) -> Vec<Ipv4Addr> {
+        let mut all: Vec<Ipv4Addr> = self
+            .links
+            .values()
+            .filter(|l| !l.loopback)
+            .flat_map(|l| l.addresses.iter().map(|a| a.addr()))
+            .filter(|a| !a.is_loopback())
+            .collect();
+        all.sort();
+        all.dedup();
+        all
+    }
+}
+
+/// kube-proxy's `--nodeport-addresses`: which node addresses serve NodePorts.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum NodePortAddresses {
+    /// Unset: every address of the node.
+    #[default]
+    All,
+    /// `primary`: the node's primary address(es) only.
+    Primary,
+    /// The node's addresses inside any of these ranges.
+    Cidrs(Vec<Ipv4Net>),
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error(
+    "--nodeport-addresses: {value:?} is neither `primary` nor an IPv4 CIDR such as \
+     192.168.0.0/16 (give a comma-separated list of CIDRs, or `primary`)"
+)]
+pub struct NodePortAddressesError {
+    pub value: String,
+}
+
+impl std::str::FromStr for NodePortAddresses {
+    type Err = NodePortAddressesError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let text = text.trim();
+        if text.is_empty() {
+            return Ok(Self::All);
+        }
+        if text == "primary" {
+            return Ok(Self::Primary);
+        }
+        text.split(',')
+            .map(|part| {
+                let part = part.trim();
+                part.parse::<Ipv4Net>()
+                    .map(|net| net.trunc())
+                    .map_err(|_| NodePortAddressesError { value: part.into() })
+            })
+            .collect::<Result<_, _>>()
+            .map(Self::Cidrs)
+    }
+}
+
+/// Where NodePorts are served. `explicit` (`--node-ip`) wins when no selection was
+/// asked for, as before this existed; `primary` is the node's primary address
+/// (`--node-ip`, else the Node object's, else the first address found).
+pub fn nodeport_addresses(
+    net: &NodeNet,
+    selection: &NodePortAddresses,
+    explicit: &[Ipv4Addr],
+    from_node_object: &[Ipv4Addr],
+) -> Vec<Ipv4Addr> {
+    match selection {
+        NodePortAddresses::All if !explicit.is_empty() => explicit.to_vec(),
+        NodePortAddresses::All => net.addresses(),
+        NodePortAddresses::Primary => primary(net, explicit, from_node_object),
+        NodePortAddresses::Cidrs(ranges) => {
+            // Loopback addresses count here when a range names them, as in kube-proxy.
+            let mut found: Vec<Ipv4Addr> = net
+                .links
+                .values()
+                .flat_map(|l| l.addresses.iter().map(|a| a.addr()))
+                .filter(|a| ranges.iter().any(|r| r.contains(a)))
+                .collect();
+            found.sort();
+            found.dedup();
+            found
+        }
+    }
+}
+
+fn primary(net: &NodeNet, explicit: &[Ipv4Addr], from_node_object: &[Ipv4Addr]) -> Vec<Ipv4Addr> {
+    if !explicit.is_empty() {
+        return explicit[..1].to_vec();
+    }
+    if let Some(first) = from_node_object.first() {
+        return vec![*first];
+    }
+    net.addresses().into_iter().take(1).collect()
+}
+
+/// Which program a device gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Role {
+    /// `lb_tc_external`: traffic from outside the node (external scope).
+    NodeFacing,
+    /// `lb_tc_internal`: pods, and the replies of local backends.
+    PodFacing,
+}
+
+/// Why a device got its program.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Reason {
+    /// From the device's addresses.
+    Auto,
+    /// Named by `--iface` / `--pod-iface`.
+    Flag,
+}
+
+/// What the per-packet path should be attached to, by ifindex.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Attachment {
+    pub name: String,
+    pub role: Role,
+    pub reason: Reason,
+}
+
+/// `--iface` / `--pod-iface`: names whose role is fixed by the operator.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Overrides {
+    pub node_facing: Vec<String>,
+    pub pod_facing: Vec<String>,
+    /// `--tc-attach off`: no device gets a program, whatever the flags say.
+    pub off: bool,
+}
+
+/// Every device but loopback gets a program: by the flags when they name it, else
+/// node-facing when it holds an IPv4 address and pod-facing when it holds none.
+pub fn attachments(net: &NodeNet, overrides: &Overrides) -> BTreeMap<u32, Attachment> {
+    if overrides.off {
+        return BTreeMap::new();
+    }
+    net.links
+        .iter()
+        .filter(|(_, link)| !link.loopback)
+        .map(|(&index, link)| {
+            let named = |names: &[String]| names.contains(&link.name);
+            let (role, reason) = if named(&overrides.node_facing) {
+                (Role::NodeFacing, Reason::Flag)
+            } else if named(&overrides.pod_facing) {
+                (Role::PodFacing, Reason::Flag)
+            } else if link.addresses.iter().any(|a| !a.addr().is_loopback()) {
+                (Role::NodeFacing, Reason::Auto)
+            } else {
+                (Role::PodFacing, Reason::Auto)
+            };
+            let attachment = Attachment {
+                name: link.name.clone(),
+                role,
+                reason,
+            };
+            (index, attachment)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn link(name: &str, addresses: &[&str]) -> Link {
+        Link {
+            name: name.into(),
+            loopback: name == "lo",
+            addresses: addresses.iter().map(|a| a.parse().unwrap()).collect(),
+        }
+    }
+
+    /// A flannel-style node: uplink, CNI bridge with the pod gateway, two pod veths.
+    fn node() -> NodeNet {
+        let links = [
+            (1, link("lo", &["127.0.0.1/8"])),
+            (2, link("eth0", &["192.168.50.1/24"])),
+            (3, link("cni0", &["10.244.1.1/24"])),
+            (7, link("veth1a2b", &[])),
+            (9, link("cali12345", &[])),
+        ];
+        NodeNet {
+            links: links.into_iter().collect(),
+        }
+    }
+
+    fn ip(s: &str) -> Ipv4Addr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn devices_with_an_address_face_the_node_the_others_face_pods() {
+        let plan = attachments(&node(), &Overrides::default());
+        let roles: Vec<(u32, &str, Role, Reason)> = plan
+            .iter()
+            .map(|(i, a)| (*i, a.name.as_str(), a.role, a.reason))
+            .collect();
+        assert_eq!(
+            roles,
+            vec![
+                (2, "eth0", Role::NodeFacing, Reason::Auto),
+                (3, "cni0", Role::NodeFacing, Reason::Auto),
+                (7, "veth1a2b", Role::PodFacing, Reason::Auto),
+                (9, "cali12345", Role::PodFacing, Reason::Auto),
+            ]
+        );
+    }
+
+    #[test]
+    fn flags_fix_a_role_and_say_so() {
+        let overrides = Overrides {
+            node_facing: vec!["cali12345".into()],
+            pod_facing: vec!["cni0".into()],
+            off: false,
+        };
+        let plan = attachments(&node(), &overrides);
+        assert_eq!(plan[&9].role, Role::NodeFacing);
+        assert_eq!(plan[&9].reason, Reason::Flag);
+        assert_eq!(plan[&3].role, Role::PodFacing);
+        assert_eq!(plan[&3].reason, Reason::Flag);
+        assert_eq!(plan[&2].reason, Reason::Auto);
+        let off = Overrides {
+            off: true,
+            ..overrides
+        };
+        assert!(attachments(&node(), &off).is_empty());
+    }
+
+    #[test]
+    fn nodeport_addresses_follow_kube_proxy() {
+        let net = node();
+        let all = nodeport_addresses(&net, &NodePortAddresses::All, &[], &[]);
+        assert_eq!(all, vec![ip("10.244.1.1"), ip("192.168.50.1")]);
+        // --node-ip alone keeps its old meaning: exactly those.
+        let explicit = [ip("192.168.50.1")];
+        assert_eq!(
+            nodeport_addresses(&net, &NodePortAddresses::All, &explicit, &[]),
+            explicit.to_vec()
+        );
+        let cidrs: NodePortAddresses = "192.168.0.0/16, 127.0.0.0/8".parse().unwrap();
+        assert_eq!(
+            nodeport_addresses(&net, &cidrs, &[], &[]),
+            vec![ip("127.0.0.1"), ip("192.168.50.1")]
+        );
+        let primary = NodePortAddresses::Primary;
+        assert_eq!(
+            nodeport_addresses(&net, &primary, &[], &[ip("192.168.50.1")]),
+            vec![ip("192.168.50.1")]
+        );
+        assert_eq!(
+            nodeport_addresses(&net, &primary, &explicit, &[ip("10.0.0.9")]),
+            explicit.to_vec()
+        );
+        assert_eq!(
+            nodeport_addresses(&net, &primary, &[], &[]),
+            vec![ip("10.244.1.1")]
+        );
+    }
+
+    #[test]
+    fn nodeport_address_selections_parse() {
+        assert_eq!("".parse(), Ok(NodePortAddresses::All));
+        assert_eq!("primary".parse(), Ok(NodePortAddresses::Primary));
+        assert_eq!(
+            "10.1.2.3/8".parse(),
+            Ok(NodePortAddresses::Cidrs(vec!["10.0.0.0/8"
+                .parse()
+                .unwrap()]))
+        );
+        let err = "10.0.0.0/8,eth0".parse::<NodePortAddresses>().unwrap_err();
+        assert_eq!(err.value, "eth0");
+        assert!(err.to_string().contains("`primary`"), "{err}");
+    }
+}
