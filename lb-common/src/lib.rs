@@ -304,10 +304,13 @@ pub struct Attachment {
     pub reason: u8,
     /// `ATTACH_MODE_*`: how the program is attached.
     pub mode: u8,
-    /// Explicit padding to a 4-byte multiple.
-    pub _pad: u8,
+    /// Explicit padding up to the 8-byte alignment of `netns`.
+    pub _pad: [u8; 5],
+    /// Inode of the agent's network namespace: device names mean something only
+    /// there, so `lb cleanup` elsewhere must not act on them.
+    pub netns: u64,
 }
-const _: () = assert!(core::mem::size_of::<Attachment>() == 20);
+const _: () = assert!(core::mem::size_of::<Attachment>() == 32);
 
 /// `Attachment::role`: node-facing device, `lb_tc_external`.
 pub const ATTACH_ROLE_NODE: u8 = 1;

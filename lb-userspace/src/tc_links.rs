@@ -93,6 +93,8 @@ pub struct RecordedLink {
     pub reason: &'static str,
     /// `tcx` or `netlink`.
     pub mode: &'static str,
+    /// Inode of the network namespace the device is in.
+    pub netns: u64,
 }
 
 impl RecordedLink {
@@ -121,6 +123,7 @@ impl RecordedLink {
             } else {
                 "tcx"
             },
+            netns: value.netns,
         }
     }
 
@@ -144,7 +147,13 @@ pub fn render_text(links: &[RecordedLink]) -> String {
     out
 }
 
-fn encode(attachment: &Attachment, netlink: bool) -> lb_common::Attachment {
+/// Inode of the calling thread's network namespace (0 if /proc cannot say).
+pub fn current_netns() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/thread-self/ns/net").map_or(0, |m| m.ino())
+}
+
+fn encode(attachment: &Attachment, netlink: bool, netns: u64) -> lb_common::Attachment {
     let mut name = [0u8; IFNAMSIZ];
     let bytes = attachment.name.as_bytes();
     let len = bytes.len().min(IFNAMSIZ - 1);
@@ -164,7 +173,8 @@ fn encode(attachment: &Attachment, netlink: bool) -> lb_common::Attachment {
         } else {
             ATTACH_MODE_TCX
         },
-        _pad: 0,
+        _pad: [0; 5],
+        netns,
     }
 }
 
@@ -182,6 +192,7 @@ pub struct TcLinks {
     links_dir: PathBuf,
     record: AttachmentRecord,
     current: BTreeMap<u32, Attached>,
+    netns: u64,
 }
 
 impl TcLinks {
@@ -192,6 +203,7 @@ impl TcLinks {
             links_dir: layout.links_dir(),
             record: AttachmentRecord::open(layout)?,
             current: BTreeMap::new(),
+            netns: current_netns(),
         })
     }
 
@@ -245,7 +257,8 @@ impl TcLinks {
                             let _ = std::fs::remove_file(old_pin);
                         }
                     }
-                    self.record.insert(index, &encode(want, !self.tcx));
+                    self.record
+                        .insert(index, &encode(want, !self.tcx, self.netns));
                     info!(
                         device = %want.name,
                         ifindex = index,
@@ -283,7 +296,7 @@ impl TcLinks {
             if self.current.contains_key(&index) {
                 continue;
             }
-            if recorded.is_netlink() {
+            if recorded.is_netlink() && recorded.netns == self.netns {
                 detach_netlink_slot(&recorded.name);
             }
             self.record.remove(index);
@@ -306,23 +319,45 @@ fn detach_netlink_slot(device: &str) -> bool {
     }
 }
 
-/// What `lb cleanup` detached from the record: the netlink filters it removed (TCX
-/// links go with their pins).
-pub fn cleanup(layout: &PinLayout) -> Vec<String> {
+/// What `lb cleanup` did about the recorded netlink filters (TCX links go with
+/// their pins, wherever cleanup runs).
+#[derive(Debug, Default)]
+pub struct NetlinkCleanup {
+    /// `device/program` of each filter removed.
+    pub removed: Vec<String>,
+    /// Filters in another network namespace, left in place (`device`, netns inode).
+    pub elsewhere: Vec<(String, u64)>,
+}
+
+/// Removes the netlink filters the record names, in this network namespace only;
+/// filters recorded in another one are reported, not touched: a device name here
+/// may be another device altogether.
+pub fn cleanup(layout: &PinLayout) -> NetlinkCleanup {
+    let mut report = NetlinkCleanup::default();
     let Ok(mut record) = AttachmentRecord::open(layout) else {
-        return Vec::new();
+        return report;
     };
     let Ok(entries) = record.entries() else {
-        return Vec::new();
+        return report;
     };
-    let mut removed = Vec::new();
+    let here = current_netns();
     for (index, recorded) in entries {
-        if recorded.is_netlink() && detach_netlink_slot(&recorded.name) {
-            removed.push(format!("{}/{}", recorded.name, recorded.program));
+        if recorded.is_netlink() {
+            if recorded.netns != here {
+                report
+                    .elsewhere
+                    .push((recorded.name.clone(), recorded.netns));
+                continue;
+            }
+            if detach_netlink_slot(&recorded.name) {
+                report
+                    .removed
+                    .push(format!("{}/{}", recorded.name, recorded.program));
+            }
         }
         record.remove(index);
     }
-    removed
+    report
 }
 
 /// The devices recorded under `layout`, for `lb status`.

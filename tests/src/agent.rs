@@ -173,6 +173,18 @@ impl LbCli {
             .with_context(|| format!("`lb conntrack --json` printed unexpected output:\n{out}"))
     }
 
+    /// `lb status --pin-dir DIR --json`: the devices the per-packet programs are on.
+    pub fn status_links(&self) -> Result<Vec<LinkStatus>> {
+        #[derive(Deserialize)]
+        struct Status {
+            links: Vec<LinkStatus>,
+        }
+        let out = self.lb_command(&["status", "--json"])?;
+        let status: Status = serde_json::from_str(&out)
+            .with_context(|| format!("`lb status --json` printed unexpected output:\n{out}"))?;
+        Ok(status.links)
+    }
+
     /// `lb SUBCOMMAND --pin-dir DIR ARGS...` (run in the test's own namespace: it only
     /// reads and writes pinned objects); its stdout.
     pub fn lb_command(&self, args: &[&str]) -> Result<String> {
@@ -222,6 +234,20 @@ impl LbCli {
             }
         }
     }
+}
+
+/// One device of `lb status --json`.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+pub struct LinkStatus {
+    pub ifindex: u32,
+    pub name: String,
+    /// `node-facing` or `pod-facing`.
+    pub role: String,
+    pub program: String,
+    /// `auto` or `flag`.
+    pub reason: String,
+    /// `tcx` or `netlink`.
+    pub mode: String,
 }
 
 /// One flow of `lb conntrack --json`.

@@ -151,6 +151,9 @@ pub struct Node {
     ns: NetNs,
     cgroup: Cgroup,
     index: usize,
+    /// Every pod address ever given on this node: a pod created again gets a new
+    /// one, as in Kubernetes (and no stale neighbour entry answers for it).
+    used_addresses: Vec<Ipv4Addr>,
 }
 
 impl Node {
@@ -291,6 +294,7 @@ impl Cluster {
             ns,
             cgroup,
             index: i,
+            used_addresses: Vec::new(),
         };
         // Before any device exists, so every device inherits `default`.
         node.ns.sysctls(&[
@@ -316,6 +320,7 @@ impl Cluster {
         node.ns.ip(&["link", "set", "br0", "up"])?;
         for pod in spec.pods.iter().filter(|p| p.node == i) {
             let p = self.create_pod(&node, pod)?;
+            node.used_addresses.push(p.ip());
             node.pods.push(p);
         }
         // Whatever the inheritance did (eth0 came from another namespace), every
@@ -327,19 +332,18 @@ impl Cluster {
         Ok(node)
     }
 
-    /// A pod on `node`, with the lowest free address of its role's range (so a pod
-    /// deleted and created again under its name gets its address back), its veth
-    /// in the node's bridge and, for a backend, lb-echo running.
+    /// A pod on `node`, with the lowest address of its role's range not used
+    /// before on the node, its veth in the node's bridge and, for a backend,
+    /// lb-echo running.
     fn create_pod(&self, node: &Node, pod: &PodSpec) -> Result<Pod> {
         let first = match pod.role {
             Role::Backend => 11u8,
             Role::Client => 20u8,
         };
         let i = node.index;
-        let taken: Vec<Ipv4Addr> = node.pods.iter().map(|p| p.ip()).collect();
         let ip = (first..first + 9)
             .map(|host| Ipv4Addr::new(10, 244, 1 + u8::try_from(i).expect("few nodes"), host))
-            .find(|ip| !taken.contains(ip))
+            .find(|ip| !node.used_addresses.contains(ip))
             .with_context(|| format!("no free pod address on {}", node_name(i)))?;
         let mut p = Pod::create(
             &pod.name,
@@ -378,17 +382,25 @@ impl Cluster {
             ("net/ipv4/conf/*/rp_filter", "0"),
             ("net/ipv4/conf/*/send_redirects", "0"),
         ])?;
-        let pods = &mut self.nodes[node].pods;
-        pods.push(pod);
-        Ok(pods.last().expect("just pushed"))
+        let node = &mut self.nodes[node];
+        node.used_addresses.push(pod.ip());
+        node.pods.push(pod);
+        Ok(node.pods.last().expect("just pushed"))
     }
 
     /// Delete pod `name` (its namespace, so its veth goes too): a pod that ended.
+    /// Returns once the host-side veth is gone (the kernel tears a namespace down
+    /// asynchronously), so the name can be used again.
     pub fn remove_pod(&mut self, name: &str) -> Result<()> {
         for node in &mut self.nodes {
             if let Some(at) = node.pods.iter().position(|p| p.name() == name) {
                 drop(node.pods.remove(at));
-                return Ok(());
+                let veth = Node::pod_iface(name);
+                return poll(
+                    &format!("{veth} to disappear"),
+                    Duration::from_secs(10),
+                    || Ok(node.ns.ip(&["link", "show", &veth]).is_err().then_some(())),
+                );
             }
         }
         bail!("no pod {name} in the cluster")

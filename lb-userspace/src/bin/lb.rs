@@ -239,6 +239,19 @@ fn main() -> Result<()> {
         Command::Cleanup => {
             // The netlink filters first: their record is a map about to be unpinned.
             let filters = tc_links::cleanup(&layout);
+            if !filters.elsewhere.is_empty() {
+                let devices: Vec<&str> =
+                    filters.elsewhere.iter().map(|(d, _)| d.as_str()).collect();
+                anyhow::bail!(
+                    "{} has netlink TC filters on devices of another network namespace \
+                     (netns inode {}): {}; run `lb cleanup --pin-dir {}` inside that \
+                     namespace (e.g. `nsenter --net=...`); nothing was removed",
+                    layout.root().display(),
+                    filters.elsewhere[0].1,
+                    devices.join(", "),
+                    layout.root().display()
+                );
+            }
             let report = loader::cleanup(&layout)
                 .with_context(|| format!("cleaning up {}", layout.root().display()))?;
             eprintln!(
@@ -246,8 +259,8 @@ fn main() -> Result<()> {
                 report.removed.len(),
                 layout.root().display()
             );
-            if !filters.is_empty() {
-                eprintln!("removed netlink TC filters: {}", filters.join(", "));
+            if !filters.removed.is_empty() {
+                eprintln!("removed netlink TC filters: {}", filters.removed.join(", "));
             }
             Ok(())
         }
