@@ -1,5 +1,7 @@
 //! Kernel side of the load balancer: cgroup socket hooks that translate a Service VIP
-//! to a backend once per socket, so packets themselves never need NAT.
+//! to a backend once per socket (so those packets never need NAT), and a TC
+//! per-packet path for traffic no socket hook sees (NodePort, LoadBalancer IPs,
+//! externalIPs, pods outside the hooked cgroup): DNAT, SNAT, conntrack, reverse NAT.
 //!
 //! Entry points stay thin. Socket hooks: `sock` (context access), `sock_lb`
 //! (translation). Per-packet path: `packet` (parsing), `ct` (conntrack), `nat`

@@ -200,6 +200,9 @@ impl AgentProc {
             // Several agents share the machine: no fixed ports.
             .args(["--healthz-bind-address", "127.0.0.1:0"])
             .args(["--metrics-bind-address", ""])
+            // It runs in the test's own (the host's) namespace: socket hooks only,
+            // never a program on the host's devices.
+            .args(["--tc-attach", "off"])
             .env("NO_COLOR", "1")
             .spawn()?;
         Ok(AgentProc { child })

@@ -479,3 +479,68 @@ fn cleanup_detaches_only_what_the_agent_attached() -> Result<()> {
     drop(foreign);
     Ok(())
 }
+
+/// NodePorts follow the node's addresses: one added to the uplink is served (and
+/// answers) within the sync timeout, and dropped when the address goes;
+/// `--nodeport-addresses` narrows the set as kube-proxy's flag does.
+#[test]
+fn node_ports_follow_the_nodes_addresses() -> Result<()> {
+    let lb = lb_binary()?;
+    let mut cluster = Cluster::builder()
+        .backend("pod-a", 0)
+        .build(cargo_tools!())?;
+    let svc = whoami_node_port("addr", Ipv4Addr::new(10, 96, 1, 20), 30220);
+    publish(&cluster, &svc, &["pod-a"])?;
+    cluster.start_agents(&lb, |node| {
+        if node == 1 {
+            vec!["--nodeport-addresses".into(), "192.168.50.0/24".into()]
+        } else {
+            Vec::new()
+        }
+    })?;
+    let pod_a = SocketAddrV4::new(cluster.pod("pod-a")?.ip(), WHOAMI_PORT);
+    // Default: every address of the node, the pod bridge's included.
+    cluster.wait_frontend(
+        0,
+        SocketAddrV4::new(node_ip(0), 30220),
+        "TCP",
+        "internal",
+        &[pod_a],
+    )?;
+    let bridge1 = lb_tests::cluster::pod_gateway(0);
+    cluster.wait_frontend(
+        0,
+        SocketAddrV4::new(bridge1, 30220),
+        "TCP",
+        "internal",
+        &[pod_a],
+    )?;
+    // Narrowed to the node network on node2.
+    cluster.wait_frontend(
+        1,
+        SocketAddrV4::new(node_ip(1), 30220),
+        "TCP",
+        "internal",
+        &[pod_a],
+    )?;
+    let on_node2 = cluster.node(1).agent().services_json()?;
+    let bridge2 = lb_tests::cluster::pod_gateway(1);
+    ensure!(
+        !on_node2.iter().any(|e| e.frontend.ip == bridge2),
+        "--nodeport-addresses 192.168.50.0/24 must leave {bridge2} out: {on_node2:#?}"
+    );
+
+    let extra = Ipv4Addr::new(192, 168, 50, 51);
+    let node1 = cluster.node(0).netns();
+    node1.ip(&["addr", "add", &format!("{extra}/32"), "dev", "eth0"])?;
+    let np = SocketAddrV4::new(extra, 30220);
+    cluster.wait_frontend(0, np, "TCP", "internal", &[pod_a])?;
+    answered(&cluster, cluster.client(), np, "pod-a", CLIENT_IP)?;
+    node1.ip(&["addr", "del", &format!("{extra}/32"), "dev", "eth0"])?;
+    cluster.node(0).agent().wait_services(
+        &format!("{np} to be dropped with its address"),
+        DEVICE_TIMEOUT,
+        |entries| !entries.iter().any(|e| e.frontend.ip == extra),
+    )?;
+    Ok(())
+}

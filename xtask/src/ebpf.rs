@@ -179,23 +179,7 @@ pub fn build(workspace: &Path, debug: bool) -> Result<PathBuf> {
         );
     }
 
-    let mut cmd = match &route {
-        Route::Debian => {
-            let mut cmd = Command::new(DEBIAN_CARGO);
-            run::scrub_cargo_env(&mut cmd, workspace);
-            cmd.env("RUSTC_BOOTSTRAP", "1").env("RUSTC", DEBIAN_RUSTC);
-            cmd.arg("build");
-            cmd
-        }
-        Route::Upstream(toolchain) => {
-            // `rustup run` rather than `cargo +nightly`: it works even when the
-            // cargo on PATH is not rustup's proxy.
-            let mut cmd = Command::new("rustup");
-            run::scrub_cargo_env(&mut cmd, workspace);
-            cmd.args(["run", toolchain, "cargo", "build", "-Z", "build-std=core"]);
-            cmd
-        }
-    };
+    let mut cmd = route_cargo(&route, workspace, "build");
     cmd.current_dir(&crate_dir).env("RUSTFLAGS", RUSTFLAGS);
     if which("bpf-linker").is_none() {
         cmd.env("PATH", run::path_with(&[&linker_dir]));
@@ -217,6 +201,55 @@ pub fn build(workspace: &Path, debug: bool) -> Result<PathBuf> {
         .len();
     println!("eBPF object: {} ({size} bytes)", object.display());
     Ok(object)
+}
+
+/// `cargo SUBCOMMAND` of the route's toolchain, for the eBPF crate.
+fn route_cargo(route: &Route, workspace: &Path, subcommand: &str) -> Command {
+    match route {
+        Route::Debian => {
+            let mut cmd = Command::new(DEBIAN_CARGO);
+            run::scrub_cargo_env(&mut cmd, workspace);
+            cmd.env("RUSTC_BOOTSTRAP", "1").env("RUSTC", DEBIAN_RUSTC);
+            if subcommand == "clippy" {
+                // Debian's cargo-clippy (rust-web-clippy) matches its rustc and
+                // knows the prebuilt core; rustup's proxy earlier on PATH would not.
+                cmd.env("PATH", run::path_with(&[Path::new("/usr/bin")]));
+            }
+            cmd.arg(subcommand);
+            cmd
+        }
+        Route::Upstream(toolchain) => {
+            // `rustup run` rather than `cargo +nightly`: it works even when the
+            // cargo on PATH is not rustup's proxy.
+            let mut cmd = Command::new("rustup");
+            run::scrub_cargo_env(&mut cmd, workspace);
+            cmd.args([
+                "run",
+                toolchain,
+                "cargo",
+                subcommand,
+                "-Z",
+                "build-std=core",
+            ]);
+            cmd
+        }
+    }
+}
+
+/// `cargo clippy -D warnings` on the eBPF crate, with the compiler that builds it.
+pub fn clippy(workspace: &Path) -> Result<()> {
+    let forced = std::env::var(ROUTE_ENV).ok();
+    let route = choose(&probe(), forced.as_deref())?;
+    let mut cmd = route_cargo(&route, workspace, "clippy");
+    cmd.current_dir(workspace.join("lb-ebpf")).args([
+        "--release",
+        "--target",
+        TARGET,
+        "--",
+        "-D",
+        "warnings",
+    ]);
+    run::run(&mut cmd)
 }
 
 #[cfg(test)]

@@ -16,6 +16,8 @@ pub const PACKAGES: &[&str] = &[
     "rustc-web",
     "cargo-web",
     "libstd-rust-web-dev-bpf",
+    // clippy for that rustc, so the eBPF crate is linted by the compiler that builds it.
+    "rust-web-clippy",
     "llvm-22-dev",
     "libpolly-22-dev",
     "libzstd-dev",

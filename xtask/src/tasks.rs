@@ -63,10 +63,33 @@ fn test_steps(workspace: &Path, extra: &[String]) -> Result<()> {
              network namespaces) will be skipped"
         );
     }
+    lint(workspace, &object)?;
     run::run(workspace_cargo(workspace, &object).args(["build", "--workspace", "--all-targets"]))?;
     run::run(workspace_cargo(workspace, &object).args(cargo_test_args(extra)))?;
     crate::validate::validate_manifests(workspace)?;
     Ok(())
+}
+
+/// Formatting and clippy (warnings are errors) for the workspace and the eBPF crate,
+/// before any test runs: CI fails on a lint as it does on a test.
+fn lint(workspace: &Path, object: &Path) -> Result<()> {
+    run::run(workspace_cargo(workspace, object).args(["fmt", "--all", "--", "--check"]))?;
+    run::run(workspace_cargo(workspace, object).args([
+        "fmt",
+        "--manifest-path",
+        "lb-ebpf/Cargo.toml",
+        "--",
+        "--check",
+    ]))?;
+    run::run(workspace_cargo(workspace, object).args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
+    ebpf::clippy(workspace)
 }
 
 pub fn demo(workspace: &Path) -> Result<()> {
