@@ -9,7 +9,7 @@ use futures::{StreamExt, TryStreamExt};
 use ipnet::Ipv4Net;
 use netlink_packet_core::NetlinkPayload;
 use netlink_packet_route::address::{AddressAttribute, AddressMessage};
-use netlink_packet_route::link::{LinkAttribute, LinkFlags, LinkMessage};
+use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkMessage};
 use netlink_packet_route::RouteNetlinkMessage;
 use netlink_sys::AsyncSocket as _;
 use rtnetlink::MulticastGroup;
@@ -37,7 +37,8 @@ pub enum NetlinkError {
 /// What the watcher knows; published as a [`NodeNet`].
 #[derive(Default)]
 struct View {
-    links: BTreeMap<u32, (String, bool)>,
+    /// ifindex -> (name, loopback, veth/netkit).
+    links: BTreeMap<u32, (String, bool, bool)>,
     addresses: BTreeMap<u32, BTreeSet<Ipv4Net>>,
 }
 
@@ -46,7 +47,7 @@ impl View {
         let links = self
             .links
             .iter()
-            .map(|(&index, (name, loopback))| {
+            .map(|(&index, (name, loopback, pair))| {
                 let addresses = self
                     .addresses
                     .get(&index)
@@ -55,6 +56,7 @@ impl View {
                 let link = Link {
                     name: name.clone(),
                     loopback: *loopback,
+                    pair: *pair,
                     addresses,
                 };
                 (index, link)
@@ -70,7 +72,13 @@ impl View {
         });
         let Some(name) = name else { return };
         let loopback = message.header.flags.contains(LinkFlags::Loopback);
-        self.links.insert(message.header.index, (name, loopback));
+        let pair = message.attributes.iter().any(|a| match a {
+            LinkAttribute::LinkInfo(infos) => infos.iter().any(|i| {
+                matches!(i, LinkInfo::Kind(InfoKind::Veth) | LinkInfo::Kind(InfoKind::Netkit))
+            }),
+            _ => false,
+        });
+        self.links.insert(message.header.index, (name, loopback, pair));
     }
 
     fn del_link(&mut self, message: &LinkMessage) {

@@ -3,13 +3,15 @@
 //! `--nodeport-addresses`), and which program each device gets. Pure: the netlink
 //! watcher ([`crate::netlink`]) fills a [`NodeNet`], the agent acts on the answers.
 //!
-//! Why devices are told apart by their addresses, not their names: a device that
-//! holds one of the node's IPv4 addresses is where the node itself is reached
-//! (`eth0`, a bond, a VLAN, a CNI bridge such as `cni0`), so traffic from outside
-//! arrives there; a device without one (a pod's host-side veth, whatever the CNI
-//! calls it) leads to pods, and the replies of local backends enter the node there.
-//! That holds for bridge, ptp-with-bridge and routed (Calico-style) CNIs alike, and
-//! needs no name pattern.
+//! Why devices are told apart by their kind and addresses, not their names: a pod's
+//! host-side device is a veth (or netkit) pair end the CNI created, and it holds
+//! none of the node's addresses; the replies of local backends enter the node
+//! there. Everything else is where the node itself is reached: a device holding a
+//! node address (`eth0`, a CNI bridge such as `cni0`, the veth uplink of a node
+//! that is itself a container), and physical NICs, bond and bridge ports, VLANs and
+//! tunnels even without an address of their own, so traffic from outside the node
+//! arriving on a bond slave is still seen as external. That holds for bridge and
+//! routed (Calico-style) CNIs alike and needs no name pattern.
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
@@ -22,6 +24,8 @@ pub struct Link {
     pub name: String,
     /// `IFF_LOOPBACK`: never attached to; local traffic is the socket hooks' job.
     pub loopback: bool,
+    /// A veth or netkit pair end: what CNIs give a pod on the host side.
+    pub pair: bool,
     /// IPv4 addresses with their prefix length.
     pub addresses: Vec<Ipv4Net>,
 }
@@ -166,7 +170,8 @@ pub struct Overrides {
 }
 
 /// Every device but loopback gets a program: by the flags when they name it, else
-/// node-facing when it holds an IPv4 address and pod-facing when it holds none.
+/// pod-facing when it is a veth/netkit end without an IPv4 address, node-facing
+/// otherwise.
 pub fn attachments(net: &NodeNet, overrides: &Overrides) -> BTreeMap<u32, Attachment> {
     if overrides.off {
         return BTreeMap::new();
@@ -180,10 +185,10 @@ pub fn attachments(net: &NodeNet, overrides: &Overrides) -> BTreeMap<u32, Attach
                 (Role::NodeFacing, Reason::Flag)
             } else if named(&overrides.pod_facing) {
                 (Role::PodFacing, Reason::Flag)
-            } else if link.addresses.iter().any(|a| !a.addr().is_loopback()) {
-                (Role::NodeFacing, Reason::Auto)
-            } else {
+            } else if link.pair && link.addresses.iter().all(|a| a.addr().is_loopback()) {
                 (Role::PodFacing, Reason::Auto)
+            } else {
+                (Role::NodeFacing, Reason::Auto)
             };
             let attachment = Attachment {
                 name: link.name.clone(),
@@ -203,16 +208,20 @@ mod tests {
         Link {
             name: name.into(),
             loopback: name == "lo",
+            pair: name.starts_with("veth") || name.starts_with("cali") || name == "eth0",
             addresses: addresses.iter().map(|a| a.parse().unwrap()).collect(),
         }
     }
 
-    /// A flannel-style node: uplink, CNI bridge with the pod gateway, two pod veths.
+    /// A flannel-style node that is itself a container (its uplink a veth with the
+    /// node address), a CNI bridge with the pod gateway, two pod veths, and a
+    /// bonded NIC without an address of its own.
     fn node() -> NodeNet {
         let links = [
             (1, link("lo", &["127.0.0.1/8"])),
             (2, link("eth0", &["192.168.50.1/24"])),
             (3, link("cni0", &["10.244.1.1/24"])),
+            (5, link("ens4", &[])),
             (7, link("veth1a2b", &[])),
             (9, link("cali12345", &[])),
         ];
@@ -226,7 +235,7 @@ mod tests {
     }
 
     #[test]
-    fn devices_with_an_address_face_the_node_the_others_face_pods() {
+    fn pod_veths_face_pods_everything_else_faces_the_node() {
         let plan = attachments(&node(), &Overrides::default());
         let roles: Vec<(u32, &str, Role, Reason)> = plan
             .iter()
@@ -237,6 +246,7 @@ mod tests {
             vec![
                 (2, "eth0", Role::NodeFacing, Reason::Auto),
                 (3, "cni0", Role::NodeFacing, Reason::Auto),
+                (5, "ens4", Role::NodeFacing, Reason::Auto),
                 (7, "veth1a2b", Role::PodFacing, Reason::Auto),
                 (9, "cali12345", Role::PodFacing, Reason::Auto),
             ]
