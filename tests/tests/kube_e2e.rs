@@ -37,9 +37,12 @@ const SERVICE: &str = "web";
 const SLICE: &str = "web-1";
 /// Bound for a change on the fake server to reach the maps (watch, debounce, sync).
 const SYNC: Duration = Duration::from_secs(15);
-/// Bound for the agent's client to come back after an outage: kube's watcher backs
-/// off exponentially (0.8 s doubling, capped at 30 s).
+/// Bound for the agent's client to come back after an outage (its retries back off
+/// from 0.1 s to at most 1 s), generous for a loaded machine.
 const RECONNECT: Duration = Duration::from_secs(60);
+/// A change made during an outage reaches the maps within this of the server
+/// answering again (the target).
+const RECOVERY: Duration = Duration::from_secs(2);
 /// Bound for requests to reach the fake server.
 const REQUEST: Duration = Duration::from_secs(20);
 
@@ -318,7 +321,9 @@ fn slice_modified_removes_a_backend_and_an_outage_keeps_the_datapath() -> Result
         std::net::TcpStream::connect(kb.server.addr()).is_err(),
         "the fake API server still accepts connections"
     );
-    wait_retries(&mut kb, 2).context("the agent did not notice the outage")?;
+    // Long enough for a client-go style backoff (0.8 s doubling) to have grown
+    // past 10 s: 6 failed attempts per kind.
+    wait_retries(&mut kb, 6).context("the agent did not notice the outage")?;
     kb.traffic_reaches(rest, 40)
         .context("during the API server outage")?;
     let during = kb.pins.services_json()?;
@@ -334,9 +339,10 @@ fn slice_modified_removes_a_backend_and_an_outage_keeps_the_datapath() -> Result
 
     kb.rt.block_on(kb.server.resume());
     kb.pins
-        .wait_services("the change made during the outage", RECONNECT, |e| {
+        .wait_services("the change made during the outage", RECOVERY, |e| {
             e.len() == 1 && e[0].backends.len() == 3
-        })?;
+        })
+        .context("recovery after the outage took longer than 2 s")?;
     kb.wait_backends(&all)?;
     kb.traffic_reaches(&all, 60)?;
     Ok(())

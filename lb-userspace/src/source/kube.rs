@@ -5,9 +5,15 @@
 //! The caches are filled by list+watch with kube-proxy's label selectors. A watch
 //! that ends is resumed from the last resourceVersion; one answered with `410 Gone`
 //! is replaced by a fresh list, whose result replaces the cache at once. Failed
-//! requests are retried with client-go's backoff (0.8 s doubling to 30 s, jittered)
-//! while the caches, and so the last published snapshot, stay as they were: an API
-//! server outage freezes the service table instead of emptying it.
+//! requests are retried with a bounded backoff (0.1 s doubling to 1 s, jittered, see
+//! [`RecoveryBackoff`]) while the caches, and so the last published snapshot, stay
+//! as they were: an API server outage freezes the service table instead of emptying
+//! it, and a change made during the outage is seen within about a second of the
+//! server answering again.
+//!
+//! A change is published at once when changes are rare; only while they follow
+//! each other closely are they coalesced, for a wait that doubles with each busy
+//! publish up to [`KubeWatchOptions::coalesce_max`] (see [`Coalescer`]).
 
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -44,9 +50,9 @@ pub const SLICE_LABEL_SELECTOR: &str = "kubernetes.io/service-name,\
 /// How the API server is followed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KubeWatchOptions {
-    /// Changes arriving within this long of the first unpublished one are published
-    /// together as one snapshot.
-    pub debounce: Duration,
+    /// Longest a change waits to be published while changes keep coming (a burst);
+    /// a change after a quiet spell is published at once.
+    pub coalesce_max: Duration,
     /// Objects per list request (`limit`); `None` lists everything in one response.
     pub page_size: Option<u32>,
     /// Only this Node is cached (`fieldSelector=metadata.name=NAME`, as kube-proxy
@@ -57,7 +63,7 @@ pub struct KubeWatchOptions {
 impl Default for KubeWatchOptions {
     fn default() -> Self {
         KubeWatchOptions {
-            debounce: Duration::from_millis(100),
+            coalesce_max: Duration::from_millis(100),
             page_size: Some(500),
             node_name: None,
         }
@@ -165,8 +171,8 @@ fn default_kubeconfig_location() -> String {
 }
 
 /// Spawns the watchers. The receiver holds `None` until Services, EndpointSlices and
-/// Nodes have each been listed once; after that, changes publish a fresh snapshot,
-/// at most one per [`KubeWatchOptions::debounce`]. A relist that finds nothing new
+/// Nodes have each been listed once; after that, changes publish a fresh snapshot
+/// (coalesced only under bursts, see [`Coalescer`]). A relist that finds nothing new
 /// publishes nothing. Objects come sorted by namespace and name, with
 /// `metadata.managedFields` dropped; `errors` stays empty. Call it inside a Tokio
 /// runtime; the tasks stop when the receiver is dropped.
@@ -210,7 +216,7 @@ pub fn watch(client: Client, options: KubeWatchOptions) -> watch::Receiver<Optio
         slices,
         nodes,
     };
-    tokio::spawn(follow(events, caches, tx, options.debounce));
+    tokio::spawn(follow(events, caches, tx, options.coalesce_max));
     rx
 }
 
@@ -256,7 +262,7 @@ where
 {
     watcher(api, config)
         .modify(|object: &mut K| object.meta_mut().managed_fields = None)
-        .default_backoff()
+        .backoff(RecoveryBackoff::default())
         .reflect(writer)
         .map(move |event| {
             let step = event.map(|event| match event {
@@ -267,6 +273,99 @@ where
             (kind, step)
         })
         .boxed()
+}
+
+/// Retry delays of a failed list or watch: 0.1 s doubling to at most 1 s, each
+/// jittered down by up to half. client-go's 30 s cap made a change made during a
+/// 20 s outage wait a minute after the server was back; with a 1 s cap it waits at
+/// most a second, for one request per watcher and second while the server is down
+/// (three per node, spread by the jitter).
+#[derive(Debug)]
+pub struct RecoveryBackoff {
+    next: Duration,
+    /// xorshift state for the jitter (no cryptographic quality needed).
+    seed: u64,
+}
+
+impl RecoveryBackoff {
+    const FIRST: Duration = Duration::from_millis(100);
+    const MAX: Duration = Duration::from_secs(1);
+}
+
+impl Default for RecoveryBackoff {
+    fn default() -> Self {
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0x9e37_79b9, |d| d.as_nanos() as u64)
+            | 1;
+        Self {
+            next: Self::FIRST,
+            seed,
+        }
+    }
+}
+
+impl Iterator for RecoveryBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        let base = self.next;
+        self.next = (self.next * 2).min(Self::MAX);
+        self.seed ^= self.seed << 13;
+        self.seed ^= self.seed >> 7;
+        self.seed ^= self.seed << 17;
+        // Down by up to half of the delay: in [base/2, base].
+        let jitter = base.as_micros() as u64 / 2;
+        let cut = if jitter == 0 { 0 } else { self.seed % jitter };
+        Some(base - Duration::from_micros(cut))
+    }
+}
+
+impl kube::runtime::utils::Backoff for RecoveryBackoff {
+    fn reset(&mut self) {
+        self.next = Self::FIRST;
+    }
+}
+
+/// When to publish: at once after a quiet spell; during a burst (a change arriving
+/// within `max` of the last publish) after a wait that starts at [`Self::MIN`] and
+/// doubles with each busy publish, bounded by `max`. The agent's channel keeps only
+/// the newest snapshot, so a slow sync coalesces further on its own.
+#[derive(Debug)]
+struct Coalescer {
+    max: Duration,
+    wait: Duration,
+    last_publish: Option<Instant>,
+}
+
+impl Coalescer {
+    const MIN: Duration = Duration::from_millis(2);
+
+    fn new(max: Duration) -> Self {
+        Self {
+            max,
+            wait: Duration::ZERO,
+            last_publish: None,
+        }
+    }
+
+    /// When a change arriving at `now` (with nothing pending) is to be published.
+    fn due(&mut self, now: Instant) -> Instant {
+        match self.last_publish {
+            Some(last) if now.duration_since(last) < self.max => {
+                self.wait = (self.wait * 2).clamp(Self::MIN, self.max);
+                (last + self.wait).max(now)
+            }
+            _ => {
+                self.wait = Duration::ZERO;
+                now
+            }
+        }
+    }
+
+    fn published(&mut self, at: Instant) {
+        self.last_publish = Some(at);
+    }
 }
 
 struct Caches {
@@ -327,15 +426,18 @@ async fn follow(
     mut events: stream::SelectAll<Events>,
     caches: Caches,
     tx: watch::Sender<Option<Arc<Objects>>>,
-    debounce: Duration,
+    coalesce_max: Duration,
 ) {
     let mut listed = [false; Kind::ALL.len()];
     let mut published: Option<Fingerprint> = None;
+    let mut coalescer = Coalescer::new(coalesce_max);
     // Set while changes wait to be published.
     let mut due: Option<Pin<Box<Sleep>>> = None;
     loop {
         let ready = listed.iter().all(|&l| l);
         tokio::select! {
+            // Events already queued go into the cache before a publish that is due.
+            biased;
             event = events.next() => {
                 let Some((kind, step)) = event else { return };
                 match step {
@@ -353,7 +455,7 @@ async fn follow(
                     }
                 }
                 if due.is_none() {
-                    due = Some(Box::pin(tokio::time::sleep_until(Instant::now() + debounce)));
+                    due = Some(Box::pin(tokio::time::sleep_until(coalescer.due(Instant::now()))));
                 }
             }
             () = async { due.as_mut().expect("guarded").await }, if ready && due.is_some() => {
@@ -367,6 +469,7 @@ async fn follow(
                 if tx.send(Some(Arc::new(caches.snapshot()))).is_err() {
                     return;
                 }
+                coalescer.published(Instant::now());
             }
             () = tx.closed() => return,
         }
@@ -432,6 +535,52 @@ mod tests {
         let client = client(Some(&path)).await.unwrap();
         assert_eq!(client.default_namespace(), "default");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn retries_are_bounded_and_jittered() {
+        let delays: Vec<Duration> = RecoveryBackoff::default().take(12).collect();
+        assert!(
+            delays.iter().all(|d| *d <= RecoveryBackoff::MAX),
+            "{delays:?}"
+        );
+        assert!(delays[0] >= RecoveryBackoff::FIRST / 2, "{delays:?}");
+        // Past the doubling, every delay is in [0.5 s, 1 s].
+        assert!(
+            delays[5..].iter().all(|d| *d >= RecoveryBackoff::MAX / 2),
+            "{delays:?}"
+        );
+        let mut backoff = RecoveryBackoff::default();
+        backoff.by_ref().take(8).for_each(drop);
+        kube::runtime::utils::Backoff::reset(&mut backoff);
+        assert!(backoff.next().unwrap() <= RecoveryBackoff::FIRST);
+    }
+
+    #[test]
+    fn changes_wait_only_during_bursts() {
+        let max = Duration::from_millis(100);
+        let mut c = Coalescer::new(max);
+        let t0 = Instant::now();
+        // Quiet: at once.
+        assert_eq!(c.due(t0), t0);
+        c.published(t0);
+        // A burst: the wait doubles from 2 ms, bounded by max.
+        let mut now = t0;
+        let mut waits = Vec::new();
+        for _ in 0..8 {
+            now += Duration::from_millis(1);
+            let due = c.due(now);
+            waits.push(due.duration_since(now));
+            c.published(due);
+            now = due;
+        }
+        assert_eq!(waits[0], Duration::from_millis(1));
+        assert!(waits.windows(2).all(|w| w[0] <= w[1]), "{waits:?}");
+        assert!(waits.iter().all(|w| *w <= max), "{waits:?}");
+        assert_eq!(*waits.last().unwrap(), max - Duration::from_millis(1));
+        // After a quiet spell: at once again.
+        let later = now + max;
+        assert_eq!(c.due(later), later);
     }
 
     #[test]
