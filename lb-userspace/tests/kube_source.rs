@@ -1,12 +1,10 @@
 //! The API-server source (`source::kube::watch`) with the real kube client over real
-//! HTTP, against the fake API server in `fake_apiserver`.
-
-mod fake_apiserver;
+//! HTTP, against the fake API server (`lb-fake-apiserver`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use fake_apiserver::{node, service, slice, slice_with_labels, Call, FakeApiServer, Res};
+use lb_fake_apiserver::{node, service, slice, slice_with_labels, Call, FakeApiServer, Res};
 use lb_userspace::source::kube::{self as kube_source, KubeWatchOptions};
 use lb_userspace::source::yaml::Objects;
 use tokio::sync::watch::Receiver;

@@ -9,17 +9,14 @@
 //! Needs root and the lb binary with its embedded eBPF object (`cargo xtask test`
 //! builds it; or set LB_BIN).
 
-#[path = "../../lb-userspace/tests/fake_apiserver/mod.rs"]
-mod fake_apiserver;
-
 use std::collections::BTreeSet;
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
-use fake_apiserver::{node, service, slice, FakeApiServer, Res};
 use lb_common::program_names;
+use lb_fake_apiserver::{node, service, slice, FakeApiServer, Res};
 use lb_tests::agent::{find_frontend, ServiceEntry, READY_TIMEOUT};
 use lb_tests::agent_proc::{check_hooks_once, AgentProc, PinDir, Source};
 use lb_tests::manifests::NODE_NAME;

@@ -20,8 +20,6 @@
 //! `resourceVersion`/`resourceVersionMatch` on lists (always the latest state),
 //! namespaced paths, other verbs, and authentication.
 
-#![allow(dead_code)] // each test binary uses a different part of it
-
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
 use std::io;
