@@ -14,7 +14,6 @@
 
 pub mod agent;
 pub mod agent_proc;
-pub mod bench;
 pub mod cgroup;
 pub mod cluster;
 pub mod interrupt;

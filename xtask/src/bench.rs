@@ -17,7 +17,7 @@ pub fn bench(workspace: &Path, quick: bool, extra: &[String]) -> Result<()> {
     run::run(workspace_cargo(workspace, &object).args(["build", "--workspace", "--bins"]))?;
     // Release builds of what is measured: the client/server (their own cost is in every
     // figure) and the agent (its start-up and sync times are control-plane figures).
-    for (package, bin) in [("lb-tests", "lb-bench"), ("lb-userspace", "lb")] {
+    for (package, bin) in [("lb-bench", "lb-bench"), ("lb-userspace", "lb")] {
         run::run(workspace_cargo(workspace, &object).args([
             "build",
             "--release",

@@ -1,4 +1,4 @@
-//! lb-bench: the benchmark of `cargo xtask bench` (see tests/src/bench/).
+//! lb-bench: the benchmark of `cargo xtask bench` (see tests/bench/).
 //!
 //! - `lb-bench run --lb PATH --out DIR [--quick]`: build the namespaces, measure every
 //!   datapath, write DIR/results.json, DIR/README.md and the plots, clean up.
@@ -11,7 +11,10 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use lb_tests::bench::{netio, report, run};
+mod kubeproxy;
+mod netio;
+mod report;
+mod run;
 
 #[derive(Parser)]
 #[command(

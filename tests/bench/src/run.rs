@@ -20,17 +20,17 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use super::kubeproxy::{self, ProxyConfig, SvcPort};
-use super::netio::{monotonic_ns, ClientReport, BULK_PORT, RR_PORT};
-use crate::agent::{Agent, AgentSpec, READY_TIMEOUT};
-use crate::cgroup::Cgroup;
-use crate::manifests::{
+use crate::kubeproxy::{self, ProxyConfig, SvcPort};
+use crate::netio::{monotonic_ns, ClientReport, BULK_PORT, RR_PORT};
+use lb_tests::agent::{Agent, AgentSpec, READY_TIMEOUT};
+use lb_tests::cgroup::Cgroup;
+use lb_tests::manifests::{
     documents, Endpoint, EndpointSlice, ManifestDir, Service, ServicePort, NODE_NAME,
 };
-use crate::netns::NetNs;
-use crate::process::{Child, Spawner};
-use crate::topology::{pod_ip, pod_name, Topology, SERVICE_CIDR};
-use crate::util::unique_name;
+use lb_tests::netns::NetNs;
+use lb_tests::process::{Child, Spawner};
+use lb_tests::topology::{pod_ip, pod_name, Topology, SERVICE_CIDR};
+use lb_tests::util::unique_name;
 
 pub const ENDPOINTS_PER_SERVICE: usize = 10;
 pub const SVC_PORT: u16 = 80;
@@ -311,7 +311,7 @@ fn services(s: usize, backend: Ipv4Addr) -> Vec<SvcPort> {
         .map(|i| {
             let measured = i + 1 == s;
             SvcPort {
-                namespace: crate::manifests::NAMESPACE.into(),
+                namespace: lb_tests::manifests::NAMESPACE.into(),
                 name: if measured {
                     "measured".into()
                 } else {
@@ -378,7 +378,7 @@ const NODEPORT_BASELINE: Baseline = Baseline {
 
 impl Env {
     pub fn new(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Self> {
-        crate::util::require_root()?;
+        lb_tests::util::require_root()?;
         let topo = Topology::build(2, 3)?;
         let tmp = TempDir(std::env::temp_dir().join(unique_name("lb-bench")));
         fs::create_dir_all(&tmp.0)?;
@@ -437,7 +437,7 @@ impl Env {
             "dev",
             "eth0",
         ])?;
-        let [a, b, c, _] = crate::topology::GATEWAY.octets();
+        let [a, b, c, _] = lb_tests::topology::GATEWAY.octets();
         let pods = format!("{a}.{b}.{c}.0/24");
         env.ext.ip(&[
             "route",
@@ -514,7 +514,7 @@ impl Env {
         let mut errors = 0;
         let mut stalls = 0;
         for rep in 0..self.cfg.reps {
-            crate::interrupt::check()?;
+            lb_tests::interrupt::check()?;
             let lat = self.client(
                 ns,
                 cg,
@@ -1070,7 +1070,7 @@ pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
             ));
             eprintln!("ours S={s} failed: {first}");
         }
-        crate::interrupt::check()?;
+        lb_tests::interrupt::check()?;
     }
     println!("direct (end)");
     res.direct_end = Some(env.direct()?);
