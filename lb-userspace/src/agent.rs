@@ -292,6 +292,13 @@ fn interpret(objects: &Objects, options: &SourceOptions, status: &AgentStatus) -
         warn!("skipped: {error}");
     }
     status.record_object_errors(objects.errors.len() + errors.len());
+    status.set_unreadable_files(
+        objects
+            .unreadable
+            .iter()
+            .map(|e| (e.path.clone(), e.problem.to_string()))
+            .collect(),
+    );
     desired
 }
 

@@ -24,6 +24,9 @@ pub struct Objects {
     /// Only the API-server source fills this; files carry no Nodes.
     pub nodes: Vec<Arc<Node>>,
     pub errors: Vec<ObjectError>,
+    /// Manifest files that could not be read (files only). Their objects are not
+    /// in this snapshot unless an earlier read of the same file put them there.
+    pub unreadable: Vec<FileError>,
 }
 
 /// The source as a whole could not be read.
@@ -52,21 +55,66 @@ impl SourceError {
 
 const EXTENSIONS: [&str; 3] = ["yaml", "yml", "json"];
 
+/// A manifest file that could not be read. The other files still load; this one is
+/// reported (log, `/metrics`, the agent status) until it is fixed or removed.
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("{}: {problem}; fix or remove the file (the other files still apply)", path.display())]
+pub struct FileError {
+    pub path: PathBuf,
+    #[source]
+    pub problem: FileProblem,
+}
+
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum FileProblem {
+    #[error("cannot read it: {0}")]
+    Read(#[source] Arc<io::Error>),
+    #[error("a symlink to {}, which does not exist", target.display())]
+    DanglingSymlink { target: PathBuf },
+    #[error("not UTF-8 text (invalid byte at offset {offset}); save it as UTF-8")]
+    NotUtf8 { offset: usize },
+    #[error("a {kind}, not a regular file")]
+    NotAFile { kind: &'static str },
+}
+
+impl FileError {
+    fn io(path: &Path, error: io::Error) -> Self {
+        // Only a symlink has a link target to read.
+        let problem = match fs::read_link(path) {
+            Ok(target) if error.kind() == io::ErrorKind::NotFound => {
+                FileProblem::DanglingSymlink { target }
+            }
+            _ => FileProblem::Read(Arc::new(error)),
+        };
+        FileError {
+            path: path.to_owned(),
+            problem,
+        }
+    }
+}
+
 /// Load a file, or every `*.yaml`, `*.yml` and `*.json` file directly in a directory,
-/// in file name order so that "first one wins" rules are reproducible.
+/// in file name order so that "first one wins" rules are reproducible. Files that
+/// cannot be read are in `unreadable`; only a path that cannot be read at all is an
+/// error.
 pub fn load_path(path: &Path) -> Result<Objects, SourceError> {
     let mut objects = Objects::default();
     for file in manifest_files(path)? {
-        objects.append(load_file(&file)?);
+        match file.and_then(|file| load_file(&file)) {
+            Ok(loaded) => objects.append(loaded),
+            Err(e) => objects.unreadable.push(e),
+        }
     }
     Ok(objects)
 }
 
-/// The files [`load_path`] reads, in the order it reads them.
-pub fn manifest_files(path: &Path) -> Result<Vec<PathBuf>, SourceError> {
+/// The files [`load_path`] reads, in the order it reads them, each with the reason
+/// it cannot be read where that is known without reading it (a dangling symlink, a
+/// FIFO). Directories are not manifests and are passed over.
+pub fn manifest_files(path: &Path) -> Result<Vec<Result<PathBuf, FileError>>, SourceError> {
     let meta = fs::metadata(path).map_err(|e| SourceError::from_io(path, e))?;
     if !meta.is_dir() {
-        return Ok(vec![path.to_owned()]);
+        return Ok(vec![regular_file(path, &meta)]);
     }
     let mut files = Vec::new();
     for entry in fs::read_dir(path).map_err(|e| SourceError::from_io(path, e))? {
@@ -80,18 +128,55 @@ pub fn manifest_files(path: &Path) -> Result<Vec<PathBuf>, SourceError> {
         }
         // Follows symlinks, as ConfigMap volumes are made of them.
         match fs::metadata(&file) {
-            Ok(m) if m.is_file() => files.push(file),
-            Ok(_) => {}
-            Err(e) => return Err(SourceError::from_io(&file, e)),
+            Ok(m) if m.is_dir() => {}
+            Ok(m) => files.push(regular_file(&file, &m)),
+            Err(e) => files.push(Err(FileError::io(&file, e))),
         }
     }
-    files.sort();
+    files.sort_by(|a, b| entry_path(a).cmp(entry_path(b)));
     Ok(files)
 }
 
+fn entry_path(entry: &Result<PathBuf, FileError>) -> &Path {
+    match entry {
+        Ok(path) => path,
+        Err(e) => &e.path,
+    }
+}
+
+/// Reading a FIFO would block the poller until a writer comes; devices and sockets
+/// hold no manifests either.
+fn regular_file(path: &Path, meta: &fs::Metadata) -> Result<PathBuf, FileError> {
+    use std::os::unix::fs::FileTypeExt;
+    let t = meta.file_type();
+    let kind = if t.is_file() {
+        return Ok(path.to_owned());
+    } else if t.is_fifo() {
+        "FIFO"
+    } else if t.is_socket() {
+        "socket"
+    } else if t.is_char_device() {
+        "character device"
+    } else if t.is_block_device() {
+        "block device"
+    } else {
+        "special file"
+    };
+    Err(FileError {
+        path: path.to_owned(),
+        problem: FileProblem::NotAFile { kind },
+    })
+}
+
 /// One manifest file's objects.
-pub fn load_file(file: &Path) -> Result<Objects, SourceError> {
-    let text = fs::read_to_string(file).map_err(|e| SourceError::from_io(file, e))?;
+pub fn load_file(file: &Path) -> Result<Objects, FileError> {
+    let bytes = fs::read(file).map_err(|e| FileError::io(file, e))?;
+    let text = String::from_utf8(bytes).map_err(|e| FileError {
+        path: file.to_owned(),
+        problem: FileProblem::NotUtf8 {
+            offset: e.utf8_error().valid_up_to(),
+        },
+    })?;
     Ok(parse_str(file, &text))
 }
 
@@ -102,6 +187,7 @@ impl Objects {
         self.slices.extend(other.slices);
         self.nodes.extend(other.nodes);
         self.errors.extend(other.errors);
+        self.unreadable.extend(other.unreadable);
     }
 }
 
