@@ -17,6 +17,7 @@ use crate::model::DesiredState;
 use crate::ops::{
     self, AgentStatus, BindAddress, HealthCheckServers, OpsServer, Routes, ServeConfig,
 };
+use crate::pins;
 use crate::reconcile;
 use crate::source::{self, files, kube, yaml::Objects, SourceOptions};
 use crate::sys::{self, SysError};
@@ -78,6 +79,10 @@ pub enum AgentError {
     Ops(#[from] ops::OpsError),
     #[error(transparent)]
     Kube(#[from] kube::KubeSourceError),
+    #[error(transparent)]
+    Source(#[from] source::yaml::SourceError),
+    #[error(transparent)]
+    Pins(#[from] pins::PinsError),
     #[error("cannot install signal handler: {0}")]
     Signal(#[source] std::io::Error),
 }
@@ -85,6 +90,11 @@ pub enum AgentError {
 /// Runs until SIGINT/SIGTERM. The hooks and maps stay pinned afterwards: stopping the
 /// agent must not stop the datapath.
 pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
+    // Mistakes on the command line fail the start before anything is bound or loaded.
+    if let ObjectSource::Files(path) = &config.source {
+        files::check_source(path)?;
+    }
+    sys::check_cgroup2_dir(&config.cgroup)?;
     let status = Arc::new(AgentStatus::new());
     // Bound before anything is loaded: a taken port fails the start, not later.
     for server in ops_servers(&config, &status).await? {
@@ -120,6 +130,8 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     // The first node address is the SNAT source towards backends on other nodes.
     let snat_ip = config.node_ips.first().copied();
     let loading = Instant::now();
+    pins::check_map_sizes(&config.pin, config.sizes)?;
+    let mut created_pins = pins::CreatedPins::before_load(&config.pin);
     let mut ebpf = loader::load(&object, &config.pin, config.sizes, snat_ip)?;
     loader::verify(&mut ebpf, &config.tc)?;
     info!(
@@ -220,6 +232,9 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             }
             Ok(record_table(&mut maps, written, &mut known_table)?)
         });
+        if attached {
+            created_pins.keep();
+        }
         match recorded {
             Ok(outcome) => {
                 retry = None;

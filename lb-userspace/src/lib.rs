@@ -7,6 +7,7 @@ pub mod loader;
 pub mod maps;
 pub mod model;
 pub mod ops;
+pub mod pins;
 pub mod reconcile;
 pub mod source;
 pub mod sys;

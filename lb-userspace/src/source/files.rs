@@ -105,7 +105,13 @@ fn report_unreadable(before: &[FileError], now: &[FileError]) {
     }
 }
 
-/// Spawns the poller. The receiver holds `None` until the files were read once; after
+/// Checks at start that the source exists: a mistyped path would otherwise leave
+/// the agent waiting for it forever, neither ready nor failing.
+pub fn check_source(path: &Path) -> Result<(), SourceError> {
+    yaml::manifest_files(path).map(drop)
+}
+
+/// Spawns the poller./// Spawns the poller. The receiver holds `None` until the files were read once; after
 /// that, every change publishes a fresh snapshot. A source that cannot be read at all
 /// publishes nothing, so the datapath keeps its last state instead of being flushed.
 pub fn watch(path: PathBuf, interval: Duration) -> watch::Receiver<Option<Arc<Objects>>> {
