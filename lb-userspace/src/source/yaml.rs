@@ -877,6 +877,10 @@ fn take_object(value: Value, location: &Location, objects: &mut Objects) {
 }
 
 #[cfg(test)]
+#[path = "yaml_fuzz.rs"]
+mod fuzz;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -1199,6 +1203,22 @@ items:
             "{}",
             o.errors[0]
         );
+    }
+
+    /// Found by the fuzz test: an empty `kind:` or `apiVersion:` made the block
+    /// reader index an empty value and panic, taking the agent down.
+    #[test]
+    fn an_empty_kind_or_api_version_is_reported_not_a_panic() {
+        for text in [
+            "apiVersion: v1\nkind:\nmetadata:\n  name: x\n",
+            "apiVersion:\nkind: Service\nmetadata:\n  name: x\n",
+            "apiVersion: v1\nkind: # none\nmetadata:\n  name: x\n",
+            "apiVersion: v1\nkind:\n  nested: block\n",
+        ] {
+            let o = parse(text);
+            assert!(o.services.is_empty(), "{text}");
+            assert_eq!(o.errors.len(), 1, "{text}: {:?}", o.errors);
+        }
     }
 
     #[test]
