@@ -19,6 +19,7 @@ use crate::node_net::{self, NodeNet, NodePortAddresses, Overrides};
 use crate::ops::{
     self, AgentStatus, BindAddress, HealthCheckServers, OpsServer, Routes, ServeConfig,
 };
+use crate::pins;
 use crate::reconcile;
 use crate::source::{self, files, kube, yaml::Objects, SourceOptions};
 use crate::sys::{self, SysError};
@@ -90,6 +91,10 @@ pub enum AgentError {
     Netlink(#[from] NetlinkError),
     #[error(transparent)]
     TcLinks(#[from] TcLinksError),
+    #[error(transparent)]
+    Source(#[from] source::yaml::SourceError),
+    #[error(transparent)]
+    Pins(#[from] pins::PinsError),
     #[error("cannot install signal handler: {0}")]
     Signal(#[source] std::io::Error),
 }
@@ -97,6 +102,11 @@ pub enum AgentError {
 /// Runs until SIGINT/SIGTERM. The hooks and maps stay pinned afterwards: stopping the
 /// agent must not stop the datapath.
 pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
+    // Mistakes on the command line fail the start before anything is bound or loaded.
+    if let ObjectSource::Files(path) = &config.source {
+        files::check_source(path)?;
+    }
+    sys::check_cgroup2_dir(&config.cgroup)?;
     let status = Arc::new(AgentStatus::new());
     // Bound before anything is loaded: a taken port fails the start, not later.
     for server in ops_servers(&config, &status).await? {
@@ -136,6 +146,8 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     // The first node address is the SNAT source towards backends on other nodes.
     let snat_ip = config.node_ips.first().copied();
     let loading = Instant::now();
+    pins::check_map_sizes(&config.pin, config.sizes)?;
+    let mut created_pins = pins::CreatedPins::before_load(&config.pin);
     let mut ebpf = loader::load(&object, &config.pin, config.sizes, snat_ip)?;
     loader::verify(&mut ebpf, config.tc_mode)?;
     info!(
@@ -247,6 +259,16 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         let written = write_table(&mut maps, &desired, &mut known_table).map_err(SyncError::from);
         let recorded = written.and_then(|written| {
             if !attached {
+                // A device named by a flag that is not there is a typo, not a device
+                // to wait for: fail before anything attaches.
+                if let Some((flag, device)) = node_net::missing_override(&net, &overrides) {
+                    let present: Vec<&str> = net.links.values().map(|l| l.name.as_str()).collect();
+                    return Err(SyncError::Attach(LoadError::MissingDevice {
+                        flag,
+                        device: device.to_owned(),
+                        present: present.join(", "),
+                    }));
+                }
                 let mut pins = loader::attach_cgroup_hooks(&mut ebpf, &config.pin, &config.cgroup)
                     .map_err(SyncError::Attach)?;
                 tc_links.sync(&mut ebpf, &node_net::attachments(&net, &overrides));
@@ -269,6 +291,9 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             }
             Ok(record_table(&mut maps, written, &mut known_table)?)
         });
+        if attached {
+            created_pins.keep();
+        }
         match recorded {
             Ok(outcome) => {
                 retry = None;
@@ -331,6 +356,13 @@ fn interpret(objects: &Objects, options: &SourceOptions, status: &AgentStatus) -
         warn!("skipped: {error}");
     }
     status.record_object_errors(objects.errors.len() + errors.len());
+    status.set_unreadable_files(
+        objects
+            .unreadable
+            .iter()
+            .map(|e| (e.path.clone(), e.problem.to_string()))
+            .collect(),
+    );
     desired
 }
 

@@ -130,6 +130,16 @@ pub enum LoadError {
         iface: String,
         message: String,
     },
+    #[error(
+        "{flag} {device}: no such device in the agent's network namespace (devices: \
+         {present}); fix the name, or leave the flag out: the agent finds node- and \
+         pod-facing devices itself"
+    )]
+    MissingDevice {
+        flag: &'static str,
+        device: String,
+        present: String,
+    },
     #[error("cannot list or remove stale link pins in {path}: {source}")]
     StaleLinks {
         path: PathBuf,

@@ -169,6 +169,26 @@ pub struct Overrides {
     pub off: bool,
 }
 
+/// The first device a flag names that this namespace does not have, with its flag.
+pub fn missing_override<'a>(
+    net: &NodeNet,
+    overrides: &'a Overrides,
+) -> Option<(&'static str, &'a str)> {
+    if overrides.off {
+        return None;
+    }
+    let present = |name: &str| net.links.values().any(|l| l.name == name);
+    let flagged = overrides
+        .node_facing
+        .iter()
+        .map(|n| ("--iface", n))
+        .chain(overrides.pod_facing.iter().map(|n| ("--pod-iface", n)));
+    flagged
+        .into_iter()
+        .find(|(_, name)| !present(name))
+        .map(|(flag, name)| (flag, name.as_str()))
+}
+
 /// Every device but loopback gets a program: by the flags when they name it, else
 /// pod-facing when it is a veth/netkit end without an IPv4 address, node-facing
 /// otherwise.
@@ -271,6 +291,21 @@ mod tests {
             ..overrides
         };
         assert!(attachments(&node(), &off).is_empty());
+    }
+
+    #[test]
+    fn a_flag_naming_no_device_is_found() {
+        let mut overrides = Overrides {
+            node_facing: vec!["eth0".into()],
+            pod_facing: vec!["vethX".into()],
+            off: false,
+        };
+        assert_eq!(
+            missing_override(&node(), &overrides),
+            Some(("--pod-iface", "vethX"))
+        );
+        overrides.pod_facing.clear();
+        assert_eq!(missing_override(&node(), &overrides), None);
     }
 
     #[test]

@@ -17,6 +17,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -142,6 +143,8 @@ struct State {
     frontends: u64,
     backends: u64,
     object_errors: u64,
+    /// Manifest files that could not be read: (path, why), in file name order.
+    unreadable_files: Vec<(PathBuf, String)>,
     /// Map name -> (entries, capacity).
     maps: BTreeMap<String, (u64, u64)>,
     datapath: BTreeMap<String, u64>,
@@ -240,6 +243,18 @@ impl AgentStatus {
     /// Objects skipped by the last interpretation (invalid Services, slices, files).
     pub fn record_object_errors(&self, count: usize) {
         self.state().object_errors = count as u64;
+    }
+
+    /// The manifest files the last read could not read, each with the reason,
+    /// replacing the previous list (empty: every file was read).
+    pub fn set_unreadable_files(&self, files: Vec<(PathBuf, String)>) {
+        self.state().unreadable_files = files;
+    }
+
+    /// The manifest files that cannot be read right now, (path, reason), in file
+    /// name order: reported until the file is fixed or removed.
+    pub fn unreadable_files(&self) -> Vec<(PathBuf, String)> {
+        self.state().unreadable_files.clone()
     }
 
     /// Entries in use and the size of one pinned map, e.g. `LB_SERVICES`.
@@ -362,6 +377,33 @@ impl AgentStatus {
             "Objects skipped as invalid by the last interpretation.",
         );
         sample(&mut out, "lb_object_errors", &[], state.object_errors);
+        family(
+            &mut out,
+            "lb_manifest_files_unreadable",
+            "gauge",
+            "Manifest files the last read could not read (their last good objects stay).",
+        );
+        sample(
+            &mut out,
+            "lb_manifest_files_unreadable",
+            &[],
+            state.unreadable_files.len() as u64,
+        );
+        family(
+            &mut out,
+            "lb_manifest_file_unreadable",
+            "gauge",
+            "1 for each manifest file that cannot be read, by path.",
+        );
+        for (path, _) in &state.unreadable_files {
+            let path = path.to_string_lossy();
+            sample(
+                &mut out,
+                "lb_manifest_file_unreadable",
+                &[("path", &path)],
+                1u64,
+            );
+        }
         family(
             &mut out,
             "lb_last_sync_timestamp_seconds",
@@ -1078,6 +1120,37 @@ mod tests {
         assert_eq!(health.last_updated, Some(synced));
         clock.advance(timeout * 10);
         assert!(status.health(timeout).healthy);
+    }
+
+    #[test]
+    fn unreadable_manifest_files_are_listed_and_counted() {
+        let status = AgentStatus::new();
+        assert!(status
+            .render_metrics()
+            .contains("\nlb_manifest_files_unreadable 0\n"));
+        let files = vec![
+            (
+                PathBuf::from("/m/a.yaml"),
+                "a FIFO, not a regular file".into(),
+            ),
+            (PathBuf::from("/m/b \"x\".yaml"), "not UTF-8 text".into()),
+        ];
+        status.set_unreadable_files(files.clone());
+        assert_eq!(status.unreadable_files(), files);
+        let text = status.render_metrics();
+        assert!(
+            text.contains("\nlb_manifest_files_unreadable 2\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("\nlb_manifest_file_unreadable{path=\"/m/b \\\"x\\\".yaml\"} 1\n"),
+            "{text}"
+        );
+        status.set_unreadable_files(Vec::new());
+        assert!(status.unreadable_files().is_empty());
+        assert!(!status
+            .render_metrics()
+            .contains("lb_manifest_file_unreadable{"));
     }
 
     #[test]

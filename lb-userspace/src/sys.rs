@@ -30,6 +30,48 @@ pub enum SysError {
          (`mount -t cgroup2 none /sys/fs/cgroup`) or pass --cgroup"
     )]
     NoCgroup2,
+    #[error("cgroup {}: {source}; pass an existing cgroup v2 directory with --cgroup", path.display())]
+    CgroupUnreadable {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "cgroup {}: not a cgroup v2 directory ({found}); pass a directory of the cgroup2 \
+         mount (e.g. under {}) with --cgroup",
+        path.display(),
+        cgroup2_root().map_or_else(|_| "/sys/fs/cgroup".to_string(), |p| p.display().to_string())
+    )]
+    NotCgroup2 { path: PathBuf, found: &'static str },
+}
+
+/// Checks that `path` is a directory of a cgroup v2 mount before anything is loaded:
+/// the kernel's answer to attaching there is only `bpf_link_create: Bad file
+/// descriptor`, long after the maps were written.
+pub fn check_cgroup2_dir(path: &Path) -> Result<(), SysError> {
+    use nix::sys::statfs::{statfs, CGROUP2_SUPER_MAGIC, CGROUP_SUPER_MAGIC};
+    let unreadable = |source| SysError::CgroupUnreadable {
+        path: path.to_owned(),
+        source,
+    };
+    let meta = fs::metadata(path).map_err(unreadable)?;
+    let fs_type = statfs(path)
+        .map_err(|errno| unreadable(std::io::Error::from(errno)))?
+        .filesystem_type();
+    let found = if fs_type == CGROUP2_SUPER_MAGIC {
+        if meta.is_dir() {
+            return Ok(());
+        }
+        "a file in a cgroup, not its directory"
+    } else if fs_type == CGROUP_SUPER_MAGIC {
+        "a cgroup v1 hierarchy"
+    } else {
+        "not on a cgroup filesystem"
+    };
+    Err(SysError::NotCgroup2 {
+        path: path.to_owned(),
+        found,
+    })
 }
 
 struct Mount {
@@ -121,6 +163,26 @@ pub fn ensure_bpffs(pin_dir: &Path) -> Result<(), SysError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_cgroup2_directories_pass() {
+        let root = cgroup2_root().unwrap();
+        check_cgroup2_dir(&root).unwrap();
+        let e = check_cgroup2_dir(Path::new("/tmp")).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("cgroup /tmp: not a cgroup v2 directory (not on a cgroup filesystem)"),
+            "{e}"
+        );
+        let e = check_cgroup2_dir(&root.join("cgroup.procs")).unwrap_err();
+        assert!(e.to_string().contains("a file in a cgroup"), "{e}");
+        let e = check_cgroup2_dir(Path::new("/nonexistent/cg")).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("cgroup /nonexistent/cg: No such file"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn mount_paths_are_unescaped() {

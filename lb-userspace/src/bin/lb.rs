@@ -115,32 +115,32 @@ struct AgentArgs {
     #[arg(long)]
     bpf_object: Option<PathBuf>,
     /// How often the manifests are checked for changes.
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 200, value_parser = interval_ms())]
     poll_interval_ms: u64,
-    #[arg(long, default_value_t = lb_common::DEFAULT_SERVICES_MAX)]
+    #[arg(long, default_value_t = lb_common::DEFAULT_SERVICES_MAX, value_parser = map_size())]
     services_map_size: u32,
-    #[arg(long, default_value_t = lb_common::DEFAULT_BACKENDS_MAX)]
+    #[arg(long, default_value_t = lb_common::DEFAULT_BACKENDS_MAX, value_parser = map_size())]
     backends_map_size: u32,
-    #[arg(long, default_value_t = lb_common::DEFAULT_SOCK_REVNAT_MAX)]
+    #[arg(long, default_value_t = lb_common::DEFAULT_SOCK_REVNAT_MAX, value_parser = map_size())]
     sock_revnat_map_size: u32,
-    #[arg(long, default_value_t = lb_common::DEFAULT_AFFINITY_MAX)]
+    #[arg(long, default_value_t = lb_common::DEFAULT_AFFINITY_MAX, value_parser = map_size())]
     affinity_map_size: u32,
-    #[arg(long, default_value_t = lb_common::DEFAULT_CT_MAX)]
+    #[arg(long, default_value_t = lb_common::DEFAULT_CT_MAX, value_parser = map_size())]
     conntrack_map_size: u32,
     /// Idle timeout of TCP flows that never completed the handshake.
-    #[arg(long, default_value_t = 60)]
+    #[arg(long, default_value_t = 60, value_parser = timeout_secs())]
     ct_tcp_syn_timeout: u64,
     /// Idle timeout of established TCP flows.
-    #[arg(long, default_value_t = 21_600)]
+    #[arg(long, default_value_t = 21_600, value_parser = timeout_secs())]
     ct_tcp_timeout: u64,
     /// Idle timeout of TCP flows that saw a FIN or RST.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = timeout_secs())]
     ct_tcp_closing_timeout: u64,
     /// Idle timeout of UDP flows.
-    #[arg(long, default_value_t = 60)]
+    #[arg(long, default_value_t = 60, value_parser = timeout_secs())]
     ct_udp_timeout: u64,
     /// How often idle conntrack entries are collected.
-    #[arg(long, default_value_t = 5_000)]
+    #[arg(long, default_value_t = 5_000, value_parser = interval_ms())]
     ct_gc_interval_ms: u64,
     /// IP:PORT for GET /healthz (kube-proxy's contract); empty to turn it off.
     #[arg(long, default_value = ops::DEFAULT_HEALTHZ_ADDR)]
@@ -149,8 +149,40 @@ struct AgentArgs {
     #[arg(long, default_value = ops::DEFAULT_METRICS_ADDR)]
     metrics_bind_address: BindAddress,
     /// /healthz answers 503 once a change has waited longer than this to be applied.
-    #[arg(long, default_value_t = ops::DEFAULT_HEALTHZ_TIMEOUT.as_secs())]
+    #[arg(long, default_value_t = ops::DEFAULT_HEALTHZ_TIMEOUT.as_secs(), value_parser = timeout_secs())]
     healthz_timeout_secs: u64,
+}
+
+// Ranges of the numeric agent flags, checked while parsing: a zero interval makes
+// tokio's timers panic, a zero-sized map is refused by the kernel only after
+// everything else was set up, and a huge duration overflows the clock.
+
+/// Polling and collection intervals: 1 ms to 1 hour.
+fn interval_ms() -> impl clap::builder::TypedValueParser<Value = u64> {
+    clap::value_parser!(u64).range(1..=3_600_000)
+}
+
+/// Timeouts: 1 s to 1 year.
+fn timeout_secs() -> impl clap::builder::TypedValueParser<Value = u64> {
+    clap::value_parser!(u64).range(1..=365 * 24 * 3600)
+}
+
+/// `max_entries` of a hash map: the kernel rounds it up to a power-of-two bucket
+/// count of at most 2^31 (E2BIG beyond).
+fn map_size() -> impl clap::builder::TypedValueParser<Value = u32> {
+    clap::value_parser!(u32).range(1..=1 << 31)
+}
+
+/// Writes to stdout. A reader that went away (`lb services | head -c1`) ends the
+/// command quietly and successfully, as it does other Unix tools; Rust ignores
+/// SIGPIPE, so the write fails with EPIPE instead, which `println!` turns into a panic.
+fn emit(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
+        result => Ok(result.context("writing to stdout")?),
+    }
 }
 
 fn hostname() -> String {
@@ -181,21 +213,19 @@ fn main() -> Result<()> {
             let maps = PinnedMaps::open(&layout)?;
             let frontends = table::decode(&maps.snapshot()?);
             if json {
-                println!("{}", serde_json::to_string_pretty(&frontends)?);
+                emit(&(serde_json::to_string_pretty(&frontends)? + "\n"))
             } else {
-                print!("{}", table::render_text(&frontends));
+                emit(&table::render_text(&frontends))
             }
-            Ok(())
         }
         Command::Conntrack { json } => {
             let maps = PinnedMaps::open(&layout)?;
             let flows = conntrack::flows(&maps.conntrack()?, conntrack::monotonic_now_ns());
             if json {
-                println!("{}", serde_json::to_string_pretty(&flows)?);
+                emit(&(serde_json::to_string_pretty(&flows)? + "\n"))
             } else {
-                print!("{}", conntrack::render_text(&flows));
+                emit(&conntrack::render_text(&flows))
             }
-            Ok(())
         }
         Command::Stats {
             json,
@@ -204,11 +234,10 @@ fn main() -> Result<()> {
             let maps = PinnedMaps::open(&layout)?;
             let rows = table::service_counters(&maps.snapshot()?, &maps.service_stats()?);
             if json {
-                println!("{}", serde_json::to_string_pretty(&rows)?);
+                emit(&(serde_json::to_string_pretty(&rows)? + "\n"))
             } else {
-                print!("{}", table::render_service_counters(&rows));
+                emit(&table::render_service_counters(&rows))
             }
-            Ok(())
         }
         Command::Stats { json, .. } => {
             let maps = PinnedMaps::open(&layout)?;
@@ -218,13 +247,14 @@ fn main() -> Result<()> {
                     .into_iter()
                     .map(|(name, value)| (name.to_string(), value.into()))
                     .collect();
-                println!("{}", serde_json::Value::Object(object));
+                emit(&format!("{}\n", serde_json::Value::Object(object)))
             } else {
-                for (name, value) in stats {
-                    println!("{name:<24} {value}");
-                }
+                let text: String = stats
+                    .into_iter()
+                    .map(|(name, value)| format!("{name:<24} {value}\n"))
+                    .collect();
+                emit(&text)
             }
-            Ok(())
         }
         Command::Status { json } => {
             let links = tc_links::recorded(&layout)?;

@@ -315,6 +315,11 @@ impl<'a> Reader<'a> {
                 "kind" => &mut kind,
                 _ => continue,
             };
+            // `kind:` alone (null, or a block below): not a name, and `inline_value`
+            // needs text to look at.
+            if rest.is_empty() {
+                return Err(Unsupported);
+            }
             match inline_value(rest) {
                 Some(Inline::Scalar(Scalar::String(value))) => *slot = value,
                 _ => return Err(Unsupported),

@@ -406,7 +406,7 @@ impl Caches {
             services: sorted(&self.services),
             slices: sorted(&self.slices),
             nodes: sorted(&self.nodes),
-            errors: Vec::new(),
+            ..Objects::default()
         }
     }
 }

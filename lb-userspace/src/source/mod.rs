@@ -80,56 +80,102 @@ impl fmt::Display for ObjectError {
             write!(f, "{location}: ")?;
         }
         if !self.kind.is_empty() {
-            f.write_str(&self.kind)?;
+            write!(f, "{}", Capped(&self.kind))?;
             let name = if self.name.is_empty() {
                 "<unnamed>"
             } else {
                 &self.name
             };
             if self.namespace.is_empty() {
-                write!(f, " {name}: ")?;
+                write!(f, " {}: ", Capped(name))?;
             } else {
-                write!(f, " {}/{name}: ", self.namespace)?;
+                write!(f, " {}/{}: ", Capped(&self.namespace), Capped(name))?;
             }
         }
         write!(f, "{}", self.reason)
     }
 }
 
+/// A value from a manifest as it goes into a message: whole when short, else its
+/// start and its length. Every rebuild logs every problem again, and one 10 MB field
+/// would otherwise be copied into the log each time.
+pub struct Capped<'a>(pub &'a str);
+
+impl Capped<'_> {
+    /// Bytes of a value shown whole; longer ones are cut at a character boundary.
+    pub const MAX: usize = 200;
+
+    fn parts(&self) -> (&str, Option<usize>) {
+        if self.0.len() <= Self::MAX {
+            return (self.0, None);
+        }
+        let mut end = Self::MAX;
+        while !self.0.is_char_boundary(end) {
+            end -= 1;
+        }
+        (&self.0[..end], Some(self.0.len()))
+    }
+}
+
+impl fmt::Display for Capped<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.parts() {
+            (whole, None) => f.write_str(whole),
+            (start, Some(len)) => write!(f, "{start}... ({len} bytes)"),
+        }
+    }
+}
+
+/// Quoted like `{:?}` of a string; a cut value's quote stays open before the length.
+impl fmt::Debug for Capped<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.parts() {
+            (whole, None) => write!(f, "{whole:?}"),
+            (start, Some(len)) => {
+                let quoted = format!("{start:?}");
+                write!(f, "{}... ({len} bytes)", &quoted[..quoted.len() - 1])
+            }
+        }
+    }
+}
+
 /// What is wrong with an object, and what to do about it.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Problem {
-    #[error("not valid YAML: {message}")]
+    #[error("not valid YAML: {}", Capped(.message))]
     InvalidYaml { message: String },
-    #[error("not valid JSON: {message}")]
+    #[error("not valid JSON: {}", Capped(.message))]
     InvalidJson { message: String },
     #[error("not a Kubernetes object (expected a mapping with apiVersion and kind)")]
     NotAnObject,
     #[error("has no kind; save objects with `kubectl get -o yaml`")]
     MissingKind,
+    #[error("has no metadata.name; name it (the API server refuses an object without one)")]
+    MissingName,
     #[error("`items` is not a list")]
     ItemsNotAList,
-    #[error("apiVersion {found:?} is not supported for {kind}; export it as {expected}")]
+    #[error("apiVersion {:?} is not supported for {}; export it as {expected}", Capped(.found), Capped(.kind))]
     UnsupportedApiVersion {
         kind: String,
         found: String,
         expected: &'static str,
     },
-    #[error("cannot be read as a {kind}: {message}")]
+    #[error("cannot be read as a {kind}: {}", Capped(.message))]
     Schema { kind: &'static str, message: String },
 
     #[error("has no spec.clusterIP; set one, or `clusterIP: None` for a headless Service")]
     MissingClusterIp,
-    #[error("cluster IP {value:?} is not an IP address")]
+    #[error("cluster IP {:?} is not an IP address", Capped(.value))]
     InvalidClusterIp { value: String },
     #[error(
-        "unsupported address family: cluster IPs {addresses} have no IPv4 address; \
-         only IPv4 Services are proxied"
+        "unsupported address family: cluster IPs {} have no IPv4 address; \
+         only IPv4 Services are proxied",
+        Capped(.addresses)
     )]
     UnsupportedAddressFamily { addresses: String },
     #[error("port {port} is out of range (1-65535)")]
     PortOutOfRange { port: i32 },
-    #[error("port {port}/{protocol}: protocol {protocol} is not supported (only TCP and UDP); that port is not proxied")]
+    #[error("port {port}/{}: protocol {} is not supported (only TCP and UDP); that port is not proxied", Capped(.protocol), Capped(.protocol))]
     UnsupportedProtocol { port: i32, protocol: String },
     #[error(
         "sessionAffinityConfig.clientIP.timeoutSeconds {seconds} is out of range (1-86400); \
@@ -146,25 +192,26 @@ pub enum Problem {
     },
     #[error("healthCheckNodePort {port} is out of range (1-65535); no health check is served")]
     HealthCheckNodePortOutOfRange { port: i32 },
-    #[error("healthCheckNodePort {port} is already used by Service {owner}, which keeps it")]
+    #[error("healthCheckNodePort {port} is already used by Service {}, which keeps it", Capped(.owner))]
     DuplicateHealthCheckNodePort { port: u16, owner: String },
-    #[error("{field} {value:?} is not an IP address; that address is not proxied")]
+    #[error("{field} {:?} is not an IP address; that address is not proxied", Capped(.value))]
     InvalidExternalAddress { field: &'static str, value: String },
-    #[error("frontend {frontend} is already used by Service {owner}, which keeps it; give one of them another cluster IP or port")]
+    #[error("frontend {frontend} is already used by Service {}, which keeps it; give one of them another cluster IP or port", Capped(.owner))]
     DuplicateFrontend { frontend: Frontend, owner: String },
 
     #[error("has no label kubernetes.io/service-name; add it to tie the slice to its Service")]
     MissingServiceName,
-    #[error("Service {service} not found; load the Service together with its EndpointSlices")]
+    #[error("Service {} not found; load the Service together with its EndpointSlices", Capped(.service))]
     ServiceNotFound { service: String },
-    #[error("port {name:?} has no port number; its endpoints are not used for that port")]
+    #[error("port {:?} has no port number; its endpoints are not used for that port", Capped(.name))]
     EndpointPortMissing { name: String },
-    #[error("port {name:?}: port {port} is out of range (1-65535); its endpoints are not used for that port")]
+    #[error("port {:?}: port {port} is out of range (1-65535); its endpoints are not used for that port", Capped(.name))]
     EndpointPortOutOfRange { name: String, port: i32 },
     #[error("endpoints[{index}] has no address; that endpoint is skipped")]
     EndpointWithoutAddress { index: usize },
     #[error(
-        "endpoints[{index}]: address {address:?} is not an IPv4 address; that endpoint is skipped"
+        "endpoints[{index}]: address {:?} is not an IPv4 address; that endpoint is skipped",
+        Capped(.address)
     )]
     InvalidEndpointAddress { index: usize, address: String },
 }
@@ -172,6 +219,22 @@ pub enum Problem {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn long_values_are_capped_at_a_character_boundary() {
+        assert_eq!(Capped("short").to_string(), "short");
+        assert_eq!(format!("{:?}", Capped("a\"b")), "\"a\\\"b\"");
+        let long = "é".repeat(1000);
+        let shown = Capped(&long).to_string();
+        assert!(shown.ends_with("... (2000 bytes)"), "{shown}");
+        assert!(shown.len() <= Capped::MAX + 20, "{shown}");
+        let quoted = format!("{:?}", Capped(&long));
+        assert!(quoted.starts_with("\"éé") && quoted.ends_with("é... (2000 bytes)"));
+        let e = Problem::InvalidClusterIp {
+            value: "1".repeat(10 << 20),
+        };
+        assert!(e.to_string().len() < 400, "{}", e.to_string().len());
+    }
 
     #[test]
     fn display_names_object_and_location() {

@@ -24,6 +24,9 @@ pub struct Objects {
     /// Only the API-server source fills this; files carry no Nodes.
     pub nodes: Vec<Arc<Node>>,
     pub errors: Vec<ObjectError>,
+    /// Manifest files that could not be read (files only). Their objects are not
+    /// in this snapshot unless an earlier read of the same file put them there.
+    pub unreadable: Vec<FileError>,
 }
 
 /// The source as a whole could not be read.
@@ -52,21 +55,66 @@ impl SourceError {
 
 const EXTENSIONS: [&str; 3] = ["yaml", "yml", "json"];
 
+/// A manifest file that could not be read. The other files still load; this one is
+/// reported (log, `/metrics`, the agent status) until it is fixed or removed.
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("{}: {problem}; fix or remove the file (the other files still apply)", path.display())]
+pub struct FileError {
+    pub path: PathBuf,
+    #[source]
+    pub problem: FileProblem,
+}
+
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum FileProblem {
+    #[error("cannot read it: {0}")]
+    Read(#[source] Arc<io::Error>),
+    #[error("a symlink to {}, which does not exist", target.display())]
+    DanglingSymlink { target: PathBuf },
+    #[error("not UTF-8 text (invalid byte at offset {offset}); save it as UTF-8")]
+    NotUtf8 { offset: usize },
+    #[error("a {kind}, not a regular file")]
+    NotAFile { kind: &'static str },
+}
+
+impl FileError {
+    fn io(path: &Path, error: io::Error) -> Self {
+        // Only a symlink has a link target to read.
+        let problem = match fs::read_link(path) {
+            Ok(target) if error.kind() == io::ErrorKind::NotFound => {
+                FileProblem::DanglingSymlink { target }
+            }
+            _ => FileProblem::Read(Arc::new(error)),
+        };
+        FileError {
+            path: path.to_owned(),
+            problem,
+        }
+    }
+}
+
 /// Load a file, or every `*.yaml`, `*.yml` and `*.json` file directly in a directory,
-/// in file name order so that "first one wins" rules are reproducible.
+/// in file name order so that "first one wins" rules are reproducible. Files that
+/// cannot be read are in `unreadable`; only a path that cannot be read at all is an
+/// error.
 pub fn load_path(path: &Path) -> Result<Objects, SourceError> {
     let mut objects = Objects::default();
     for file in manifest_files(path)? {
-        objects.append(load_file(&file)?);
+        match file.and_then(|file| load_file(&file)) {
+            Ok(loaded) => objects.append(loaded),
+            Err(e) => objects.unreadable.push(e),
+        }
     }
     Ok(objects)
 }
 
-/// The files [`load_path`] reads, in the order it reads them.
-pub fn manifest_files(path: &Path) -> Result<Vec<PathBuf>, SourceError> {
+/// The files [`load_path`] reads, in the order it reads them, each with the reason
+/// it cannot be read where that is known without reading it (a dangling symlink, a
+/// FIFO). Directories are not manifests and are passed over.
+pub fn manifest_files(path: &Path) -> Result<Vec<Result<PathBuf, FileError>>, SourceError> {
     let meta = fs::metadata(path).map_err(|e| SourceError::from_io(path, e))?;
     if !meta.is_dir() {
-        return Ok(vec![path.to_owned()]);
+        return Ok(vec![regular_file(path, &meta)]);
     }
     let mut files = Vec::new();
     for entry in fs::read_dir(path).map_err(|e| SourceError::from_io(path, e))? {
@@ -80,18 +128,55 @@ pub fn manifest_files(path: &Path) -> Result<Vec<PathBuf>, SourceError> {
         }
         // Follows symlinks, as ConfigMap volumes are made of them.
         match fs::metadata(&file) {
-            Ok(m) if m.is_file() => files.push(file),
-            Ok(_) => {}
-            Err(e) => return Err(SourceError::from_io(&file, e)),
+            Ok(m) if m.is_dir() => {}
+            Ok(m) => files.push(regular_file(&file, &m)),
+            Err(e) => files.push(Err(FileError::io(&file, e))),
         }
     }
-    files.sort();
+    files.sort_by(|a, b| entry_path(a).cmp(entry_path(b)));
     Ok(files)
 }
 
+fn entry_path(entry: &Result<PathBuf, FileError>) -> &Path {
+    match entry {
+        Ok(path) => path,
+        Err(e) => &e.path,
+    }
+}
+
+/// Reading a FIFO would block the poller until a writer comes; devices and sockets
+/// hold no manifests either.
+fn regular_file(path: &Path, meta: &fs::Metadata) -> Result<PathBuf, FileError> {
+    use std::os::unix::fs::FileTypeExt;
+    let t = meta.file_type();
+    let kind = if t.is_file() {
+        return Ok(path.to_owned());
+    } else if t.is_fifo() {
+        "FIFO"
+    } else if t.is_socket() {
+        "socket"
+    } else if t.is_char_device() {
+        "character device"
+    } else if t.is_block_device() {
+        "block device"
+    } else {
+        "special file"
+    };
+    Err(FileError {
+        path: path.to_owned(),
+        problem: FileProblem::NotAFile { kind },
+    })
+}
+
 /// One manifest file's objects.
-pub fn load_file(file: &Path) -> Result<Objects, SourceError> {
-    let text = fs::read_to_string(file).map_err(|e| SourceError::from_io(file, e))?;
+pub fn load_file(file: &Path) -> Result<Objects, FileError> {
+    let bytes = fs::read(file).map_err(|e| FileError::io(file, e))?;
+    let text = String::from_utf8(bytes).map_err(|e| FileError {
+        path: file.to_owned(),
+        problem: FileProblem::NotUtf8 {
+            offset: e.utf8_error().valid_up_to(),
+        },
+    })?;
     Ok(parse_str(file, &text))
 }
 
@@ -102,12 +187,15 @@ impl Objects {
         self.slices.extend(other.slices);
         self.nodes.extend(other.nodes);
         self.errors.extend(other.errors);
+        self.unreadable.extend(other.unreadable);
     }
 }
 
 /// Parse the text of one file; `file` is only used to name it in errors and to tell
 /// JSON from YAML.
 pub fn parse_str(file: &Path, text: &str) -> Objects {
+    // Editors on Windows start files with a byte order mark; kubectl strips it.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let mut objects = Objects::default();
     if has_extension(file, &["json"]) {
         parse_json(file, text, &mut objects);
@@ -166,13 +254,13 @@ fn parse_documents(file: &Path, docs: &[Document], objects: &mut Objects) {
             manifest.add_to(objects);
             continue;
         }
-        match serde_yaml::from_str::<Value>(&doc.text) {
-            Ok(value) => take_document(value, &location, objects),
+        match serde_yaml::from_str::<StrictValue>(&doc.text) {
+            Ok(StrictValue(value)) => take_document(value, &location, objects),
             Err(_) => {
                 // Parse again with the document at its place in the file so the
                 // error's line numbers are the file's; only on the rare error path.
                 let padded = "\n".repeat(doc.text_line - 1) + &doc.text;
-                let message = match serde_yaml::from_str::<Value>(&padded) {
+                let message = match serde_yaml::from_str::<StrictValue>(&padded) {
                     Err(e) => e.to_string(),
                     Ok(_) => "unreadable document".to_owned(),
                 };
@@ -183,6 +271,94 @@ fn parse_documents(file: &Path, docs: &[Document], objects: &mut Objects) {
             }
         }
     }
+}
+
+/// serde_json's `Value`, except that a mapping repeating a key is an error:
+/// serde_json keeps the last value silently, while kubectl and the API server refuse
+/// such an object (and the block reader gives up on it, leaving it to this path).
+struct StrictValue(Value);
+
+impl<'de> serde::Deserialize<'de> for StrictValue {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(StrictVisitor).map(StrictValue)
+    }
+}
+
+struct StrictVisitor;
+
+impl<'de> serde::de::Visitor<'de> for StrictVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any YAML value")
+    }
+
+    fn visit_bool<E>(self, b: bool) -> Result<Value, E> {
+        Ok(Value::Bool(b))
+    }
+
+    fn visit_i64<E>(self, n: i64) -> Result<Value, E> {
+        Ok(Value::Number(n.into()))
+    }
+
+    fn visit_u64<E>(self, n: u64) -> Result<Value, E> {
+        Ok(Value::Number(n.into()))
+    }
+
+    /// As serde_json does: a float JSON cannot hold (NaN, infinity) is null.
+    fn visit_f64<E>(self, n: f64) -> Result<Value, E> {
+        Ok(serde_json::Number::from_f64(n).map_or(Value::Null, Value::Number))
+    }
+
+    fn visit_str<E>(self, s: &str) -> Result<Value, E> {
+        Ok(Value::String(s.to_owned()))
+    }
+
+    fn visit_string<E>(self, s: String) -> Result<Value, E> {
+        Ok(Value::String(s))
+    }
+
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        serde::Deserialize::deserialize(d).map(|StrictValue(v)| v)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(StrictValue(item)) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(Value::Array(items))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut fields = serde_json::Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if fields.contains_key(&key) {
+                return Err(serde::de::Error::custom(format_args!(
+                    "duplicate key {:?} in a mapping; remove one of them (kubectl and the \
+                     API server refuse it)",
+                    super::Capped(&key)
+                )));
+            }
+            let StrictValue(value) = map.next_value()?;
+            fields.insert(key, value);
+        }
+        Ok(Value::Object(fields))
+    }
+}
+
+/// No name: the API server refuses such an object, and a Service or slice without
+/// one cannot be told apart from others in messages or matched to its slices.
+fn unnamed(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> bool {
+    meta.name.as_deref().is_none_or(str::is_empty)
 }
 
 /// A document (or an item of a list) read by the block YAML reader, typed by its
@@ -264,9 +440,19 @@ impl<'de> serde::de::Visitor<'de> for ManifestVisitor {
         let ((api_version, kind), object): ((Cow<str>, Cow<str>), _) = data.variant()?;
         let not_clean = || A::Error::custom("left to the general path");
         Ok(match (api_version.as_ref(), kind.as_ref()) {
-            ("v1", "Service") => Manifest::Service(Arc::new(object.newtype_variant()?)),
+            ("v1", "Service") => {
+                let service: Service = object.newtype_variant()?;
+                if unnamed(&service.metadata) {
+                    return Err(not_clean());
+                }
+                Manifest::Service(Arc::new(service))
+            }
             ("discovery.k8s.io/v1", "EndpointSlice") => {
-                Manifest::Slice(Arc::new(object.newtype_variant()?))
+                let slice: EndpointSlice = object.newtype_variant()?;
+                if unnamed(&slice.metadata) {
+                    return Err(not_clean());
+                }
+                Manifest::Slice(Arc::new(slice))
             }
             (_, "Service" | "EndpointSlice" | "") => return Err(not_clean()),
             (_, "List") if self.lists => {
@@ -275,10 +461,16 @@ impl<'de> serde::de::Visitor<'de> for ManifestVisitor {
             }
             (_, "ServiceList") if self.lists => {
                 let list: Items<Service> = object.newtype_variant()?;
+                if list.items.iter().flatten().any(|s| unnamed(&s.metadata)) {
+                    return Err(not_clean());
+                }
                 list.into_manifests(|s| Manifest::Service(Arc::new(s)))
             }
             (_, "EndpointSliceList") if self.lists => {
                 let list: Items<EndpointSlice> = object.newtype_variant()?;
+                if list.items.iter().flatten().any(|s| unnamed(&s.metadata)) {
+                    return Err(not_clean());
+                }
                 list.into_manifests(|s| Manifest::Slice(Arc::new(s)))
             }
             _ => {
@@ -350,13 +542,13 @@ fn take_json_document(json: &str, objects: &mut Objects) -> bool {
 fn take_json_object(json: &str, head: Head, objects: &mut Objects) -> bool {
     match (head.kind.as_deref(), head.api_version.as_deref()) {
         (Some("Service"), Some("v1")) => match serde_json::from_str::<Service>(json) {
-            Ok(service) => objects.services.push(Arc::new(service)),
-            Err(_) => return false,
+            Ok(service) if !unnamed(&service.metadata) => objects.services.push(Arc::new(service)),
+            _ => return false,
         },
         (Some("EndpointSlice"), Some("discovery.k8s.io/v1")) => {
             match serde_json::from_str::<EndpointSlice>(json) {
-                Ok(slice) => objects.slices.push(Arc::new(slice)),
-                Err(_) => return false,
+                Ok(slice) if !unnamed(&slice.metadata) => objects.slices.push(Arc::new(slice)),
+                _ => return false,
             }
         }
         (Some("Service" | "EndpointSlice"), _) | (None, _) => return false,
@@ -667,16 +859,26 @@ fn take_object(value: Value, location: &Location, objects: &mut Objects) {
     };
     if kind == "Service" {
         match serde_json::from_value::<Service>(value) {
+            Ok(svc) if unnamed(&svc.metadata) => {
+                objects.errors.push(error(kind, Problem::MissingName))
+            }
             Ok(svc) => objects.services.push(Arc::new(svc)),
             Err(e) => objects.errors.push(error(kind, schema(e, kind))),
         }
     } else {
         match serde_json::from_value::<EndpointSlice>(value) {
+            Ok(slice) if unnamed(&slice.metadata) => {
+                objects.errors.push(error(kind, Problem::MissingName))
+            }
             Ok(slice) => objects.slices.push(Arc::new(slice)),
             Err(e) => objects.errors.push(error(kind, schema(e, kind))),
         }
     }
 }
+
+#[cfg(test)]
+#[path = "yaml_fuzz.rs"]
+mod fuzz;
 
 #[cfg(test)]
 mod tests {
@@ -922,6 +1124,146 @@ items:
 
         assert_eq!(o.errors[2].reason, Problem::NotAnObject);
         assert_eq!(o.errors[2].location.as_ref().unwrap().document, 7);
+    }
+
+    /// The API server refuses an object without a name; so does the agent, on every
+    /// path a document can take, naming where the object is.
+    #[test]
+    fn objects_without_a_name_are_refused() {
+        let block = SERVICE.replace("  name: web\n", "");
+        let flow = "apiVersion: v1\nkind: Service\nmetadata: {namespace: ns1, name: \"\"}\n\
+                    spec: {clusterIP: 10.96.0.11, ports: [{port: 80}]}\n";
+        let slice = SLICE.replace("  name: web-abc\n", "");
+        let list = "apiVersion: v1\nkind: ServiceList\nitems:\n- metadata:\n    name: named\n\
+                    - metadata:\n    namespace: ns2\n";
+        let text = format!("{block}---\n{flow}---\n{SERVICE}---\n{slice}---\n{list}");
+        let o = parse(&text);
+        let names: Vec<_> = o.services.iter().map(|s| s.metadata.name.clone()).collect();
+        assert_eq!(names, [Some("web".into()), Some("named".into())]);
+        assert!(o.slices.is_empty());
+        let problems: Vec<_> = o
+            .errors
+            .iter()
+            .map(|e| {
+                let loc = e.location.as_ref().unwrap();
+                (e.kind.as_str(), loc.document, loc.item, e.reason.clone())
+            })
+            .collect();
+        assert_eq!(
+            problems,
+            [
+                ("Service", 1, None, Problem::MissingName),
+                ("Service", 2, None, Problem::MissingName),
+                ("EndpointSlice", 4, None, Problem::MissingName),
+                ("Service", 5, Some(1), Problem::MissingName),
+            ]
+        );
+        assert_eq!(
+            o.errors[1].to_string(),
+            "objs.yaml document 2 (line 13): Service ns1/<unnamed>: has no metadata.name; \
+             name it (the API server refuses an object without one)"
+        );
+
+        let json = r#"{"apiVersion":"v1","kind":"Service","metadata":{"namespace":"default"},
+"spec":{"clusterIP":"10.96.0.3","ports":[{"port":53}]}}"#;
+        let o = parse_str(Path::new("objs.json"), json);
+        assert!(o.services.is_empty());
+        assert_eq!(o.errors.len(), 1);
+        assert_eq!(o.errors[0].reason, Problem::MissingName);
+    }
+
+    /// kubectl and the API server refuse a mapping that repeats a key; serde_json's
+    /// value would keep the last one. Both readers refuse it, at any depth.
+    #[test]
+    fn duplicate_keys_are_refused() {
+        let top = SERVICE.replace("kind: Service\n", "kind: Service\nkind: Service\n");
+        let nested = SERVICE.replace("  name: web\n", "  name: web\n  name: other\n");
+        let in_list = "apiVersion: v1\nkind: List\nitems:\n- apiVersion: v1\n  kind: Service\n  \
+                       metadata: {name: a, name: b}\n";
+        for doc in [&top, &nested, in_list] {
+            assert!(block_yaml::from_str::<Manifest>(doc).is_none(), "{doc}");
+            assert!(
+                block_yaml::from_str::<serde_json::Value>(doc).is_none(),
+                "{doc}"
+            );
+            let o = parse(&format!("{SLICE}---\n{doc}"));
+            assert!(o.services.is_empty(), "{doc}: {:?}", o.services);
+            assert_eq!(o.slices.len(), 1, "the other document still loads");
+            assert_eq!(o.errors.len(), 1, "{doc}: {:?}", o.errors);
+            let message = o.errors[0].to_string();
+            assert!(message.contains("duplicate key"), "{message}");
+            assert_eq!(o.errors[0].location.as_ref().unwrap().document, 2);
+        }
+        // The message names the mapping and the key.
+        let o = parse(&format!("{SLICE}---\n{nested}"));
+        assert!(
+            o.errors[0]
+                .to_string()
+                .contains("metadata: duplicate key \"name\""),
+            "{}",
+            o.errors[0]
+        );
+    }
+
+    /// Found by the fuzz test: an empty `kind:` or `apiVersion:` made the block
+    /// reader index an empty value and panic, taking the agent down.
+    #[test]
+    fn an_empty_kind_or_api_version_is_reported_not_a_panic() {
+        for text in [
+            "apiVersion: v1\nkind:\nmetadata:\n  name: x\n",
+            "apiVersion:\nkind: Service\nmetadata:\n  name: x\n",
+            "apiVersion: v1\nkind: # none\nmetadata:\n  name: x\n",
+            "apiVersion: v1\nkind:\n  nested: block\n",
+        ] {
+            let o = parse(text);
+            assert!(o.services.is_empty(), "{text}");
+            assert_eq!(o.errors.len(), 1, "{text}: {:?}", o.errors);
+        }
+    }
+
+    #[test]
+    fn a_leading_byte_order_mark_is_ignored() {
+        let o = parse(&format!("\u{feff}{SERVICE}"));
+        assert!(o.errors.is_empty(), "{:?}", o.errors);
+        assert_eq!(o.services.len(), 1);
+        let o = parse(&format!("\u{feff}---\n{SERVICE}---\n{SLICE}"));
+        assert!(o.errors.is_empty(), "{:?}", o.errors);
+        assert_eq!((o.services.len(), o.slices.len()), (1, 1));
+        let json = r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"j"},"spec":{"clusterIP":"10.96.0.3"}}"#;
+        let o = parse_str(Path::new("objs.json"), &format!("\u{feff}{json}"));
+        assert!(o.errors.is_empty(), "{:?}", o.errors);
+        assert_eq!(o.services.len(), 1);
+    }
+
+    /// A huge value is logged as its start and its length, however it got into the
+    /// message: its own field, or the parser's wording of it.
+    #[test]
+    fn huge_values_are_cut_in_messages() {
+        let huge = "x".repeat(10 << 20);
+        let schema = SERVICE.replace("port: 80", &format!("port: {huge}"));
+        let api = SERVICE.replace("apiVersion: v1", &format!("apiVersion: v{huge}"));
+        let name = SERVICE
+            .replace("name: web", &format!("name: {huge}"))
+            .replace("port: 80", "port: 70000");
+        for text in [schema, api] {
+            let o = parse(&text);
+            assert_eq!(o.errors.len(), 1, "{:?}", o.errors.len());
+            let message = o.errors[0].to_string();
+            assert!(message.len() < 1000, "{} bytes logged", message.len());
+            assert!(message.contains("bytes)"), "{message}");
+        }
+        let o = parse(&name);
+        let (_, errors) = crate::source::build_desired(
+            &o.services,
+            &o.slices,
+            &crate::source::SourceOptions::default(),
+        );
+        let message = errors[0].to_string();
+        assert!(message.len() < 1000, "{} bytes logged", message.len());
+        assert!(
+            message.contains(&format!("({} bytes)", huge.len())),
+            "{message}"
+        );
     }
 
     #[test]
