@@ -62,8 +62,6 @@ pub struct AgentConfig {
     pub tc_mode: TcAttach,
     /// Devices whose role the operator fixed (`--iface`, `--pod-iface`).
     pub tc_overrides: Overrides,
-    /// How often the manifest files are checked for changes.
-    pub poll_interval: Duration,
     /// Conntrack idle timeouts of the per-packet path.
     pub ct_timeouts: conntrack::Timeouts,
     /// How often idle conntrack entries are collected.
@@ -90,6 +88,8 @@ pub enum AgentError {
     #[error(transparent)]
     Netlink(#[from] NetlinkError),
     #[error(transparent)]
+    Watch(#[from] files::WatchError),
+    #[error(transparent)]
     TcLinks(#[from] TcLinksError),
     #[error(transparent)]
     Source(#[from] source::yaml::SourceError),
@@ -115,7 +115,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     }
     // The source first: a bad kubeconfig fails the start before anything attaches.
     let mut objects = match &config.source {
-        ObjectSource::Files(path) => files::watch(path.clone(), config.poll_interval),
+        ObjectSource::Files(path) => files::watch(path.clone())?,
         ObjectSource::Kubernetes { kubeconfig } => {
             let client = kube::client(kubeconfig.as_deref()).await?;
             // Nothing is written to the maps until every cache has listed once: the

@@ -260,7 +260,6 @@ fn numeric_flags_out_of_range_are_refused_at_parse_time() -> Result<()> {
     bed.manifests
         .write("web.yaml", &web(&[Ipv4Addr::new(10, 0, 0, 1)]))?;
     let cases = [
-        ("--poll-interval-ms", "0"),
         ("--ct-gc-interval-ms", "0"),
         ("--services-map-size", "0"),
         ("--backends-map-size", "0"),

@@ -114,9 +114,6 @@ struct AgentArgs {
     /// Load this kernel object instead of the one built into `lb`.
     #[arg(long)]
     bpf_object: Option<PathBuf>,
-    /// How often the manifests are checked for changes.
-    #[arg(long, default_value_t = 200, value_parser = interval_ms())]
-    poll_interval_ms: u64,
     #[arg(long, default_value_t = lb_common::DEFAULT_SERVICES_MAX, value_parser = map_size())]
     services_map_size: u32,
     #[arg(long, default_value_t = lb_common::DEFAULT_BACKENDS_MAX, value_parser = map_size())]
@@ -329,7 +326,6 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
         node_ips: args.node_ips,
         nodeport_addresses: args.nodeport_addresses,
         node_port_range: args.nodeport_range,
-        poll_interval: Duration::from_millis(args.poll_interval_ms),
         ct_timeouts: conntrack::Timeouts {
             tcp_syn: Duration::from_secs(args.ct_tcp_syn_timeout),
             tcp_established: Duration::from_secs(args.ct_tcp_timeout),

@@ -1,13 +1,23 @@
-//! Following manifest files: poll their metadata, reload what changed, publish the
-//! objects.
+//! Following manifest files: inotify (through `notify`) says which entries of the
+//! directory changed, only those are read again, and the objects are published.
+//! No polling: an idle agent does nothing until a file changes.
+//!
+//! What is watched: the directory (or, for a single file, its parent), so a file
+//! an editor replaces by rename, or a ConfigMap mount whose `..data` symlink is
+//! swapped, is seen like an in-place write. A change of a manifest file re-reads
+//! that file; a change of anything else there that can stand for many files (the
+//! directory itself, a `..data`-style link) or a lost event (the kernel's queue
+//! overflowed) re-lists the directory, and still parses only files whose size,
+//! mtime or inode moved.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Instant, SystemTime};
 
-use tokio::sync::watch;
-use tracing::{info, warn};
+use notify::{RecursiveMode, Watcher};
+use tokio::sync::{mpsc, watch};
+use tracing::{debug, info, warn};
 
 use super::yaml::{self, FileError, Objects, SourceError};
 
@@ -21,71 +31,124 @@ fn stamp(path: &Path) -> Option<Stamp> {
     Some((meta.len(), meta.modified().ok(), meta.ino()))
 }
 
-/// Names and stamps of everything at the path (a file, or a directory's entries):
-/// cheap enough to take on every poll.
-fn fingerprint(path: &Path) -> Vec<(PathBuf, Option<Stamp>)> {
-    let mut files: Vec<_> = match std::fs::read_dir(path) {
-        Ok(entries) => entries
-            .flatten()
-            .map(|entry| {
-                let p = entry.path();
-                let s = stamp(&p);
-                (p, s)
-            })
-            .collect(),
-        Err(_) => vec![(path.to_path_buf(), stamp(path))],
-    };
-    files.sort();
-    files
+/// One file of the source as last read.
+struct Cached {
+    /// `None` while the file cannot be read: every look tries it again.
+    stamp: Option<Stamp>,
+    /// The last good read, kept while the file is broken (see [`FileCache`]).
+    objects: Option<Arc<Objects>>,
+    /// Why the file cannot be read now.
+    error: Option<FileError>,
 }
 
-/// The files' objects as last read, so a change re-reads only the files it touched:
-/// with one big file and one small one, editing the small one costs only that.
+/// The files' objects as last read, in path order, so a change re-reads only the
+/// files it touched: with one big file and one small one, editing the small one
+/// costs only that.
 ///
 /// A file that cannot be read keeps the objects of its last good read, as the whole
 /// source does when the path cannot be read at all: a transient I/O error or a
-/// botched copy must not withdraw its Services. Its entry carries no stamp then, so
-/// every load tries it again.
+/// botched copy must not withdraw its Services.
 #[derive(Default)]
-struct FileCache(HashMap<PathBuf, (Option<Stamp>, Arc<Objects>)>);
+struct FileCache(BTreeMap<PathBuf, Cached>);
+
+/// Which entries of the source changed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Changed {
+    /// List the source again (start, the directory itself, a ConfigMap `..data`
+    /// swap, lost events).
+    All,
+    /// Only these paths.
+    Files(BTreeSet<PathBuf>),
+}
+
+impl Changed {
+    fn merge(self, other: Changed) -> Changed {
+        match (self, other) {
+            (Changed::Files(mut a), Changed::Files(b)) => {
+                a.extend(b);
+                Changed::Files(a)
+            }
+            _ => Changed::All,
+        }
+    }
+}
 
 impl FileCache {
+    /// Reads `file` (as [`yaml::manifest_entry`] found it) unless its stamp says it
+    /// is unchanged.
+    fn update(&mut self, file: PathBuf, entry: Result<PathBuf, FileError>) {
+        // Stamped before reading: a file that changes during the read differs from
+        // its stamp at the next look and is read again.
+        let before = stamp(&file);
+        let cached = self.0.remove(&file);
+        let unchanged = cached
+            .as_ref()
+            .filter(|c| before.is_some() && c.stamp == before && c.error.is_none())
+            .and_then(|c| c.objects.clone());
+        let read = match (entry, unchanged) {
+            (Ok(_), Some(objects)) => Ok(objects),
+            (Ok(file), None) => yaml::load_file(&file).map(Arc::new),
+            (Err(e), _) => Err(e),
+        };
+        let entry = match read {
+            Ok(objects) => Cached {
+                stamp: before,
+                objects: Some(objects),
+                error: None,
+            },
+            Err(e) => Cached {
+                stamp: None,
+                objects: cached.and_then(|c| c.objects),
+                error: Some(e),
+            },
+        };
+        self.0.insert(file, entry);
+    }
+
+    /// Lists the source and brings every file up to date.
     fn load(&mut self, path: &Path) -> Result<Objects, SourceError> {
         let files = yaml::manifest_files(path)?;
-        let mut previous = std::mem::take(&mut self.0);
-        let mut all = Objects::default();
+        let listed: HashSet<PathBuf> = files.iter().map(|e| entry_path(e).to_owned()).collect();
+        self.0.retain(|file, _| listed.contains(file));
         for entry in files {
-            let file = match &entry {
-                Ok(file) => file.clone(),
-                Err(e) => e.path.clone(),
-            };
-            // Stamped before reading: a file that changes during the read differs
-            // from its stamp at the next poll and is read again.
-            let before = stamp(&file);
-            let cached = previous.remove(&file);
-            let unchanged = cached
-                .as_ref()
-                .filter(|(seen, _)| before.is_some() && *seen == before);
-            let read = match (entry, unchanged) {
-                (Ok(_), Some((_, objects))) => Ok(objects.clone()),
-                (Ok(file), None) => yaml::load_file(&file).map(Arc::new),
-                (Err(e), _) => Err(e),
-            };
-            let objects = match read {
-                Ok(objects) => {
-                    self.0.insert(file, (before, objects.clone()));
-                    objects
-                }
-                Err(e) => {
-                    all.unreadable.push(e);
-                    let Some((_, objects)) = cached else { continue };
-                    self.0.insert(file, (None, objects.clone()));
-                    objects
-                }
-            };
-            all.append(Objects::clone(&objects));
+            self.update(entry_path(&entry).to_owned(), entry);
         }
-        Ok(all)
+        Ok(self.objects())
+    }
+
+    /// Brings only `changed` up to date: each is read again, dropped (gone, or no
+    /// manifest any more) or left alone (not a manifest name).
+    fn load_files(&mut self, changed: &BTreeSet<PathBuf>) -> Objects {
+        for file in changed {
+            match yaml::manifest_entry(file) {
+                Some(entry) => self.update(file.clone(), entry),
+                None => {
+                    self.0.remove(file);
+                }
+            }
+        }
+        self.objects()
+    }
+
+    /// Everything cached, in path order; `unreadable` lists the broken files.
+    fn objects(&self) -> Objects {
+        let mut all = Objects::default();
+        for cached in self.0.values() {
+            if let Some(e) = &cached.error {
+                all.unreadable.push(e.clone());
+            }
+            if let Some(objects) = &cached.objects {
+                all.append(Objects::clone(objects));
+            }
+        }
+        all
+    }
+}
+
+fn entry_path(entry: &Result<PathBuf, FileError>) -> &Path {
+    match entry {
+        Ok(path) => path,
+        Err(e) => &e.path,
     }
 }
 
@@ -111,35 +174,107 @@ pub fn check_source(path: &Path) -> Result<(), SourceError> {
     yaml::manifest_files(path).map(drop)
 }
 
-/// Spawns the poller./// Spawns the poller. The receiver holds `None` until the files were read once; after
-/// that, every change publishes a fresh snapshot. A source that cannot be read at all
-/// publishes nothing, so the datapath keeps its last state instead of being flushed.
-pub fn watch(path: PathBuf, interval: Duration) -> watch::Receiver<Option<Arc<Objects>>> {
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "cannot watch {} for changes: {source}; if inotify limits are reached, raise \
+     fs.inotify.max_user_watches / max_user_instances",
+    path.display()
+)]
+pub struct WatchError {
+    pub path: PathBuf,
+    #[source]
+    pub source: notify::Error,
+}
+
+/// What a notification means for the source at `root` (`dir`: the directory
+/// watched; `root == dir` for a directory source).
+fn classify(root: &Path, dir: &Path, event: notify::Result<notify::Event>) -> Option<Changed> {
+    let event = match event {
+        Ok(event) => event,
+        Err(e) => {
+            debug!("file notification error, listing again: {e}");
+            return Some(Changed::All);
+        }
+    };
+    if event.need_rescan() {
+        return Some(Changed::All);
+    }
+    // Opens and reads (ours among them) change nothing; a write being closed does.
+    use notify::event::{AccessKind, AccessMode, EventKind};
+    if matches!(event.kind, EventKind::Access(kind) if kind != AccessKind::Close(AccessMode::Write))
+    {
+        return None;
+    }
+    let single_file = root != dir;
+    let mut files = BTreeSet::new();
+    for path in event.paths {
+        if path == dir || path == root && !single_file {
+            return Some(Changed::All);
+        }
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+        let name = name.unwrap_or_default();
+        if name.starts_with("..") {
+            // A ConfigMap mount swaps `..data` to switch every file at once.
+            return Some(Changed::All);
+        }
+        if single_file {
+            // The file itself (written, or replaced by rename): read it as at start.
+            if path == root {
+                return Some(Changed::All);
+            }
+        } else if yaml::is_manifest_name(&path) {
+            files.insert(path);
+        }
+    }
+    (!files.is_empty()).then_some(Changed::Files(files))
+}
+
+/// Spawns the watcher. The receiver holds `None` until the files were read once;
+/// after that, every change publishes a fresh snapshot. A source that cannot be
+/// read at all publishes nothing, so the datapath keeps its last state instead of
+/// being flushed.
+pub fn watch(path: PathBuf) -> Result<watch::Receiver<Option<Arc<Objects>>>, WatchError> {
     let (tx, rx) = watch::channel(None);
+    let (events_tx, mut events) = mpsc::unbounded_channel();
+    let dir = if path.is_dir() {
+        path.clone()
+    } else {
+        path.parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."))
+            .to_path_buf()
+    };
+    let watch_error = |source| WatchError {
+        path: dir.clone(),
+        source,
+    };
+    let (root, watched) = (path.clone(), dir.clone());
+    let mut watcher = notify::recommended_watcher(move |event| {
+        if let Some(changed) = classify(&root, &watched, event) {
+            let _ = events_tx.send(changed);
+        }
+    })
+    .map_err(watch_error)?;
+    watcher
+        .watch(&dir, RecursiveMode::NonRecursive)
+        .map_err(watch_error)?;
     tokio::spawn(async move {
-        // The first read starts at once, not at the first tick: a timer fires only
-        // when the runtime's driver turns, which on a busy start (programs being
-        // loaded) is after the work the read should overlap.
-        let first_poll = tokio::time::Instant::now() + interval;
-        let mut ticker = tokio::time::interval_at(first_poll, interval);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut last = None;
+        // Watching as long as the source is followed.
+        let _watcher = watcher;
         let mut cache = FileCache::default();
         let mut unreadable = Vec::new();
+        let mut changed = Changed::All;
         loop {
-            let seen = fingerprint(&path);
-            if last.as_ref() == Some(&seen) {
-                ticker.tick().await;
-                continue;
-            }
-            last = Some(seen);
             // Parsing takes the CPUs for a while at scale: off the async workers,
             // so /healthz and the agent loop stay responsive.
             let started = Instant::now();
             let load = tokio::task::spawn_blocking({
                 let path = path.clone();
                 move || {
-                    let loaded = cache.load(&path);
+                    let loaded = match &changed {
+                        Changed::All => cache.load(&path),
+                        Changed::Files(files) => Ok(cache.load_files(files)),
+                    };
                     (cache, loaded)
                 }
             });
@@ -165,10 +300,17 @@ pub fn watch(path: PathBuf, interval: Duration) -> watch::Receiver<Option<Arc<Ob
                 }
                 Err(e) => warn!("{e}; keeping the current service table"),
             }
-            ticker.tick().await;
+            // Whatever arrived meanwhile is handled in one go.
+            let Some(next) = events.recv().await else {
+                return;
+            };
+            changed = next;
+            while let Ok(more) = events.try_recv() {
+                changed = changed.merge(more);
+            }
         }
     });
-    rx
+    Ok(rx)
 }
 
 #[cfg(test)]
@@ -199,12 +341,13 @@ mod tests {
         write("b.yaml", "b");
         let mut cache = FileCache::default();
         assert_eq!(names(&cache.load(&dir).unwrap()), ["a", "b"]);
-        let a_before = cache.0[&dir.join("a.yaml")].1.clone();
+        let a_before = cache.0[&dir.join("a.yaml")].objects.clone().unwrap();
 
         write("b.yaml", "b2");
         assert_eq!(names(&cache.load(&dir).unwrap()), ["a", "b2"]);
         // a.yaml was not read again: the same parsed objects are reused.
-        assert!(Arc::ptr_eq(&a_before, &cache.0[&dir.join("a.yaml")].1));
+        let a_after = cache.0[&dir.join("a.yaml")].objects.clone().unwrap();
+        assert!(Arc::ptr_eq(&a_before, &a_after));
 
         std::fs::remove_file(dir.join("a.yaml")).unwrap();
         write("c.yaml", "c");
@@ -296,5 +439,127 @@ mod tests {
         );
         assert_eq!(loaded.unreadable.len(), 5);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn event(kind: notify::EventKind, paths: &[&Path]) -> notify::Result<notify::Event> {
+        let mut e = notify::Event::new(kind);
+        for p in paths {
+            e = e.add_path(p.to_path_buf());
+        }
+        Ok(e)
+    }
+
+    #[test]
+    fn notifications_name_what_to_read_again() {
+        use notify::event::{AccessKind, AccessMode, CreateKind, ModifyKind};
+        use notify::EventKind;
+        let dir = Path::new("/m");
+        let modify = EventKind::Modify(ModifyKind::Any);
+        let one = |f: &str| Some(Changed::Files([dir.join(f)].into()));
+        assert_eq!(
+            classify(dir, dir, event(modify, &[&dir.join("a.yaml")])),
+            one("a.yaml")
+        );
+        // Our own reads, swap files and other names change nothing.
+        let read = EventKind::Access(AccessKind::Close(AccessMode::Read));
+        assert_eq!(
+            classify(dir, dir, event(read, &[&dir.join("a.yaml")])),
+            None
+        );
+        assert_eq!(
+            classify(dir, dir, event(modify, &[&dir.join(".a.yaml.swp")])),
+            None
+        );
+        assert_eq!(
+            classify(dir, dir, event(modify, &[&dir.join("notes.txt")])),
+            None
+        );
+        // A write being finished counts.
+        let closed = EventKind::Access(AccessKind::Close(AccessMode::Write));
+        assert_eq!(
+            classify(dir, dir, event(closed, &[&dir.join("a.yaml")])),
+            one("a.yaml")
+        );
+        // A ConfigMap swap, the directory itself, a lost event: list again.
+        let create = EventKind::Create(CreateKind::Any);
+        assert_eq!(
+            classify(dir, dir, event(create, &[&dir.join("..data")])),
+            Some(Changed::All)
+        );
+        assert_eq!(
+            classify(dir, dir, event(modify, &[dir])),
+            Some(Changed::All)
+        );
+        let lost = notify::Event::new(EventKind::Other).set_flag(notify::event::Flag::Rescan);
+        assert_eq!(classify(dir, dir, Ok(lost)), Some(Changed::All));
+        // A single-file source: only that file, whatever else changes beside it.
+        let file = dir.join("svc.yaml");
+        assert_eq!(
+            classify(&file, dir, event(modify, &[&dir.join("other.yaml")])),
+            None
+        );
+        assert_eq!(
+            classify(&file, dir, event(modify, &[&file])),
+            Some(Changed::All)
+        );
+    }
+
+    /// The watcher sees a ConfigMap-style `..data` swap and an editor's rename-over,
+    /// with no polling: each publishes the new objects.
+    #[tokio::test]
+    async fn configmap_swaps_and_renames_are_followed() {
+        use std::os::unix::fs::symlink;
+        let dir = tempdir("lb-files-watch");
+        let svc = |name: &str| SERVICE.replace("NAME", name);
+        std::fs::create_dir(dir.join("..v1")).unwrap();
+        std::fs::write(dir.join("..v1/svc.yaml"), svc("one")).unwrap();
+        symlink("..v1", dir.join("..data")).unwrap();
+        symlink("..data/svc.yaml", dir.join("svc.yaml")).unwrap();
+        let mut rx = watch(dir.clone()).unwrap();
+        let wait_for = |rx: &mut watch::Receiver<Option<Arc<Objects>>>, want: Vec<&str>| {
+            let want: Vec<String> = want.into_iter().map(String::from).collect();
+            let mut rx = rx.clone();
+            async move {
+                let found = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+                    loop {
+                        if let Some(o) = rx.borrow_and_update().as_ref() {
+                            if names(o) == want {
+                                return;
+                            }
+                        }
+                        rx.changed().await.unwrap();
+                    }
+                })
+                .await;
+                assert!(
+                    found.is_ok(),
+                    "never saw {want:?}: {:?}",
+                    rx.borrow().as_ref().map(|o| names(o))
+                );
+            }
+        };
+        wait_for(&mut rx, vec!["one"]).await;
+
+        // kubelet's atomic update: a new timestamped dir, `..data` swapped by rename.
+        std::fs::create_dir(dir.join("..v2")).unwrap();
+        std::fs::write(dir.join("..v2/svc.yaml"), svc("two")).unwrap();
+        symlink("..v2", dir.join("..data_tmp")).unwrap();
+        std::fs::rename(dir.join("..data_tmp"), dir.join("..data")).unwrap();
+        wait_for(&mut rx, vec!["two"]).await;
+
+        // An editor writes a temporary file and renames it over the target.
+        std::fs::write(dir.join(".extra.yaml.tmp"), svc("three")).unwrap();
+        std::fs::rename(dir.join(".extra.yaml.tmp"), dir.join("extra.yaml")).unwrap();
+        wait_for(&mut rx, vec!["three", "two"]).await;
+        std::fs::remove_file(dir.join("extra.yaml")).unwrap();
+        wait_for(&mut rx, vec!["two"]).await;
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn tempdir(prefix: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("{prefix}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
     }
 }

@@ -119,22 +119,38 @@ pub fn manifest_files(path: &Path) -> Result<Vec<Result<PathBuf, FileError>>, So
     let mut files = Vec::new();
     for entry in fs::read_dir(path).map_err(|e| SourceError::from_io(path, e))? {
         let entry = entry.map_err(|e| SourceError::from_io(path, e))?;
-        let file = entry.path();
-        let name = entry.file_name();
-        let name = name.to_string_lossy();
-        // Dot files are editor swap files and the `..data` links of ConfigMap mounts.
-        if name.starts_with('.') || !has_extension(&file, &EXTENSIONS) {
-            continue;
-        }
-        // Follows symlinks, as ConfigMap volumes are made of them.
-        match fs::metadata(&file) {
-            Ok(m) if m.is_dir() => {}
-            Ok(m) => files.push(regular_file(&file, &m)),
-            Err(e) => files.push(Err(FileError::io(&file, e))),
+        if let Some(file) = manifest_entry(&entry.path()) {
+            files.push(file);
         }
     }
     files.sort_by(|a, b| entry_path(a).cmp(entry_path(b)));
     Ok(files)
+}
+
+/// Whether a directory entry's name makes it a manifest file: dot files are editor
+/// swap files and the `..data` links of ConfigMap mounts.
+pub fn is_manifest_name(file: &Path) -> bool {
+    let hidden = file
+        .file_name()
+        .is_some_and(|n| n.to_string_lossy().starts_with('.'));
+    !hidden && has_extension(file, &EXTENSIONS)
+}
+
+/// One directory entry as [`manifest_files`] lists it: `None` when it is no manifest
+/// (its name, or a directory) or no longer exists at all; an error when it cannot
+/// be read as one (a dangling symlink, a FIFO, ...).
+pub fn manifest_entry(file: &Path) -> Option<Result<PathBuf, FileError>> {
+    if !is_manifest_name(file) {
+        return None;
+    }
+    // Follows symlinks, as ConfigMap volumes are made of them.
+    match fs::metadata(file) {
+        Ok(m) if m.is_dir() => None,
+        Ok(m) => Some(regular_file(file, &m)),
+        // Gone, not even a dangling link left: nothing to report.
+        Err(_) if fs::symlink_metadata(file).is_err() => None,
+        Err(e) => Some(Err(FileError::io(file, e))),
+    }
 }
 
 fn entry_path(entry: &Result<PathBuf, FileError>) -> &Path {
