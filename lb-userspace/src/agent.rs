@@ -54,6 +54,9 @@ pub struct AgentConfig {
     pub nodeport_addresses: NodePortAddresses,
     /// NodePorts outside this range are refused.
     pub node_port_range: source::NodePortRange,
+    /// `--zone`: this node's zone when its Node object (from the API server or
+    /// the files) has no `topology.kubernetes.io/zone` label.
+    pub zone: Option<String>,
     /// Kernel object to load instead of the embedded one.
     pub bpf_object: Option<PathBuf>,
     pub sizes: MapSizes,
@@ -176,6 +179,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         node_name: config.node_name.clone(),
         node_ips: config.node_ips.clone(),
         node_port_range: config.node_port_range,
+        zone: String::new(),
     };
     let overrides = Overrides {
         off: config.tc_mode == TcAttach::Off,
@@ -235,6 +239,13 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         status.record_pending();
         let started = Instant::now();
         options.node_ips = served_addresses(&net, &config, Some(&current));
+        let zone = node_zone(&current.nodes, &config.node_name)
+            .or_else(|| config.zone.clone())
+            .unwrap_or_default();
+        if zone != options.zone {
+            info!(zone = %zone, "node zone for topology-aware routing");
+            options.zone = zone;
+        }
         last = Some(current.clone());
         let desired = interpret(&current, &options, &status);
         info!(
@@ -366,6 +377,19 @@ fn node_addresses(
         .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
         .filter_map(|a| a.address.parse().ok())
         .collect()
+}
+
+/// This node's `topology.kubernetes.io/zone` label from its Node object.
+fn node_zone(nodes: &[Arc<k8s_openapi::api::core::v1::Node>], node_name: &str) -> Option<String> {
+    nodes
+        .iter()
+        .find(|n| n.metadata.name.as_deref() == Some(node_name))?
+        .metadata
+        .labels
+        .as_ref()?
+        .get(source::LABEL_ZONE)
+        .filter(|zone| !zone.is_empty())
+        .cloned()
 }
 
 /// The health/metrics listeners: one serving both when the addresses are equal.

@@ -81,6 +81,11 @@ struct AgentArgs {
     /// This node's name, as in EndpointSlice `nodeName` (default: $NODE_NAME, else the hostname).
     #[arg(long, env = "NODE_NAME")]
     node_name: Option<String>,
+    /// This node's zone for topology-aware routing (EndpointSlice
+    /// `hints.forZones`), used when this node's Node object (from the API server,
+    /// or in the --services-file manifests) has no topology.kubernetes.io/zone label.
+    #[arg(long)]
+    zone: Option<String>,
     /// This node's IPv4 address: NodePorts are served on it, and it is the source of
     /// traffic SNATed to backends on other nodes. Repeat for several addresses; the
     /// first is the SNAT source. Default: NodePorts on every address of the node
@@ -299,6 +304,7 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
         node_ips: args.node_ips,
         nodeport_addresses: args.nodeport_addresses,
         node_port_range: args.nodeport_range,
+        zone: args.zone,
         poll_interval: Duration::from_millis(args.poll_interval_ms),
         ct_timeouts: conntrack::Timeouts {
             tcp_syn: Duration::from_secs(args.ct_tcp_syn_timeout),

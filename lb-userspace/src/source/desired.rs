@@ -10,9 +10,12 @@ use k8s_openapi::api::core::v1::{Service, ServicePort};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use super::{ObjectError, Problem};
+
+mod topology;
 use crate::model::{
     BackendAddr, DesiredState, Frontend, FrontendSpec, HealthCheck, Protocol, Scope,
 };
+pub use topology::LABEL_ZONE;
 
 /// Settings that change how objects are read, not what they say.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -25,6 +28,9 @@ pub struct SourceOptions {
     /// The cluster's `--service-node-port-range`; NodePorts outside it are refused
     /// so a Service cannot take over a port the node itself uses.
     pub node_port_range: NodePortRange,
+    /// This node's zone (its Node's `topology.kubernetes.io/zone` label, else
+    /// `--zone`), for endpoints hinted `forZones`; empty when unknown.
+    pub zone: String,
 }
 
 /// An inclusive port range, `30000-32767` unless the cluster says otherwise.
@@ -124,10 +130,10 @@ struct ServicePlan<'a> {
 impl ServicePlan<'_> {
     /// This node's usable endpoints of the Service (distinct addresses over all its
     /// ports), what a health check reports.
-    fn local_endpoints(&self, slices: &[SliceInfo]) -> usize {
+    fn local_endpoints(&self, slices: &[SliceInfo], opts: &SourceOptions) -> usize {
         self.ports
             .iter()
-            .flat_map(|port| select_backends(port, true, slices))
+            .flat_map(|port| select_backends(port, true, slices, opts))
             .map(|backend| backend.ip)
             .collect::<BTreeSet<_>>()
             .len()
@@ -141,12 +147,13 @@ impl ServicePlan<'_> {
         &self,
         port: &PortPlan,
         slices: &[SliceInfo],
-        node_ips: &[Ipv4Addr],
+        opts: &SourceOptions,
     ) -> Vec<(Frontend, BTreeSet<BackendAddr>)> {
+        let node_ips = &opts.node_ips;
         let mut out = Vec::new();
-        let all = select_backends(port, false, slices);
+        let all = select_backends(port, false, slices, opts);
         let local = if self.internal_local || self.external_local {
-            select_backends(port, true, slices)
+            select_backends(port, true, slices, opts)
         } else {
             BTreeSet::new()
         };
@@ -180,6 +187,7 @@ struct EndpointInfo {
     serving: bool,
     terminating: bool,
     local: bool,
+    hints: topology::Hints,
 }
 
 /// An IPv4 EndpointSlice that passed validation.
@@ -261,7 +269,7 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                     HealthCheck {
                         namespace: ns.to_owned(),
                         name: name.to_owned(),
-                        local_endpoints: plan.local_endpoints(slices),
+                        local_endpoints: plan.local_endpoints(slices, opts),
                     },
                 );
             }
@@ -272,7 +280,7 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             } else {
                 format!("{ns}/{name}:{}", port.name)
             };
-            for (frontend, backends) in plan.frontends(port, slices, &opts.node_ips) {
+            for (frontend, backends) in plan.frontends(port, slices, opts) {
                 if let Some((owner_ns, owner_name)) = owners.get(&frontend) {
                     let owner = format!("{owner_ns}/{owner_name}");
                     errors.push(ObjectError::new(
@@ -530,24 +538,23 @@ fn read_slice<'a>(
             serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
             terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
             local: ep.node_name.as_deref() == Some(opts.node_name.as_str()),
+            hints: topology::Hints::read(ep.hints.as_ref()),
         });
     }
     SliceInfo { ports, endpoints }
 }
 
-/// Ready endpoints; failing those, endpoints that still serve while terminating, so a
-/// rolling update of the last pods drains instead of refusing (KEP-1669). Locality is
-/// applied first, as kube-proxy picks the fallback among local endpoints only.
-fn select_backends(
+/// The endpoints of the slices that publish `port` (by name and protocol), with the
+/// backend address each gives that port.
+fn port_endpoints<'s>(
     port: &PortPlan,
-    local_only: bool,
-    slices: &[SliceInfo],
-) -> BTreeSet<BackendAddr> {
+    slices: &'s [SliceInfo],
+) -> Vec<(BackendAddr, &'s EndpointInfo)> {
     let protocol = match port.protocol {
         Protocol::Tcp => "TCP",
         Protocol::Udp => "UDP",
     };
-    let candidates: Vec<(BackendAddr, &EndpointInfo)> = slices
+    slices
         .iter()
         .filter_map(|s| {
             let (_, _, target) = s
@@ -557,29 +564,51 @@ fn select_backends(
             Some((s, *target))
         })
         .flat_map(|(s, target)| {
-            s.endpoints
-                .iter()
-                .filter(|e| e.local || !local_only)
-                .map(move |e| {
-                    (
-                        BackendAddr {
-                            ip: e.ip,
-                            port: target,
-                            local: e.local,
-                        },
-                        e,
-                    )
-                })
+            s.endpoints.iter().map(move |e| {
+                (
+                    BackendAddr {
+                        ip: e.ip,
+                        port: target,
+                        local: e.local,
+                    },
+                    e,
+                )
+            })
         })
+        .collect()
+}
+
+/// Ready endpoints; failing those, endpoints that still serve while terminating, so a
+/// rolling update of the last pods drains instead of refusing (KEP-1669). Locality is
+/// applied first, as kube-proxy picks the fallback among local endpoints only.
+/// Traffic that may go anywhere in the cluster (`local_only` false) also follows
+/// the endpoints' topology hints (see [`topology`]).
+fn select_backends(
+    port: &PortPlan,
+    local_only: bool,
+    slices: &[SliceInfo],
+    opts: &SourceOptions,
+) -> BTreeSet<BackendAddr> {
+    let candidates: Vec<(BackendAddr, &EndpointInfo)> = port_endpoints(port, slices)
+        .into_iter()
+        .filter(|(_, e)| e.local || !local_only)
         .collect();
+    let mode = if local_only {
+        topology::Mode::Any
+    } else {
+        topology::mode(candidates.iter().map(|(_, e)| *e), opts)
+    };
     let ready: BTreeSet<BackendAddr> = candidates
         .iter()
-        .filter(|(_, e)| e.ready)
+        .filter(|(_, e)| e.ready && mode.admits(e, opts))
         .map(|(b, _)| *b)
         .collect();
     if !ready.is_empty() {
         return ready;
     }
+    // Hints are ignored here, as kube-proxy ignores them: a topology is only chosen
+    // when some ready endpoint is hinted for this node, so nothing being ready
+    // means nothing is ready anywhere.
     candidates
         .iter()
         .filter(|(_, e)| e.serving && e.terminating)
@@ -604,6 +633,7 @@ mod tests {
             node_name: node.to_owned(),
             node_ips: vec!["192.168.50.2".parse().unwrap()],
             node_port_range: NodePortRange::default(),
+            zone: String::new(),
         };
         build_desired(&objects.services, &objects.slices, &opts)
     }

@@ -17,7 +17,7 @@ pub mod files;
 pub mod kube;
 pub mod yaml;
 
-pub use desired::{build_desired, NodePortRange, SourceOptions};
+pub use desired::{build_desired, NodePortRange, SourceOptions, LABEL_ZONE};
 
 /// Where a loaded document came from; only set for errors found while loading.
 #[derive(Clone, Debug, PartialEq, Eq)]
