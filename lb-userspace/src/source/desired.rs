@@ -128,13 +128,16 @@ struct ServicePlan<'a> {
 }
 
 impl ServicePlan<'_> {
-    /// This node's usable endpoints of the Service (distinct addresses over all its
-    /// ports), what a health check reports.
-    fn local_endpoints(&self, slices: &[SliceInfo], opts: &SourceOptions) -> usize {
+    /// This node's ready endpoints of the Service (distinct addresses over all its
+    /// ports), what a health check reports. Terminating endpoints still get traffic
+    /// when nothing else is left, but are not counted, as kube-proxy counts them:
+    /// a node that is only draining must tell its load balancer to stop sending.
+    fn local_endpoints(&self, slices: &[SliceInfo]) -> usize {
         self.ports
             .iter()
-            .flat_map(|port| select_backends(port, true, slices, opts))
-            .map(|backend| backend.ip)
+            .flat_map(|port| port_endpoints(port, slices))
+            .filter(|(_, e)| e.local && e.ready)
+            .map(|(backend, _)| backend.ip)
             .collect::<BTreeSet<_>>()
             .len()
     }
@@ -269,7 +272,7 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                     HealthCheck {
                         namespace: ns.to_owned(),
                         name: name.to_owned(),
-                        local_endpoints: plan.local_endpoints(slices, opts),
+                        local_endpoints: plan.local_endpoints(slices),
                     },
                 );
             }
@@ -756,6 +759,18 @@ mod tests {
         );
         let (d, _) = build_node(&with_port("Local"), "node-c");
         assert_eq!(d.health_checks[&32001].local_endpoints, 0);
+        // Only terminating endpoints here: the check says 0 (503), so the load
+        // balancer stops sending, while traffic that still arrives drains to them.
+        let draining = with_port("Local").replace(
+            "      ready: true\n      serving: true\n      terminating: false\n    nodeName: node-a",
+            "      ready: false\n      serving: true\n      terminating: true\n    nodeName: node-a",
+        );
+        assert_ne!(draining, with_port("Local"));
+        let (d, errors) = build(&draining);
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(d.health_checks[&32001].local_endpoints, 0);
+        let external = fe("192.168.50.2", 30080, Protocol::Tcp).with_scope(Scope::External);
+        assert_eq!(backends(&d, external), [local_be("10.244.1.5", 8080)]);
         // Only externalTrafficPolicy: Local Services are health-checked per node.
         let (d, _) = build(&with_port("Cluster"));
         assert!(d.health_checks.is_empty());
