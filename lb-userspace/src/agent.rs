@@ -21,6 +21,7 @@ use crate::ops::{
 };
 use crate::reconcile;
 use crate::source::{self, files, kube, yaml::Objects, SourceOptions};
+use crate::source_ranges;
 use crate::sys::{self, SysError};
 use crate::table;
 use crate::tc_links::{TcLinks, TcLinksError};
@@ -255,7 +256,15 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         );
         // The hooks attach as soon as the first table is in the kernel; the
         // agent's own bookkeeping of what it wrote comes after.
-        let written = write_table(&mut maps, &desired, &mut known_table).map_err(SyncError::from);
+        let ranges_first = match &known_table {
+            Some(table) => maps
+                .sync_source_ranges(&source_ranges::wanted(&desired, table), false)
+                .map(|_| ()),
+            None => Ok(()),
+        };
+        let written = ranges_first
+            .and_then(|()| write_table(&mut maps, &desired, &mut known_table))
+            .map_err(SyncError::from);
         let recorded = written.and_then(|written| {
             if !attached {
                 let mut pins = loader::attach_cgroup_hooks(&mut ebpf, &config.pin, &config.cgroup)
@@ -278,7 +287,11 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                     "ready and serving"
                 );
             }
-            Ok(record_table(&mut maps, written, &mut known_table)?)
+            let outcome = record_table(&mut maps, written, &mut known_table)?;
+            if let Some(table) = &known_table {
+                maps.sync_source_ranges(&source_ranges::wanted(&desired, table), true)?;
+            }
+            Ok(outcome)
         });
         match recorded {
             Ok(outcome) => {

@@ -11,6 +11,7 @@ pub mod node_net;
 pub mod ops;
 pub mod reconcile;
 pub mod source;
+pub mod source_ranges;
 pub mod sys;
 pub mod table;
 pub mod tc_links;

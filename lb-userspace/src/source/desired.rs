@@ -6,6 +6,7 @@ use std::borrow::Borrow;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr};
 
+use ipnet::{IpNet, Ipv4Net};
 use k8s_openapi::api::core::v1::{Service, ServicePort};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
@@ -116,8 +117,14 @@ struct ServicePlan<'a> {
     id: ObjectId<'a>,
     ports: Vec<PortPlan<'a>>,
     cluster_ips: Vec<Ipv4Addr>,
-    /// `spec.externalIPs` and `status.loadBalancer.ingress[].ip` (IPv4 ones).
+    /// `spec.externalIPs` (IPv4 ones).
     external_ips: Vec<Ipv4Addr>,
+    /// `status.loadBalancer.ingress[].ip` (IPv4 ones, not also an external IP, and
+    /// not `ipMode: Proxy`: that load balancer delivers to the node ports itself).
+    load_balancer_ips: Vec<Ipv4Addr>,
+    /// `spec.loadBalancerSourceRanges` (IPv4 ones) when the Service has any: only
+    /// they may reach the load-balancer IPs.
+    source_ranges: Option<BTreeSet<Ipv4Net>>,
     affinity_timeout_sec: Option<u32>,
     /// `internalTrafficPolicy: Local`.
     internal_local: bool,
@@ -151,7 +158,7 @@ impl ServicePlan<'_> {
         port: &PortPlan,
         slices: &[SliceInfo],
         opts: &SourceOptions,
-    ) -> Vec<(Frontend, BTreeSet<BackendAddr>)> {
+    ) -> Vec<(Frontend, BTreeSet<BackendAddr>, Option<BTreeSet<Ipv4Net>>)> {
         let node_ips = &opts.node_ips;
         let mut out = Vec::new();
         let all = select_backends(port, false, slices, opts);
@@ -165,18 +172,30 @@ impl ServicePlan<'_> {
             out.push((
                 Frontend::internal(ip, port.port, port.protocol),
                 clustered.clone(),
+                None,
             ));
         }
-        let external = self.external_ips.iter().map(|&ip| (ip, port.port)).chain(
-            port.node_port
-                .into_iter()
-                .flat_map(|np| node_ips.iter().map(move |&ip| (ip, np))),
-        );
-        for (ip, p) in external {
+        // Source ranges guard the load-balancer IPs only, as kube-proxy's firewall
+        // chains do: externalIPs and NodePorts of the same Service stay open.
+        let external = self
+            .external_ips
+            .iter()
+            .map(|&ip| (ip, port.port, None))
+            .chain(
+                self.load_balancer_ips
+                    .iter()
+                    .map(|&ip| (ip, port.port, self.source_ranges.as_ref())),
+            )
+            .chain(
+                port.node_port
+                    .into_iter()
+                    .flat_map(|np| node_ips.iter().map(move |&ip| (ip, np, None))),
+            );
+        for (ip, p, ranges) in external {
             let frontend = Frontend::internal(ip, p, port.protocol);
-            out.push((frontend, all.clone()));
+            out.push((frontend, all.clone(), ranges.cloned()));
             if self.external_local {
-                out.push((frontend.with_scope(Scope::External), local.clone()));
+                out.push((frontend.with_scope(Scope::External), local.clone(), None));
             }
         }
         out
@@ -283,7 +302,7 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             } else {
                 format!("{ns}/{name}:{}", port.name)
             };
-            for (frontend, backends) in plan.frontends(port, slices, opts) {
+            for (frontend, backends, source_ranges) in plan.frontends(port, slices, opts) {
                 if let Some((owner_ns, owner_name)) = owners.get(&frontend) {
                     let owner = format!("{owner_ns}/{owner_name}");
                     errors.push(ObjectError::new(
@@ -301,6 +320,7 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                         service: service.clone(),
                         backends,
                         affinity_timeout_sec: plan.affinity_timeout_sec,
+                        source_ranges,
                     },
                 );
             }
@@ -388,36 +408,41 @@ fn plan_service<'a>(
         }
     }
 
-    let load_balancer_ips = svc
+    let mut ipv4 = |field, value: &str| match value.parse::<IpAddr>() {
+        Ok(IpAddr::V4(ip)) => Some(ip),
+        // Another family's address: not ours to proxy, like the IPv6 cluster IPs.
+        Ok(IpAddr::V6(_)) => None,
+        Err(_) => {
+            errors.push(error(Problem::InvalidExternalAddress {
+                field,
+                value: value.to_owned(),
+            }));
+            None
+        }
+    };
+    let external_ips: BTreeSet<Ipv4Addr> = spec
+        .external_ips
+        .iter()
+        .flatten()
+        .filter_map(|ip| ipv4("spec.externalIPs", ip))
+        .collect();
+    let load_balancer_ips: BTreeSet<Ipv4Addr> = svc
         .status
         .as_ref()
         .and_then(|s| s.load_balancer.as_ref())
         .and_then(|lb| lb.ingress.as_ref())
         .into_iter()
         .flatten()
+        // KEP-1860: a load balancer in Proxy mode terminates the traffic itself and
+        // sends it on to the node ports; the node must not claim its address.
+        .filter(|ingress| ingress.ip_mode.as_deref() != Some("Proxy"))
         .filter_map(|ingress| ingress.ip.as_deref())
-        .map(|ip| ("status.loadBalancer.ingress.ip", ip));
-    let external_ips = spec
-        .external_ips
-        .iter()
-        .flatten()
-        .map(|ip| ("spec.externalIPs", ip.as_str()))
-        .chain(load_balancer_ips)
-        .filter_map(|(field, value)| match value.parse::<IpAddr>() {
-            Ok(IpAddr::V4(ip)) => Some(ip),
-            // Another family's address: not ours to proxy, like the IPv6 cluster IPs.
-            Ok(IpAddr::V6(_)) => None,
-            Err(_) => {
-                errors.push(error(Problem::InvalidExternalAddress {
-                    field,
-                    value: value.to_owned(),
-                }));
-                None
-            }
-        })
-        .collect::<BTreeSet<_>>()
-        .into_iter()
+        .filter_map(|ip| ipv4("status.loadBalancer.ingress.ip", ip))
+        .filter(|ip| !external_ips.contains(ip))
         .collect();
+    let source_ranges = source_ranges(spec.load_balancer_source_ranges.as_deref(), &mut |p| {
+        errors.push(error(p))
+    });
 
     let external_local = spec.external_traffic_policy.as_deref() == Some("Local");
     let health_check_node_port = match spec.health_check_node_port {
@@ -435,7 +460,9 @@ fn plan_service<'a>(
         id,
         ports,
         cluster_ips: v4,
-        external_ips,
+        external_ips: external_ips.into_iter().collect(),
+        load_balancer_ips: load_balancer_ips.into_iter().collect(),
+        source_ranges,
         affinity_timeout_sec,
         internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
         external_local,
@@ -490,6 +517,34 @@ fn plan_port<'a>(
         port,
         node_port,
     })
+}
+
+/// `spec.loadBalancerSourceRanges` as kube-proxy reads them: trimmed, IPv6 ranges
+/// left to an IPv6 proxy, host bits ignored; `None` when no IPv4 range is given. A
+/// value that is no CIDR is reported and admits nobody: the Service asked for a
+/// restriction, and dropping the value must not open its load balancer to all.
+fn source_ranges(
+    values: Option<&[String]>,
+    report: &mut dyn FnMut(Problem),
+) -> Option<BTreeSet<Ipv4Net>> {
+    let mut restricted = false;
+    let mut ranges = BTreeSet::new();
+    for value in values.into_iter().flatten() {
+        match value.trim().parse::<IpNet>() {
+            Ok(IpNet::V4(net)) => {
+                restricted = true;
+                ranges.insert(net.trunc());
+            }
+            Ok(IpNet::V6(_)) => {}
+            Err(_) => {
+                restricted = true;
+                report(Problem::InvalidSourceRange {
+                    value: value.clone(),
+                });
+            }
+        }
+    }
+    restricted.then_some(ranges)
 }
 
 fn valid_port(port: i32) -> Option<u16> {
@@ -774,6 +829,90 @@ mod tests {
         // Only externalTrafficPolicy: Local Services are health-checked per node.
         let (d, _) = build(&with_port("Cluster"));
         assert!(d.health_checks.is_empty());
+    }
+
+    fn ranges(d: &DesiredState, f: Frontend) -> Option<Vec<String>> {
+        let spec = &d.frontends[&f];
+        spec.source_ranges
+            .as_ref()
+            .map(|r| r.iter().map(ToString::to_string).collect())
+    }
+
+    #[test]
+    fn source_ranges_guard_only_the_load_balancer_ips() {
+        let yaml = web_load_balancer("Local").replace(
+            "    externalIPs:",
+            "    loadBalancerSourceRanges: [\" 192.0.2.0/24\", 198.51.100.9/16, \"2001:db8::/32\"]\n    externalIPs:",
+        );
+        let (d, errors) = build(&yaml);
+        assert!(errors.is_empty(), "{errors:?}");
+        let lb = fe("198.51.100.7", 80, Protocol::Tcp);
+        // Trimmed, host bits dropped, the IPv6 range left to an IPv6 proxy.
+        assert_eq!(ranges(&d, lb).unwrap(), ["192.0.2.0/24", "198.51.0.0/16"]);
+        assert_eq!(
+            ranges(&d, fe("198.51.100.7", 9090, Protocol::Tcp))
+                .unwrap()
+                .len(),
+            2
+        );
+        // The ranges hang off the internal entry, which the kernel checks first.
+        assert_eq!(ranges(&d, lb.with_scope(Scope::External)), None);
+        for open in [
+            fe("10.96.0.10", 80, Protocol::Tcp),
+            fe("192.168.50.2", 30080, Protocol::Tcp),
+            fe("192.0.2.10", 80, Protocol::Tcp),
+        ] {
+            assert_eq!(ranges(&d, open), None, "{open}");
+        }
+        // Without the field nothing is restricted.
+        let (d, _) = build(&web_load_balancer("Cluster"));
+        assert_eq!(ranges(&d, lb), None);
+    }
+
+    #[test]
+    fn invalid_source_ranges_are_reported_and_admit_nobody() {
+        let with = |list: &str| {
+            web_load_balancer("Cluster").replace(
+                "    externalIPs:",
+                &format!("    loadBalancerSourceRanges: {list}\n    externalIPs:"),
+            )
+        };
+        let (d, errors) = build(&with("[10.0.0.0/8, 10.1.2.3, nonsense/99]"));
+        assert_eq!(
+            messages(&errors),
+            [
+                "Service default/web: spec.loadBalancerSourceRanges \"10.1.2.3\" is not a CIDR \
+                 (e.g. 203.0.113.0/24); it admits no client to the load-balancer IPs until it is fixed",
+                "Service default/web: spec.loadBalancerSourceRanges \"nonsense/99\" is not a CIDR \
+                 (e.g. 203.0.113.0/24); it admits no client to the load-balancer IPs until it is fixed",
+            ]
+        );
+        let lb = fe("198.51.100.7", 80, Protocol::Tcp);
+        assert_eq!(ranges(&d, lb).unwrap(), ["10.0.0.0/8"]);
+        // Nothing valid left: still restricted, to nobody.
+        let (d, errors) = build(&with("[bad]"));
+        assert_eq!(errors.len(), 1);
+        assert_eq!(ranges(&d, lb), Some(vec![]));
+    }
+
+    #[test]
+    fn proxy_mode_load_balancer_ips_are_not_served_locally() {
+        let yaml = web_load_balancer("Cluster").replace(
+            "      - ip: 198.51.100.7",
+            "      - ip: 198.51.100.7\n        ipMode: Proxy\n      - ip: 198.51.100.8\n        ipMode: VIP",
+        );
+        let (d, errors) = build(&yaml);
+        assert!(errors.is_empty(), "{errors:?}");
+        assert!(!d
+            .frontends
+            .contains_key(&fe("198.51.100.7", 80, Protocol::Tcp)));
+        assert!(d
+            .frontends
+            .contains_key(&fe("198.51.100.8", 80, Protocol::Tcp)));
+        // The load balancer in Proxy mode reaches the Service through its NodePort.
+        assert!(d
+            .frontends
+            .contains_key(&fe("192.168.50.2", 30080, Protocol::Tcp)));
     }
 
     #[test]

@@ -150,6 +150,11 @@ pub enum Problem {
     DuplicateHealthCheckNodePort { port: u16, owner: String },
     #[error("{field} {value:?} is not an IP address; that address is not proxied")]
     InvalidExternalAddress { field: &'static str, value: String },
+    #[error(
+        "spec.loadBalancerSourceRanges {value:?} is not a CIDR (e.g. 203.0.113.0/24); it \
+         admits no client to the load-balancer IPs until it is fixed"
+    )]
+    InvalidSourceRange { value: String },
     #[error("frontend {frontend} is already used by Service {owner}, which keeps it; give one of them another cluster IP or port")]
     DuplicateFrontend { frontend: Frontend, owner: String },
 
