@@ -74,11 +74,15 @@ impl View {
         let loopback = message.header.flags.contains(LinkFlags::Loopback);
         let pair = message.attributes.iter().any(|a| match a {
             LinkAttribute::LinkInfo(infos) => infos.iter().any(|i| {
-                matches!(i, LinkInfo::Kind(InfoKind::Veth) | LinkInfo::Kind(InfoKind::Netkit))
+                matches!(
+                    i,
+                    LinkInfo::Kind(InfoKind::Veth) | LinkInfo::Kind(InfoKind::Netkit)
+                )
             }),
             _ => false,
         });
-        self.links.insert(message.header.index, (name, loopback, pair));
+        self.links
+            .insert(message.header.index, (name, loopback, pair));
     }
 
     fn del_link(&mut self, message: &LinkMessage) {
