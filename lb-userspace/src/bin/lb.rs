@@ -68,7 +68,8 @@ enum Command {
 #[derive(clap::Args)]
 struct AgentArgs {
     /// Read Services and EndpointSlices from Kubernetes YAML/JSON (Service,
-    /// EndpointSlice, List) in a file or a directory instead of the API server.
+    /// EndpointSlice, List; this node's Node for its zone) in a file or a directory
+    /// instead of the API server.
     #[arg(long, conflicts_with = "kubeconfig")]
     services_file: Option<PathBuf>,
     /// Follow the API server with this kubeconfig (default without --services-file:
