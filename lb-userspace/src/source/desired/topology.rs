@@ -287,6 +287,36 @@ mod tests {
             assert_eq!(cluster, [3, 6]);
             assert_eq!(local.unwrap(), [3, 4]);
         }
+        // Without hints, as before topology: terminating local endpoints serve Local
+        // traffic while ready remote ones serve the cluster.
+        let eps = [
+            ep(0, NONE),
+            ep(1, NONE).unready().local(),
+            ep(2, NONE).terminating().local(),
+            ep(3, NONE).terminating(),
+        ];
+        let etp = Policy {
+            etp_local: true,
+            itp_local: false,
+        };
+        let (cluster, local) = categorize("zone-a", etp, &eps);
+        assert_eq!(cluster, [0]);
+        assert_eq!(local.unwrap(), [2]);
+        // Both policies Local and every endpoint remote: Local traffic has none.
+        let both = Policy {
+            etp_local: true,
+            itp_local: true,
+        };
+        let (cluster, local) = categorize("zone-a", both, &[ep(0, NONE), ep(1, NONE)]);
+        assert_eq!(cluster, [0, 1]);
+        assert!(local.unwrap().is_empty());
+        let (cluster, local) = categorize(
+            "zone-a",
+            both,
+            &[ep(0, NONE).terminating(), ep(1, NONE).terminating()],
+        );
+        assert_eq!(cluster, [0, 1]);
+        assert!(local.unwrap().is_empty());
     }
 
     #[test]
@@ -295,6 +325,8 @@ mod tests {
         assert_eq!(cluster_only("", &[ep(3, A)]), [3]);
         assert_eq!(cluster_only("zone-b", &[ep(3, A)]), [3]);
         assert_eq!(cluster_only("zone-b", &[ep(3, A), ep(4, C)]), [3, 4]);
+        // The same endpoints seen from a zone they are hinted for.
+        assert_eq!(cluster_only("zone-c", &[ep(3, A), ep(4, C)]), [4]);
     }
 
     #[test]
@@ -313,6 +345,8 @@ mod tests {
     fn one_endpoint_without_hints_turns_them_all_off() {
         let eps = [ep(3, A), ep(4, B), ep(5, NONE), ep(6, A)];
         assert_eq!(cluster_only("zone-a", &eps), [3, 4, 5, 6]);
+        let eps = [ep(3, A), ep(4, B), ep(5, B), ep(6, A)];
+        assert_eq!(cluster_only("zone-a", &eps), [3, 6]);
     }
 
     #[test]
@@ -347,41 +381,14 @@ mod tests {
             ep(5, B).unready(),
         ];
         assert_eq!(cluster_only("zone-a", &eps), [3, 4]);
-    }
-
-    #[test]
-    fn etp_local_terminating_local_endpoints_and_ready_remote_ones() {
+        // Ready endpoints again: the zone's one, and the terminating ones left alone.
         let eps = [
-            ep(0, NONE),
-            ep(1, NONE).unready().local(),
-            ep(2, NONE).terminating().local(),
-            ep(3, NONE).terminating(),
+            ep(3, A).terminating(),
+            ep(4, B).terminating(),
+            ep(6, A),
+            ep(7, B),
         ];
-        let etp = Policy {
-            etp_local: true,
-            itp_local: false,
-        };
-        let (cluster, local) = categorize("zone-a", etp, &eps);
-        assert_eq!(cluster, [0]);
-        assert_eq!(local.unwrap(), [2]);
-    }
-
-    #[test]
-    fn both_policies_local_with_only_remote_endpoints() {
-        let both = Policy {
-            etp_local: true,
-            itp_local: true,
-        };
-        let (cluster, local) = categorize("zone-a", both, &[ep(0, NONE), ep(1, NONE)]);
-        assert_eq!(cluster, [0, 1]);
-        assert!(local.unwrap().is_empty());
-        let (cluster, local) = categorize(
-            "zone-a",
-            both,
-            &[ep(0, NONE).terminating(), ep(1, NONE).terminating()],
-        );
-        assert_eq!(cluster, [0, 1]);
-        assert!(local.unwrap().is_empty());
+        assert_eq!(cluster_only("zone-a", &eps), [6]);
     }
 
     #[test]
