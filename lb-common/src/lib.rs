@@ -13,7 +13,7 @@
 
 /// Bumped whenever a map's key or value layout changes. Maps are pinned under
 /// `<pin-dir>/v<PIN_LAYOUT_VERSION>/` so an agent never reuses a map with another layout.
-pub const PIN_LAYOUT_VERSION: u32 = 2;
+pub const PIN_LAYOUT_VERSION: u32 = 3;
 
 /// Map names, as the kernel object defines them and as they are pinned.
 pub mod map_names {
@@ -25,8 +25,9 @@ pub mod map_names {
     pub const CT: &str = "LB_CT";
     pub const SVC_STATS: &str = "LB_SVC_STATS";
     pub const ATTACHMENTS: &str = "LB_ATTACHMENTS";
+    pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGES";
     /// Every map the agent pins.
-    pub const ALL: [&str; 8] = [
+    pub const ALL: [&str; 9] = [
         SERVICES,
         BACKENDS,
         SOCK_REVNAT,
@@ -35,6 +36,7 @@ pub mod map_names {
         CT,
         SVC_STATS,
         ATTACHMENTS,
+        SOURCE_RANGES,
     ];
 }
 
@@ -64,6 +66,11 @@ pub const SVC_FLAG_EXTERNAL_SCOPE: u16 = 1 << 1;
 /// `ServiceValue::flags`: the frontend is reachable from outside the node (NodePort,
 /// LoadBalancer, externalIPs) and not only from cluster-internal sockets.
 pub const SVC_FLAG_EXTERNAL: u16 = 1 << 2;
+/// `ServiceValue::flags` (internal master of a LoadBalancer ingress IP): the Service
+/// has `spec.loadBalancerSourceRanges`; the per-packet path admits new flows only
+/// from sources `LB_SOURCE_RANGES` holds for this frontend's `rev_nat_id` (none: no
+/// source is admitted), as kube-proxy's firewall chains do.
+pub const SVC_FLAG_SOURCE_RANGES: u16 = 1 << 3;
 
 /// `Backend::flags`: the endpoint runs on this node, so per-packet NAT needs no SNAT
 /// to bring its replies back through us.
@@ -76,6 +83,8 @@ pub const DEFAULT_BACKENDS_MAX: u32 = 1 << 21;
 pub const DEFAULT_SOCK_REVNAT_MAX: u32 = 262_144;
 pub const DEFAULT_AFFINITY_MAX: u32 = 65_536;
 pub const DEFAULT_CT_MAX: u32 = 262_144;
+/// `LB_SOURCE_RANGES` entries: one per (LoadBalancer frontend, source range).
+pub const DEFAULT_SOURCE_RANGES_MAX: u32 = 65_536;
 
 /// Key of `LB_SERVICES`: one frontend and one of its slots.
 #[repr(C)]
@@ -282,8 +291,32 @@ pub struct SvcStats {
     pub connections: u64,
     /// Connections refused or dropped for want of a usable backend.
     pub no_backend: u64,
+    /// New flows dropped because their source is outside the Service's
+    /// `loadBalancerSourceRanges` (`SVC_FLAG_SOURCE_RANGES`).
+    pub source_range_drops: u64,
 }
-const _: () = assert!(core::mem::size_of::<SvcStats>() == 16);
+const _: () = assert!(core::mem::size_of::<SvcStats>() == 24);
+
+/// Data part of an `LB_SOURCE_RANGES` key (an LPM trie: the kernel prepends a
+/// `u32` prefix length, host byte order, counted in bits from the start of this
+/// struct). An entry for source range `a.b.c.d/n` of a frontend has prefix length
+/// `SOURCE_RANGE_PREFIX_BASE + n`, so `rev_nat_id` always matches whole and the
+/// address by its first `n` bits; a lookup uses the full 64 bits.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SourceRangeKey {
+    /// `rev_nat_id` of the frontend's internal master, host byte order (always
+    /// matched whole, so its byte order does not matter to the trie).
+    pub rev_nat_id: u32,
+    /// Range address (a lookup: the packet's source), network byte order, so the
+    /// trie's most-significant-bit-first matching is a prefix match.
+    pub address: u32,
+}
+const _: () = assert!(core::mem::size_of::<SourceRangeKey>() == 8);
+
+/// Bits of `SourceRangeKey::rev_nat_id`, before the address in the prefix length.
+pub const SOURCE_RANGE_PREFIX_BASE: u32 = 32;
 
 /// Longest interface name the kernel allows, with its NUL (`IFNAMSIZ`).
 pub const IFNAMSIZ: usize = 16;
@@ -358,8 +391,11 @@ pub mod stat {
     pub const TC_MALFORMED: u32 = 11;
     /// TC: IP fragment of a frontend flow; passed on untranslated.
     pub const TC_FRAGMENT: u32 = 12;
+    /// TC: new flow to a LoadBalancer IP from outside its `loadBalancerSourceRanges`;
+    /// dropped.
+    pub const TC_SOURCE_RANGE_DROP: u32 = 13;
     /// Number of counters.
-    pub const COUNT: u32 = 13;
+    pub const COUNT: u32 = 14;
     /// Human names, indexed like the constants.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -375,6 +411,7 @@ pub mod stat {
         "tc_snat_exhausted",
         "tc_malformed",
         "tc_fragment",
+        "tc_source_range_drop",
     ];
 }
 
@@ -393,4 +430,5 @@ mod user {
     unsafe impl aya::Pod for CtValue {}
     unsafe impl aya::Pod for SvcStats {}
     unsafe impl aya::Pod for Attachment {}
+    unsafe impl aya::Pod for SourceRangeKey {}
 }

@@ -5,7 +5,8 @@
 //!
 //! Entry points stay thin. Socket hooks: `sock` (context access), `sock_lb`
 //! (translation). Per-packet path: `packet` (parsing), `ct` (conntrack), `nat`
-//! (rewrite + checksums), `tc_lb` (the flow logic). Shared: `select` (frontend
+//! (rewrite + checksums), `source_ranges` (loadBalancerSourceRanges), `tc_lb` (the
+//! flow logic). Shared: `select` (frontend
 //! lookup, backend choice, affinity), `stats`.
 #![no_std]
 #![no_main]
@@ -21,6 +22,7 @@ mod reject;
 mod select;
 mod sock;
 mod sock_lb;
+mod source_ranges;
 mod stats;
 mod tc_lb;
 

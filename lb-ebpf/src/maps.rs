@@ -2,13 +2,14 @@
 //! defaults; the agent sets the real `max_entries` at load time.
 
 use aya_ebpf::{
-    btf_maps::{HashMap, LruHashMap, PerCpuArray, PerCpuHashMap},
+    btf_maps::{HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap},
     macros::btf_map,
 };
 use lb_common::{
     AffinityKey, AffinityValue, Attachment, Backend, CtKey, CtValue, ServiceKey, ServiceValue,
-    SockRevNatKey, SockRevNatValue, SvcStats, DEFAULT_AFFINITY_MAX, DEFAULT_BACKENDS_MAX,
-    DEFAULT_CT_MAX, DEFAULT_SERVICES_MAX, DEFAULT_SOCK_REVNAT_MAX,
+    SockRevNatKey, SockRevNatValue, SourceRangeKey, SvcStats, DEFAULT_AFFINITY_MAX,
+    DEFAULT_BACKENDS_MAX, DEFAULT_CT_MAX, DEFAULT_SERVICES_MAX, DEFAULT_SOCK_REVNAT_MAX,
+    DEFAULT_SOURCE_RANGES_MAX,
 };
 
 /// Not preallocated: sized for 100k frontends x 10 endpoints, memory follows the
@@ -65,3 +66,9 @@ pub static LB_SVC_STATS: PerCpuHashMap<
 #[btf_map]
 pub static LB_ATTACHMENTS: HashMap<u32, Attachment, { lb_common::ATTACHMENTS_MAX as usize }> =
     HashMap::new();
+
+/// `loadBalancerSourceRanges` of the frontends flagged `SVC_FLAG_SOURCE_RANGES` (see
+/// `lb_common::SourceRangeKey`); the value is unused (1).
+#[btf_map]
+pub static LB_SOURCE_RANGES: LpmTrie<SourceRangeKey, u8, { DEFAULT_SOURCE_RANGES_MAX as usize }> =
+    LpmTrie::new();

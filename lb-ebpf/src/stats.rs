@@ -30,8 +30,25 @@ pub fn service(rev_nat_id: u32, refused: bool) {
     let first = SvcStats {
         connections: (!refused) as u64,
         no_backend: refused as u64,
+        source_range_drops: 0,
     };
     // Another CPU may create the entry at the same time; losing that race loses one
     // count, which a counter of connections can afford.
+    let _ = LB_SVC_STATS.insert(rev_nat_id, first, BPF_NOEXIST);
+}
+
+/// Counts one new flow of a frontend dropped by its `loadBalancerSourceRanges`.
+#[inline(always)]
+pub fn source_range_drop(rev_nat_id: u32) {
+    if let Some(entry) = LB_SVC_STATS.get_ptr_mut(rev_nat_id) {
+        // SAFETY: this CPU's slot of a per-CPU value.
+        unsafe { (*entry).source_range_drops += 1 };
+        return;
+    }
+    let first = SvcStats {
+        source_range_drops: 1,
+        ..SvcStats::default()
+    };
+    // As in `service`: a lost race loses one count.
     let _ = LB_SVC_STATS.insert(rev_nat_id, first, BPF_NOEXIST);
 }

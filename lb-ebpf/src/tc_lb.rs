@@ -13,7 +13,7 @@ use crate::{
     ct, fib, icmp,
     nat::{self, Tuple},
     packet::{self, Flow, Parsed},
-    reject, select, stats,
+    reject, select, source_ranges, stats,
 };
 
 pub const TC_ACT_OK: i32 = 0;
@@ -107,6 +107,13 @@ fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
     let Some(mut master) = select::frontend(&master_key) else {
         return TC_ACT_OK;
     };
+    // Before the scope switch: the ranges hang off the internal master, and apply to
+    // every client of a LoadBalancer IP, from outside or from pods, as in kube-proxy.
+    if !source_ranges::admits(&master, flow.saddr) {
+        stats::bump(stat::TC_SOURCE_RANGE_DROP);
+        stats::source_range_drop(master.rev_nat_id);
+        return TC_ACT_SHOT;
+    }
     if scope == SCOPE_EXTERNAL && master.flags & SVC_FLAG_EXTERNAL_SCOPE != 0 {
         master_key.scope = SCOPE_EXTERNAL;
         let Some(external) = select::frontend(&master_key) else {

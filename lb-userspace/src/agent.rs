@@ -22,6 +22,7 @@ use crate::ops::{
 use crate::pins;
 use crate::reconcile;
 use crate::source::{self, files, kube, yaml::Objects, SourceOptions};
+use crate::source_ranges;
 use crate::sys::{self, SysError};
 use crate::table;
 use crate::tc_links::{TcLinks, TcLinksError};
@@ -55,6 +56,9 @@ pub struct AgentConfig {
     pub nodeport_addresses: NodePortAddresses,
     /// NodePorts outside this range are refused.
     pub node_port_range: source::NodePortRange,
+    /// `--zone`: this node's zone when its Node object (from the API server or
+    /// the files) has no `topology.kubernetes.io/zone` label.
+    pub zone: Option<String>,
     /// Kernel object to load instead of the embedded one.
     pub bpf_object: Option<PathBuf>,
     pub sizes: MapSizes,
@@ -188,6 +192,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         node_name: config.node_name.clone(),
         node_ips: config.node_ips.clone(),
         node_port_range: config.node_port_range,
+        zone: String::new(),
     };
     let overrides = Overrides {
         off: config.tc_mode == TcAttach::Off,
@@ -247,6 +252,13 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         status.record_pending();
         let started = Instant::now();
         options.node_ips = served_addresses(&net, &config, Some(&current));
+        let zone = node_zone(&current.nodes, &config.node_name)
+            .or_else(|| config.zone.clone())
+            .unwrap_or_default();
+        if zone != options.zone {
+            info!(zone = %zone, "node zone for topology-aware routing");
+            options.zone = zone;
+        }
         last = Some(current.clone());
         let desired = interpret(&current, &options, &status);
         info!(
@@ -256,7 +268,15 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         );
         // The hooks attach as soon as the first table is in the kernel; the
         // agent's own bookkeeping of what it wrote comes after.
-        let written = write_table(&mut maps, &desired, &mut known_table).map_err(SyncError::from);
+        let ranges_first = match &known_table {
+            Some(table) => maps
+                .sync_source_ranges(&source_ranges::wanted(&desired, table), false)
+                .map(|_| ()),
+            None => Ok(()),
+        };
+        let written = ranges_first
+            .and_then(|()| write_table(&mut maps, &desired, &mut known_table))
+            .map_err(SyncError::from);
         let recorded = written.and_then(|written| {
             if !attached {
                 // A device named by a flag that is not there is a typo, not a device
@@ -289,7 +309,11 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                     "ready and serving"
                 );
             }
-            Ok(record_table(&mut maps, written, &mut known_table)?)
+            let outcome = record_table(&mut maps, written, &mut known_table)?;
+            if let Some(table) = &known_table {
+                maps.sync_source_ranges(&source_ranges::wanted(&desired, table), true)?;
+            }
+            Ok(outcome)
         });
         if attached {
             created_pins.keep();
@@ -398,6 +422,19 @@ fn node_addresses(
         .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
         .filter_map(|a| a.address.parse().ok())
         .collect()
+}
+
+/// This node's `topology.kubernetes.io/zone` label from its Node object.
+fn node_zone(nodes: &[Arc<k8s_openapi::api::core::v1::Node>], node_name: &str) -> Option<String> {
+    nodes
+        .iter()
+        .find(|n| n.metadata.name.as_deref() == Some(node_name))?
+        .metadata
+        .labels
+        .as_ref()?
+        .get(source::LABEL_ZONE)
+        .filter(|zone| !zone.is_empty())
+        .cloned()
 }
 
 /// The health/metrics listeners: one serving both when the addresses are equal.

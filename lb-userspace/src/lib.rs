@@ -12,6 +12,7 @@ pub mod ops;
 pub mod pins;
 pub mod reconcile;
 pub mod source;
+pub mod source_ranges;
 pub mod sys;
 pub mod table;
 pub mod tc_links;

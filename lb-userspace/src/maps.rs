@@ -1,15 +1,20 @@
 //! The pinned maps as the agent and the CLI see them: read a snapshot, apply a plan.
 
+use std::collections::BTreeSet;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::PathBuf;
 
+use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap};
 use aya::sys::SyscallError;
-use lb_common::{map_names, stat, Backend, CtKey, CtValue, ServiceKey, ServiceValue, SvcStats};
+use lb_common::{
+    map_names, stat, Backend, CtKey, CtValue, ServiceKey, ServiceValue, SourceRangeKey, SvcStats,
+};
 
 use crate::loader::PinLayout;
 use crate::reconcile::{Capacity, MapOp, MapSnapshot};
+use crate::source_ranges::{self, SourceRange};
 
 #[derive(Debug, thiserror::Error)]
 pub enum MapsError {
@@ -44,6 +49,7 @@ pub struct PinnedMaps {
     stats: PerCpuArray<MapData, u64>,
     conntrack: HashMap<MapData, CtKey, CtValue>,
     service_stats: PerCpuHashMap<MapData, u32, SvcStats>,
+    source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
     /// The service and backend maps' descriptors again, for batched updates (aya
     /// 0.14 has no batch API).
     services_fd: OwnedFd,
@@ -81,6 +87,7 @@ impl PinnedMaps {
         let (stats, _, _) = open(layout, map_names::STATS)?;
         let (conntrack, _, _) = open(layout, map_names::CT)?;
         let (service_stats, _, _) = open(layout, map_names::SVC_STATS)?;
+        let (source_ranges, _, _) = open(layout, map_names::SOURCE_RANGES)?;
         Ok(Self {
             services: HashMap::try_from(services).map_err(|e| typed(map_names::SERVICES, e))?,
             backends: HashMap::try_from(backends).map_err(|e| typed(map_names::BACKENDS, e))?,
@@ -88,6 +95,8 @@ impl PinnedMaps {
             conntrack: HashMap::try_from(conntrack).map_err(|e| typed(map_names::CT, e))?,
             service_stats: PerCpuHashMap::try_from(service_stats)
                 .map_err(|e| typed(map_names::SVC_STATS, e))?,
+            source_ranges: LpmTrie::try_from(source_ranges)
+                .map_err(|e| typed(map_names::SOURCE_RANGES, e))?,
             services_fd,
             backends_fd,
             batched: 0,
@@ -265,6 +274,7 @@ impl PinnedMaps {
                     .fold(SvcStats::default(), |sum, cpu| SvcStats {
                         connections: sum.connections + cpu.connections,
                         no_backend: sum.no_backend + cpu.no_backend,
+                        source_range_drops: sum.source_range_drops + cpu.source_range_drops,
                     });
                 Ok((id, total))
             })
@@ -297,6 +307,72 @@ impl PinnedMaps {
             })?;
         }
         Ok(stale.len())
+    }
+
+    /// Every `LB_SOURCE_RANGES` entry (keys no agent writes are left out).
+    pub fn source_ranges(&self) -> Result<BTreeSet<SourceRange>, MapsError> {
+        self.source_range_keys().map(|keys| {
+            keys.iter()
+                .filter_map(|k| source_ranges::entry(k.prefix_len(), &k.data()))
+                .collect()
+        })
+    }
+
+    fn source_range_keys(&self) -> Result<Vec<Key<SourceRangeKey>>, MapsError> {
+        self.source_ranges
+            .keys()
+            .collect::<Result<Vec<_>, MapError>>()
+            .map_err(|source| MapsError::Read {
+                map: map_names::SOURCE_RANGES,
+                source,
+            })
+    }
+
+    /// Adds the entries of `wanted` the trie lacks and, with `prune`, removes every
+    /// other one (see [`crate::source_ranges`] for when each is safe). Returns how
+    /// many entries changed.
+    pub fn sync_source_ranges(
+        &mut self,
+        wanted: &BTreeSet<SourceRange>,
+        prune: bool,
+    ) -> Result<usize, MapsError> {
+        let present = self.source_range_keys()?;
+        let have: BTreeSet<SourceRange> = present
+            .iter()
+            .filter_map(|k| source_ranges::entry(k.prefix_len(), &k.data()))
+            .collect();
+        let mut changed = 0;
+        for entry in wanted.difference(&have) {
+            let (prefix_len, data) = source_ranges::key(entry);
+            self.source_ranges
+                .insert(&Key::new(prefix_len, data), 1, 0)
+                .map_err(|source| MapsError::Write {
+                    map: map_names::SOURCE_RANGES,
+                    op: format!("add source range {} of frontend id {}", entry.1, entry.0),
+                    source,
+                })?;
+            changed += 1;
+        }
+        if !prune {
+            return Ok(changed);
+        }
+        for key in present {
+            let keep = source_ranges::entry(key.prefix_len(), &key.data())
+                .is_some_and(|entry| wanted.contains(&entry));
+            if keep {
+                continue;
+            }
+            ignore_missing(self.source_ranges.remove(&key)).map_err(|source| MapsError::Write {
+                map: map_names::SOURCE_RANGES,
+                op: format!(
+                    "delete source range entry of frontend id {}",
+                    key.data().rev_nat_id
+                ),
+                source,
+            })?;
+            changed += 1;
+        }
+        Ok(changed)
     }
 
     /// The `LB_STATS` counters summed over CPUs, with their names.

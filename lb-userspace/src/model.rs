@@ -132,6 +132,10 @@ pub struct FrontendSpec {
     pub backends: BTreeSet<BackendAddr>,
     /// `sessionAffinity: ClientIP` timeout in seconds, if enabled.
     pub affinity_timeout_sec: Option<u32>,
+    /// Set on the internal entry of a LoadBalancer ingress IP whose Service has
+    /// `spec.loadBalancerSourceRanges`: the per-packet path admits new flows only from
+    /// these sources (an empty set admits none). `None`: every source.
+    pub source_ranges: Option<BTreeSet<ipnet::Ipv4Net>>,
 }
 
 /// The whole desired table.

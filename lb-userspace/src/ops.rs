@@ -964,6 +964,9 @@ fn route(head: &[u8], answer: Answer<'_>) -> (Response, bool) {
     (response, head_only)
 }
 
+/// What `GET /proxyMode` answers, as kube-proxy answers `iptables` or `ipvs`.
+pub const PROXY_MODE: &str = "ebpf";
+
 /// The agent's own endpoints.
 fn ops_answer(path: &str, status: &AgentStatus, config: &ServeConfig) -> Option<Response> {
     match path {
@@ -976,6 +979,13 @@ fn ops_answer(path: &str, status: &AgentStatus, config: &ServeConfig) -> Option<
             200,
             "text/plain; version=0.0.4; charset=utf-8",
             status.render_metrics(),
+        )),
+        // kube-proxy answers its mode next to its metrics; monitoring and the
+        // Kubernetes e2e framework read it to tell proxies apart.
+        "/proxyMode" if config.routes.metrics => Some(Response::new(
+            200,
+            "text/plain; charset=utf-8",
+            PROXY_MODE.to_owned(),
         )),
         _ => None,
     }

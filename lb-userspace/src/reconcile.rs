@@ -126,6 +126,9 @@ fn master_value(
     if external_scope {
         flags |= lb_common::SVC_FLAG_EXTERNAL_SCOPE;
     }
+    if spec.source_ranges.is_some() {
+        flags |= lb_common::SVC_FLAG_SOURCE_RANGES;
+    }
     ServiceValue {
         backend_id: 0,
         count,
@@ -593,6 +596,7 @@ mod tests {
             service: "default/web:http".to_owned(),
             backends: backends.iter().map(|&b| be(b, 8080)).collect(),
             affinity_timeout_sec: affinity,
+            source_ranges: None,
         }
     }
 

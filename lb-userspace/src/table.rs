@@ -174,6 +174,8 @@ pub struct ServiceCounters {
     pub rev_nat_id: u32,
     pub connections: u64,
     pub no_backend: u64,
+    /// New flows dropped for coming from outside `loadBalancerSourceRanges`.
+    pub source_range_drops: u64,
 }
 
 /// Joins the per-frontend counters with the frontends they belong to; counters of
@@ -192,6 +194,7 @@ pub fn service_counters(
                 rev_nat_id: f.rev_nat_id,
                 connections: c.connections,
                 no_backend: c.no_backend,
+                source_range_drops: c.source_range_drops,
             }
         })
         .collect()
@@ -199,16 +202,17 @@ pub fn service_counters(
 
 pub fn render_service_counters(rows: &[ServiceCounters]) -> String {
     let mut out = format!(
-        "{:<34} {:>12} {:>12}\n",
-        "FRONTEND", "CONNECTIONS", "NO_BACKEND"
+        "{:<34} {:>12} {:>12} {:>18}\n",
+        "FRONTEND", "CONNECTIONS", "NO_BACKEND", "SOURCE_RANGE_DROPS"
     );
     for row in rows {
         let _ = writeln!(
             out,
-            "{:<34} {:>12} {:>12}",
+            "{:<34} {:>12} {:>12} {:>18}",
             row.frontend.to_string(),
             row.connections,
-            row.no_backend
+            row.no_backend,
+            row.source_range_drops
         );
     }
     out

@@ -516,6 +516,21 @@ async fn routes_limit_what_a_server_answers() {
     assert_eq!(get(healthz, "/metrics").await.status, 404);
     assert_eq!(get(metrics, "/metrics").await.status, 200);
     assert_eq!(get(metrics, "/healthz").await.status, 404);
+    assert_eq!(get(healthz, "/proxyMode").await.status, 404);
+}
+
+#[tokio::test]
+async fn proxy_mode_is_answered_next_to_the_metrics() {
+    let status = Arc::new(AgentStatus::new());
+    let addr = start(status, ServeConfig::new(Duration::from_secs(60))).await;
+    let reply = get(addr, "/proxyMode").await;
+    assert_eq!(reply.status, 200);
+    // kube-proxy writes the bare mode, no newline: clients compare it as is.
+    assert_eq!(reply.body, "ebpf");
+    assert_eq!(
+        reply.header("content-type"),
+        Some("text/plain; charset=utf-8")
+    );
 }
 
 #[tokio::test]

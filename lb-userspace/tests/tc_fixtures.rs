@@ -13,7 +13,7 @@ use lb_common::{program_names, stat};
 use lb_userspace::loader::{self, MapSizes, PinLayout};
 use lb_userspace::maps::PinnedMaps;
 use lb_userspace::model::{BackendAddr, DesiredState, Frontend, FrontendSpec, Protocol, Scope};
-use lb_userspace::{reconcile, sys};
+use lb_userspace::{reconcile, source_ranges, sys};
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
@@ -143,6 +143,7 @@ fn node_port(
         service: "default/web:http".into(),
         backends: backends.iter().copied().collect::<BTreeSet<_>>(),
         affinity_timeout_sec: None,
+        source_ranges: None,
     };
     desired.frontends.insert(frontend, spec(backends));
     if let Some(local) = external_local {
@@ -802,6 +803,7 @@ fn a_large_table_is_written_in_batches_exactly_as_planned() {
                     service: format!("default/svc-{i}:http"),
                     backends,
                     affinity_timeout_sec: None,
+                    source_ranges: None,
                 },
             );
         }
@@ -889,4 +891,89 @@ fn an_ended_flow_does_not_capture_a_new_connection_on_the_same_ports() {
     assert_eq!(out.dst, OTHER_LOCAL_POD);
     let reply = Packet::tcp(OTHER_LOCAL_POD, 8080, CLIENT, 40000, SYN | ACK);
     assert_eq!(inspect(&f.internal(&reply.frame()).1).src, NODE);
+}
+
+/// A LoadBalancer IP whose Service has `loadBalancerSourceRanges: [203.0.113.0/24]`,
+/// next to the same Service's NodePort, both to a local backend.
+fn restricted_load_balancer(ranges: Option<&[&str]>) -> DesiredState {
+    let mut desired = node_port(Protocol::Tcp, &[backend(LOCAL_POD, 8080, true)], None);
+    let spec = FrontendSpec {
+        service: "default/web:http".into(),
+        backends: [backend(LOCAL_POD, 8080, true)].into(),
+        affinity_timeout_sec: None,
+        source_ranges: ranges.map(|r| r.iter().map(|c| c.parse().unwrap()).collect()),
+    };
+    let lb = Frontend::internal(Ipv4Addr::from(LB_IP), 80, Protocol::Tcp);
+    desired.frontends.insert(lb, spec);
+    desired
+}
+
+const LB_IP: [u8; 4] = [198, 51, 100, 7];
+const OUTSIDER: [u8; 4] = [198, 18, 0, 9];
+
+impl Fixture {
+    /// [`Fixture::program`], then the source-range trie as the agent syncs it.
+    fn program_with_ranges(&mut self, desired: &DesiredState) {
+        self.program(desired);
+        let wanted = source_ranges::wanted(desired, &self.maps.snapshot().unwrap());
+        self.maps.sync_source_ranges(&wanted, true).unwrap();
+    }
+
+    fn source_range_drops(&self) -> u64 {
+        self.maps
+            .service_stats()
+            .unwrap()
+            .iter()
+            .map(|(_, c)| c.source_range_drops)
+            .sum()
+    }
+}
+
+#[test]
+fn load_balancer_source_ranges_drop_new_flows_from_outside_only() {
+    let mut f = Fixture::new();
+    f.program_with_ranges(&restricted_load_balancer(Some(&["203.0.113.0/24"])));
+    let to_local_pod = |sport| Seen {
+        src: CLIENT,
+        sport,
+        dst: LOCAL_POD,
+        dport: 8080,
+    };
+
+    // CLIENT (203.0.113.5) is inside the range.
+    let (verdict, out) = f.external(&Packet::tcp(CLIENT, 40000, LB_IP, 80, SYN).frame());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(inspect(&out), to_local_pod(40000));
+
+    // OUTSIDER is not: dropped and counted, globally and for the frontend.
+    let (verdict, _) = f.external(&Packet::tcp(OUTSIDER, 40001, LB_IP, 80, SYN).frame());
+    assert_eq!(verdict, TC_ACT_SHOT);
+    assert_eq!(f.stat(stat::TC_SOURCE_RANGE_DROP), 1);
+    assert_eq!(f.source_range_drops(), 1);
+    // Pods are held to the ranges too, as kube-proxy's firewall chain holds them.
+    let (verdict, _) = f.internal(&Packet::tcp(OTHER_LOCAL_POD, 40002, LB_IP, 80, SYN).frame());
+    assert_eq!(verdict, TC_ACT_SHOT);
+    assert_eq!(f.stat(stat::TC_SOURCE_RANGE_DROP), 2);
+
+    // The same Service's NodePort is open to everyone.
+    let (verdict, out) = f.external(&Packet::tcp(OUTSIDER, 40003, NODE, NODE_PORT, SYN).frame());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(inspect(&out).dst, LOCAL_POD);
+
+    // Ranges that admit nobody (only invalid values were given): CLIENT is dropped.
+    f.program_with_ranges(&restricted_load_balancer(Some(&[])));
+    assert!(f.maps.source_ranges().unwrap().is_empty());
+    let (verdict, _) = f.external(&Packet::tcp(CLIENT, 40004, LB_IP, 80, SYN).frame());
+    assert_eq!(verdict, TC_ACT_SHOT);
+    // The flow admitted before keeps going (conntrack), as with kube-proxy.
+    let (verdict, out) = f.external(&Packet::tcp(CLIENT, 40000, LB_IP, 80, ACK).frame());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(inspect(&out), to_local_pod(40000));
+
+    // The restriction lifted: OUTSIDER gets through, nothing is left in the trie.
+    f.program_with_ranges(&restricted_load_balancer(None));
+    let (verdict, out) = f.external(&Packet::tcp(OUTSIDER, 40005, LB_IP, 80, SYN).frame());
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(inspect(&out).dst, LOCAL_POD);
+    assert_eq!(f.stat(stat::TC_SOURCE_RANGE_DROP), 3);
 }

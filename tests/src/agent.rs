@@ -166,6 +166,15 @@ impl LbCli {
             .with_context(|| format!("`lb stats --json` printed unexpected output:\n{out}"))
     }
 
+    /// `lb stats --per-service --pin-dir DIR --json`: one row per frontend
+    /// (`frontend`, `connections`, `no_backend`, `source_range_drops`).
+    pub fn per_service_stats(&self) -> Result<Vec<serde_json::Value>> {
+        let out = self.lb_command(&["stats", "--per-service", "--json"])?;
+        serde_json::from_str(&out).with_context(|| {
+            format!("`lb stats --per-service --json` printed unexpected output:\n{out}")
+        })
+    }
+
     /// `lb conntrack --pin-dir DIR --json`: the flows of the per-packet path.
     pub fn conntrack(&self) -> Result<Vec<CtFlow>> {
         let out = self.lb_command(&["conntrack", "--json"])?;

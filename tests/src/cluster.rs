@@ -4,6 +4,7 @@
 //!
 //! ```text
 //!   ext client 192.168.50.100 ─┐        switch ns: br0 (L2 only)
+//!  (ext client 2 192.168.50.101 ─┤  only with ClusterBuilder::second_client)
 //!                              ├── sw-node1 ── eth0 192.168.50.1  node1 ns
 //!                              │                 br0 10.244.1.1/24 ── vpod-a ── pod-a 10.244.1.11
 //!                              │                                   └─ vclient ── client 10.244.1.20
@@ -52,6 +53,8 @@ pub const BULK_PORT: u16 = 9001;
 
 /// The external client, on the node network but outside the cluster.
 pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 100);
+/// The second external client ([`ClusterBuilder::second_client`]).
+pub const CLIENT2_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 101);
 
 /// Address of node `i` (0-based) on the node network: node1 is 192.168.50.1.
 pub fn node_ip(i: usize) -> Ipv4Addr {
@@ -99,9 +102,17 @@ pub struct ClusterBuilder {
     pods: Vec<PodSpec>,
     client_routes: Vec<Ipv4Addr>,
     accept_local: bool,
+    second_client: bool,
 }
 
 impl ClusterBuilder {
+    /// A second external client at [`CLIENT2_IP`], with the same routes as the
+    /// first (e.g. to tell two sources apart).
+    pub fn second_client(mut self) -> Self {
+        self.second_client = true;
+        self
+    }
+
     /// A backend pod `name` on node `node` (0-based), running lb-echo.
     pub fn backend(mut self, name: &str, node: usize) -> Self {
         self.pods.push(PodSpec {
@@ -198,6 +209,7 @@ pub struct Cluster {
     /// First: each node stops its agent, then its pods, namespace and cgroup go.
     nodes: Vec<Node>,
     client: NetNs,
+    client2: Option<NetNs>,
     switch: NetNs,
     pub manifests: ManifestDir,
     tools: Tools,
@@ -213,6 +225,7 @@ impl Cluster {
             pods: Vec::new(),
             client_routes: Vec::new(),
             accept_local: std::env::var("LB_TEST_ACCEPT_LOCAL").is_ok_and(|v| v == "1"),
+            second_client: false,
         }
     }
 
@@ -223,11 +236,16 @@ impl Cluster {
         switch.ip(&["link", "add", "br0", "type", "bridge"])?;
         switch.ip(&["link", "set", "br0", "up"])?;
         let client = NetNs::create(&format!("{base}-ext"))?;
+        let client2 = match spec.second_client {
+            true => Some(NetNs::create(&format!("{base}-ext2"))?),
+            false => None,
+        };
         let manifests = ManifestDir::create()?;
         // Filled as we go: whatever exists when a step fails is dropped (cleaned up).
         let mut cluster = Cluster {
             nodes: Vec::new(),
             client,
+            client2,
             switch,
             manifests,
             tools,
@@ -235,14 +253,22 @@ impl Cluster {
             accept_local: spec.accept_local,
         };
         cluster.uplink(&cluster.client, "sw-ext", CLIENT_IP)?;
-        for ip in &spec.client_routes {
-            cluster.client.ip(&[
-                "route",
-                "add",
-                &format!("{ip}/32"),
-                "via",
-                &node_ip(0).to_string(),
-            ])?;
+        if let Some(client2) = &cluster.client2 {
+            cluster.uplink(client2, "sw-ext2", CLIENT2_IP)?;
+        }
+        for client in [Some(&cluster.client), cluster.client2.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            for ip in &spec.client_routes {
+                client.ip(&[
+                    "route",
+                    "add",
+                    &format!("{ip}/32"),
+                    "via",
+                    &node_ip(0).to_string(),
+                ])?;
+            }
         }
         for i in 0..spec.nodes {
             let node = cluster.add_node(i, &spec)?;
@@ -450,6 +476,13 @@ impl Cluster {
     /// The external client's namespace.
     pub fn client(&self) -> &NetNs {
         &self.client
+    }
+
+    /// The second external client's namespace ([`ClusterBuilder::second_client`]).
+    pub fn client2(&self) -> &NetNs {
+        self.client2
+            .as_ref()
+            .expect("built with ClusterBuilder::second_client")
     }
 
     /// Unique prefix of this cluster's namespace names.

@@ -71,6 +71,12 @@ pub struct Service {
     pub load_balancer_ips: Vec<String>,
     /// `spec.healthCheckNodePort` (LoadBalancer with externalTrafficPolicy: Local).
     pub health_check_node_port: Option<u16>,
+    /// `spec.trafficDistribution`, e.g. `PreferSameZone`.
+    pub traffic_distribution: Option<&'static str>,
+    /// `spec.loadBalancerSourceRanges`.
+    pub load_balancer_source_ranges: Vec<String>,
+    /// `ipMode` of every `status.loadBalancer.ingress[]` (default `VIP`).
+    pub ip_mode: &'static str,
 }
 
 impl Service {
@@ -86,7 +92,29 @@ impl Service {
             external_ips: Vec::new(),
             load_balancer_ips: Vec::new(),
             health_check_node_port: None,
+            traffic_distribution: None,
+            load_balancer_source_ranges: Vec::new(),
+            ip_mode: "VIP",
         }
+    }
+
+    /// `spec.trafficDistribution` (the EndpointSlice controller's cue to write
+    /// zone hints; see [`Endpoint::in_zone`]).
+    pub fn with_traffic_distribution(mut self, value: &'static str) -> Self {
+        self.traffic_distribution = Some(value);
+        self
+    }
+
+    /// `spec.loadBalancerSourceRanges`.
+    pub fn with_source_ranges(mut self, cidrs: &[&str]) -> Self {
+        self.load_balancer_source_ranges = cidrs.iter().map(|c| c.to_string()).collect();
+        self
+    }
+
+    /// `ipMode` of the load-balancer ingress addresses (`VIP` or `Proxy`).
+    pub fn with_ip_mode(mut self, mode: &'static str) -> Self {
+        self.ip_mode = mode;
+        self
     }
 
     /// `type: NodePort` (give the ports a node port with
@@ -154,6 +182,12 @@ impl Service {
         if let Some(port) = self.health_check_node_port {
             let _ = writeln!(y, "  healthCheckNodePort: {port}");
         }
+        if !self.load_balancer_source_ranges.is_empty() {
+            y += "  loadBalancerSourceRanges:\n";
+            for cidr in &self.load_balancer_source_ranges {
+                let _ = writeln!(y, "  - {cidr}");
+            }
+        }
         y += "  ipFamilyPolicy: SingleStack\n  ports:\n";
         for p in &self.ports {
             let _ = writeln!(y, "  - name: {}", p.name);
@@ -172,13 +206,16 @@ impl Service {
             }
             None => y += "  sessionAffinity: None\n",
         }
+        if let Some(value) = self.traffic_distribution {
+            let _ = writeln!(y, "  trafficDistribution: {value}");
+        }
         let _ = writeln!(y, "  type: {}", self.service_type);
         if self.load_balancer_ips.is_empty() {
             y += "status:\n  loadBalancer: {}\n";
         } else {
             y += "status:\n  loadBalancer:\n    ingress:\n";
             for ip in &self.load_balancer_ips {
-                let _ = writeln!(y, "    - ip: {ip}\n      ipMode: VIP");
+                let _ = writeln!(y, "    - ip: {ip}\n      ipMode: {}", self.ip_mode);
             }
         }
         y
@@ -220,6 +257,9 @@ pub struct Endpoint {
     pub pod: String,
     pub node: String,
     pub conditions: Conditions,
+    /// `zone`, also written as the endpoint's only `hints.forZones` entry, as the
+    /// EndpointSlice controller writes it for a Service preferring its zone.
+    pub zone: Option<String>,
 }
 
 impl Endpoint {
@@ -229,11 +269,18 @@ impl Endpoint {
             pod: pod.into(),
             node: NODE_NAME.into(),
             conditions: Conditions::READY,
+            zone: None,
         }
     }
 
     pub fn with_conditions(mut self, conditions: Conditions) -> Self {
         self.conditions = conditions;
+        self
+    }
+
+    /// In `zone`, hinted for it (see [`Endpoint::zone`]).
+    pub fn in_zone(mut self, zone: &str) -> Self {
+        self.zone = Some(zone.into());
         self
     }
 
@@ -304,6 +351,9 @@ impl EndpointSlice {
                 "  conditions:\n    ready: {}\n    serving: {}\n    terminating: {}",
                 c.ready, c.serving, c.terminating
             );
+            if let Some(zone) = &e.zone {
+                let _ = writeln!(y, "  hints:\n    forZones:\n    - name: {zone}");
+            }
             let _ = writeln!(y, "  nodeName: {}", e.node);
             let _ = writeln!(
                 y,
@@ -311,6 +361,9 @@ impl EndpointSlice {
                 e.pod,
                 fake_uid(&e.pod)
             );
+            if let Some(zone) = &e.zone {
+                let _ = writeln!(y, "  zone: {zone}");
+            }
         }
         y += "kind: EndpointSlice\n";
         y += &metadata(
@@ -337,6 +390,16 @@ impl EndpointSlice {
         }
         y
     }
+}
+
+/// A Node object `name` with the `topology.kubernetes.io/zone` label `zone`, as
+/// `kubectl get node -o yaml` prints it (trimmed).
+pub fn node_yaml(name: &str, zone: &str) -> String {
+    let mut y = String::from("apiVersion: v1\nkind: Node\n");
+    y += &metadata(name, &[("topology.kubernetes.io/zone", zone)])
+        .replace(&format!("  namespace: {NAMESPACE}\n"), "");
+    y += "spec: {}\n";
+    y
 }
 
 /// `metadata:` as the API server returns it.

@@ -19,7 +19,7 @@ use lb_tests::cluster::{
     node_ip, node_name, Cluster, ClusterBuilder, BULK_PORT, CLIENT_IP, DROP_CONNECT_TIMEOUT,
     WHOAMI_PORT,
 };
-use lb_tests::manifests::{documents, Endpoint, EndpointSlice, Service, ServicePort};
+use lb_tests::manifests::{documents, Conditions, Endpoint, EndpointSlice, Service, ServicePort};
 use lb_tests::{cargo_tools, lb_binary};
 
 /// Normal connect timeout of probes that expect an answer.
@@ -690,5 +690,34 @@ fn health_check_node_port_reports_local_endpoints() -> Result<()> {
     ensure!(code == 503, "node2 has no endpoint: {code} {body}");
     let json: serde_json::Value = serde_json::from_str(&body)?;
     ensure!(json["localEndpoints"] == 0, "{json}");
+
+    // pod-a is terminating (still serving): node1 says 503 so the load balancer
+    // stops sending, as kube-proxy counts ready endpoints only, while traffic that
+    // still arrives drains to pod-a.
+    let draining = endpoint(&cluster, "pod-a")?.with_conditions(Conditions::TERMINATING_SERVING);
+    cluster.manifests.write(
+        "hc.yaml",
+        &documents([
+            svc.to_yaml(),
+            EndpointSlice::for_service(&svc, vec![draining]).to_yaml(),
+        ]),
+    )?;
+    let healthy = SocketAddrV4::new(node1_ip(), 32091);
+    let (code, body) = lb_tests::util::poll(
+        "node1's health check to answer 503 for a terminating-only node",
+        Duration::from_secs(10),
+        || {
+            let (code, body) = http_get(&client, healthy)?;
+            Ok((code == 503).then_some((code, body)))
+        },
+    )?;
+    let json: serde_json::Value = serde_json::from_str(&body)?;
+    ensure!(json["localEndpoints"] == 0, "{code} {json}");
+    answers_from(
+        &cluster,
+        SocketAddrV4::new(node1_ip(), 30091),
+        "pod-a",
+        CLIENT_IP,
+    )?;
     Ok(())
 }

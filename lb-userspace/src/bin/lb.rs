@@ -68,7 +68,8 @@ enum Command {
 #[derive(clap::Args)]
 struct AgentArgs {
     /// Read Services and EndpointSlices from Kubernetes YAML/JSON (Service,
-    /// EndpointSlice, List) in a file or a directory instead of the API server.
+    /// EndpointSlice, List; this node's Node for its zone) in a file or a directory
+    /// instead of the API server.
     #[arg(long, conflicts_with = "kubeconfig")]
     services_file: Option<PathBuf>,
     /// Follow the API server with this kubeconfig (default without --services-file:
@@ -81,6 +82,11 @@ struct AgentArgs {
     /// This node's name, as in EndpointSlice `nodeName` (default: $NODE_NAME, else the hostname).
     #[arg(long, env = "NODE_NAME")]
     node_name: Option<String>,
+    /// This node's zone for topology-aware routing (EndpointSlice
+    /// `hints.forZones`), used when this node's Node object (from the API server,
+    /// or in the --services-file manifests) has no topology.kubernetes.io/zone label.
+    #[arg(long)]
+    zone: Option<String>,
     /// This node's IPv4 address: NodePorts are served on it, and it is the source of
     /// traffic SNATed to backends on other nodes. Repeat for several addresses; the
     /// first is the SNAT source. Default: NodePorts on every address of the node
@@ -326,6 +332,7 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
         node_ips: args.node_ips,
         nodeport_addresses: args.nodeport_addresses,
         node_port_range: args.nodeport_range,
+        zone: args.zone,
         ct_timeouts: conntrack::Timeouts {
             tcp_syn: Duration::from_secs(args.ct_tcp_syn_timeout),
             tcp_established: Duration::from_secs(args.ct_tcp_timeout),

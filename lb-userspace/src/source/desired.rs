@@ -6,13 +6,17 @@ use std::borrow::Borrow;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr};
 
+use ipnet::{IpNet, Ipv4Net};
 use k8s_openapi::api::core::v1::{Service, ServicePort};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use super::{ObjectError, Problem};
+
+mod topology;
 use crate::model::{
     BackendAddr, DesiredState, Frontend, FrontendSpec, HealthCheck, Protocol, Scope,
 };
+pub use topology::LABEL_ZONE;
 
 /// Settings that change how objects are read, not what they say.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -25,6 +29,9 @@ pub struct SourceOptions {
     /// The cluster's `--service-node-port-range`; NodePorts outside it are refused
     /// so a Service cannot take over a port the node itself uses.
     pub node_port_range: NodePortRange,
+    /// This node's zone (its Node's `topology.kubernetes.io/zone` label, else
+    /// `--zone`), for endpoints hinted `forZones`; empty when unknown.
+    pub zone: String,
 }
 
 /// An inclusive port range, `30000-32767` unless the cluster says otherwise.
@@ -110,8 +117,14 @@ struct ServicePlan<'a> {
     id: ObjectId<'a>,
     ports: Vec<PortPlan<'a>>,
     cluster_ips: Vec<Ipv4Addr>,
-    /// `spec.externalIPs` and `status.loadBalancer.ingress[].ip` (IPv4 ones).
+    /// `spec.externalIPs` (IPv4 ones).
     external_ips: Vec<Ipv4Addr>,
+    /// `status.loadBalancer.ingress[].ip` (IPv4 ones, not also an external IP, and
+    /// not `ipMode: Proxy`: that load balancer delivers to the node ports itself).
+    load_balancer_ips: Vec<Ipv4Addr>,
+    /// `spec.loadBalancerSourceRanges` (IPv4 ones) when the Service has any: only
+    /// they may reach the load-balancer IPs.
+    source_ranges: Option<BTreeSet<Ipv4Net>>,
     affinity_timeout_sec: Option<u32>,
     /// `internalTrafficPolicy: Local`.
     internal_local: bool,
@@ -122,13 +135,16 @@ struct ServicePlan<'a> {
 }
 
 impl ServicePlan<'_> {
-    /// This node's usable endpoints of the Service (distinct addresses over all its
-    /// ports), what a health check reports.
+    /// This node's ready endpoints of the Service (distinct addresses over all its
+    /// ports), what a health check reports. Terminating endpoints still get traffic
+    /// when nothing else is left, but are not counted, as kube-proxy counts them:
+    /// a node that is only draining must tell its load balancer to stop sending.
     fn local_endpoints(&self, slices: &[SliceInfo]) -> usize {
         self.ports
             .iter()
-            .flat_map(|port| select_backends(port, true, slices))
-            .map(|backend| backend.ip)
+            .flat_map(|port| port_endpoints(port, slices))
+            .filter(|(_, e)| e.local && e.ready)
+            .map(|(backend, _)| backend.ip)
             .collect::<BTreeSet<_>>()
             .len()
     }
@@ -141,12 +157,13 @@ impl ServicePlan<'_> {
         &self,
         port: &PortPlan,
         slices: &[SliceInfo],
-        node_ips: &[Ipv4Addr],
-    ) -> Vec<(Frontend, BTreeSet<BackendAddr>)> {
+        opts: &SourceOptions,
+    ) -> Vec<(Frontend, BTreeSet<BackendAddr>, Option<BTreeSet<Ipv4Net>>)> {
+        let node_ips = &opts.node_ips;
         let mut out = Vec::new();
-        let all = select_backends(port, false, slices);
+        let all = select_backends(port, false, slices, opts);
         let local = if self.internal_local || self.external_local {
-            select_backends(port, true, slices)
+            select_backends(port, true, slices, opts)
         } else {
             BTreeSet::new()
         };
@@ -155,18 +172,30 @@ impl ServicePlan<'_> {
             out.push((
                 Frontend::internal(ip, port.port, port.protocol),
                 clustered.clone(),
+                None,
             ));
         }
-        let external = self.external_ips.iter().map(|&ip| (ip, port.port)).chain(
-            port.node_port
-                .into_iter()
-                .flat_map(|np| node_ips.iter().map(move |&ip| (ip, np))),
-        );
-        for (ip, p) in external {
+        // Source ranges guard the load-balancer IPs only, as kube-proxy's firewall
+        // chains do: externalIPs and NodePorts of the same Service stay open.
+        let external = self
+            .external_ips
+            .iter()
+            .map(|&ip| (ip, port.port, None))
+            .chain(
+                self.load_balancer_ips
+                    .iter()
+                    .map(|&ip| (ip, port.port, self.source_ranges.as_ref())),
+            )
+            .chain(
+                port.node_port
+                    .into_iter()
+                    .flat_map(|np| node_ips.iter().map(move |&ip| (ip, np, None))),
+            );
+        for (ip, p, ranges) in external {
             let frontend = Frontend::internal(ip, p, port.protocol);
-            out.push((frontend, all.clone()));
+            out.push((frontend, all.clone(), ranges.cloned()));
             if self.external_local {
-                out.push((frontend.with_scope(Scope::External), local.clone()));
+                out.push((frontend.with_scope(Scope::External), local.clone(), None));
             }
         }
         out
@@ -180,6 +209,7 @@ struct EndpointInfo {
     serving: bool,
     terminating: bool,
     local: bool,
+    hints: topology::Hints,
 }
 
 /// An IPv4 EndpointSlice that passed validation.
@@ -272,7 +302,7 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             } else {
                 format!("{ns}/{name}:{}", port.name)
             };
-            for (frontend, backends) in plan.frontends(port, slices, &opts.node_ips) {
+            for (frontend, backends, source_ranges) in plan.frontends(port, slices, opts) {
                 if let Some((owner_ns, owner_name)) = owners.get(&frontend) {
                     let owner = format!("{owner_ns}/{owner_name}");
                     errors.push(ObjectError::new(
@@ -290,6 +320,7 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                         service: service.clone(),
                         backends,
                         affinity_timeout_sec: plan.affinity_timeout_sec,
+                        source_ranges,
                     },
                 );
             }
@@ -377,36 +408,41 @@ fn plan_service<'a>(
         }
     }
 
-    let load_balancer_ips = svc
+    let mut ipv4 = |field, value: &str| match value.parse::<IpAddr>() {
+        Ok(IpAddr::V4(ip)) => Some(ip),
+        // Another family's address: not ours to proxy, like the IPv6 cluster IPs.
+        Ok(IpAddr::V6(_)) => None,
+        Err(_) => {
+            errors.push(error(Problem::InvalidExternalAddress {
+                field,
+                value: value.to_owned(),
+            }));
+            None
+        }
+    };
+    let external_ips: BTreeSet<Ipv4Addr> = spec
+        .external_ips
+        .iter()
+        .flatten()
+        .filter_map(|ip| ipv4("spec.externalIPs", ip))
+        .collect();
+    let load_balancer_ips: BTreeSet<Ipv4Addr> = svc
         .status
         .as_ref()
         .and_then(|s| s.load_balancer.as_ref())
         .and_then(|lb| lb.ingress.as_ref())
         .into_iter()
         .flatten()
+        // KEP-1860: a load balancer in Proxy mode terminates the traffic itself and
+        // sends it on to the node ports; the node must not claim its address.
+        .filter(|ingress| ingress.ip_mode.as_deref() != Some("Proxy"))
         .filter_map(|ingress| ingress.ip.as_deref())
-        .map(|ip| ("status.loadBalancer.ingress.ip", ip));
-    let external_ips = spec
-        .external_ips
-        .iter()
-        .flatten()
-        .map(|ip| ("spec.externalIPs", ip.as_str()))
-        .chain(load_balancer_ips)
-        .filter_map(|(field, value)| match value.parse::<IpAddr>() {
-            Ok(IpAddr::V4(ip)) => Some(ip),
-            // Another family's address: not ours to proxy, like the IPv6 cluster IPs.
-            Ok(IpAddr::V6(_)) => None,
-            Err(_) => {
-                errors.push(error(Problem::InvalidExternalAddress {
-                    field,
-                    value: value.to_owned(),
-                }));
-                None
-            }
-        })
-        .collect::<BTreeSet<_>>()
-        .into_iter()
+        .filter_map(|ip| ipv4("status.loadBalancer.ingress.ip", ip))
+        .filter(|ip| !external_ips.contains(ip))
         .collect();
+    let source_ranges = source_ranges(spec.load_balancer_source_ranges.as_deref(), &mut |p| {
+        errors.push(error(p))
+    });
 
     let external_local = spec.external_traffic_policy.as_deref() == Some("Local");
     let health_check_node_port = match spec.health_check_node_port {
@@ -424,7 +460,9 @@ fn plan_service<'a>(
         id,
         ports,
         cluster_ips: v4,
-        external_ips,
+        external_ips: external_ips.into_iter().collect(),
+        load_balancer_ips: load_balancer_ips.into_iter().collect(),
+        source_ranges,
         affinity_timeout_sec,
         internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
         external_local,
@@ -481,6 +519,34 @@ fn plan_port<'a>(
     })
 }
 
+/// `spec.loadBalancerSourceRanges` as kube-proxy reads them: trimmed, IPv6 ranges
+/// left to an IPv6 proxy, host bits ignored; `None` when no IPv4 range is given. A
+/// value that is no CIDR is reported and admits nobody: the Service asked for a
+/// restriction, and dropping the value must not open its load balancer to all.
+fn source_ranges(
+    values: Option<&[String]>,
+    report: &mut dyn FnMut(Problem),
+) -> Option<BTreeSet<Ipv4Net>> {
+    let mut restricted = false;
+    let mut ranges = BTreeSet::new();
+    for value in values.into_iter().flatten() {
+        match value.trim().parse::<IpNet>() {
+            Ok(IpNet::V4(net)) => {
+                restricted = true;
+                ranges.insert(net.trunc());
+            }
+            Ok(IpNet::V6(_)) => {}
+            Err(_) => {
+                restricted = true;
+                report(Problem::InvalidSourceRange {
+                    value: value.clone(),
+                });
+            }
+        }
+    }
+    restricted.then_some(ranges)
+}
+
 fn valid_port(port: i32) -> Option<u16> {
     u16::try_from(port).ok().filter(|&p| p != 0)
 }
@@ -530,24 +596,23 @@ fn read_slice<'a>(
             serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
             terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
             local: ep.node_name.as_deref() == Some(opts.node_name.as_str()),
+            hints: topology::Hints::read(ep.hints.as_ref()),
         });
     }
     SliceInfo { ports, endpoints }
 }
 
-/// Ready endpoints; failing those, endpoints that still serve while terminating, so a
-/// rolling update of the last pods drains instead of refusing (KEP-1669). Locality is
-/// applied first, as kube-proxy picks the fallback among local endpoints only.
-fn select_backends(
+/// The endpoints of the slices that publish `port` (by name and protocol), with the
+/// backend address each gives that port.
+fn port_endpoints<'s>(
     port: &PortPlan,
-    local_only: bool,
-    slices: &[SliceInfo],
-) -> BTreeSet<BackendAddr> {
+    slices: &'s [SliceInfo],
+) -> Vec<(BackendAddr, &'s EndpointInfo)> {
     let protocol = match port.protocol {
         Protocol::Tcp => "TCP",
         Protocol::Udp => "UDP",
     };
-    let candidates: Vec<(BackendAddr, &EndpointInfo)> = slices
+    slices
         .iter()
         .filter_map(|s| {
             let (_, _, target) = s
@@ -557,29 +622,51 @@ fn select_backends(
             Some((s, *target))
         })
         .flat_map(|(s, target)| {
-            s.endpoints
-                .iter()
-                .filter(|e| e.local || !local_only)
-                .map(move |e| {
-                    (
-                        BackendAddr {
-                            ip: e.ip,
-                            port: target,
-                            local: e.local,
-                        },
-                        e,
-                    )
-                })
+            s.endpoints.iter().map(move |e| {
+                (
+                    BackendAddr {
+                        ip: e.ip,
+                        port: target,
+                        local: e.local,
+                    },
+                    e,
+                )
+            })
         })
+        .collect()
+}
+
+/// Ready endpoints; failing those, endpoints that still serve while terminating, so a
+/// rolling update of the last pods drains instead of refusing (KEP-1669). Locality is
+/// applied first, as kube-proxy picks the fallback among local endpoints only.
+/// Traffic that may go anywhere in the cluster (`local_only` false) also follows
+/// the endpoints' topology hints (see [`topology`]).
+fn select_backends(
+    port: &PortPlan,
+    local_only: bool,
+    slices: &[SliceInfo],
+    opts: &SourceOptions,
+) -> BTreeSet<BackendAddr> {
+    let candidates: Vec<(BackendAddr, &EndpointInfo)> = port_endpoints(port, slices)
+        .into_iter()
+        .filter(|(_, e)| e.local || !local_only)
         .collect();
+    let mode = if local_only {
+        topology::Mode::Any
+    } else {
+        topology::mode(candidates.iter().map(|(_, e)| *e), opts)
+    };
     let ready: BTreeSet<BackendAddr> = candidates
         .iter()
-        .filter(|(_, e)| e.ready)
+        .filter(|(_, e)| e.ready && mode.admits(e, opts))
         .map(|(b, _)| *b)
         .collect();
     if !ready.is_empty() {
         return ready;
     }
+    // Hints are ignored here, as kube-proxy ignores them: a topology is only chosen
+    // when some ready endpoint is hinted for this node, so nothing being ready
+    // means nothing is ready anywhere.
     candidates
         .iter()
         .filter(|(_, e)| e.serving && e.terminating)
@@ -604,6 +691,7 @@ mod tests {
             node_name: node.to_owned(),
             node_ips: vec!["192.168.50.2".parse().unwrap()],
             node_port_range: NodePortRange::default(),
+            zone: String::new(),
         };
         build_desired(&objects.services, &objects.slices, &opts)
     }
@@ -726,9 +814,105 @@ mod tests {
         );
         let (d, _) = build_node(&with_port("Local"), "node-c");
         assert_eq!(d.health_checks[&32001].local_endpoints, 0);
+        // Only terminating endpoints here: the check says 0 (503), so the load
+        // balancer stops sending, while traffic that still arrives drains to them.
+        let draining = with_port("Local").replace(
+            "      ready: true\n      serving: true\n      terminating: false\n    nodeName: node-a",
+            "      ready: false\n      serving: true\n      terminating: true\n    nodeName: node-a",
+        );
+        assert_ne!(draining, with_port("Local"));
+        let (d, errors) = build(&draining);
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(d.health_checks[&32001].local_endpoints, 0);
+        let external = fe("192.168.50.2", 30080, Protocol::Tcp).with_scope(Scope::External);
+        assert_eq!(backends(&d, external), [local_be("10.244.1.5", 8080)]);
         // Only externalTrafficPolicy: Local Services are health-checked per node.
         let (d, _) = build(&with_port("Cluster"));
         assert!(d.health_checks.is_empty());
+    }
+
+    fn ranges(d: &DesiredState, f: Frontend) -> Option<Vec<String>> {
+        let spec = &d.frontends[&f];
+        spec.source_ranges
+            .as_ref()
+            .map(|r| r.iter().map(ToString::to_string).collect())
+    }
+
+    #[test]
+    fn source_ranges_guard_only_the_load_balancer_ips() {
+        let yaml = web_load_balancer("Local").replace(
+            "    externalIPs:",
+            "    loadBalancerSourceRanges: [\" 192.0.2.0/24\", 198.51.100.9/16, \"2001:db8::/32\"]\n    externalIPs:",
+        );
+        let (d, errors) = build(&yaml);
+        assert!(errors.is_empty(), "{errors:?}");
+        let lb = fe("198.51.100.7", 80, Protocol::Tcp);
+        // Trimmed, host bits dropped, the IPv6 range left to an IPv6 proxy.
+        assert_eq!(ranges(&d, lb).unwrap(), ["192.0.2.0/24", "198.51.0.0/16"]);
+        assert_eq!(
+            ranges(&d, fe("198.51.100.7", 9090, Protocol::Tcp))
+                .unwrap()
+                .len(),
+            2
+        );
+        // The ranges hang off the internal entry, which the kernel checks first.
+        assert_eq!(ranges(&d, lb.with_scope(Scope::External)), None);
+        for open in [
+            fe("10.96.0.10", 80, Protocol::Tcp),
+            fe("192.168.50.2", 30080, Protocol::Tcp),
+            fe("192.0.2.10", 80, Protocol::Tcp),
+        ] {
+            assert_eq!(ranges(&d, open), None, "{open}");
+        }
+        // Without the field nothing is restricted.
+        let (d, _) = build(&web_load_balancer("Cluster"));
+        assert_eq!(ranges(&d, lb), None);
+    }
+
+    #[test]
+    fn invalid_source_ranges_are_reported_and_admit_nobody() {
+        let with = |list: &str| {
+            web_load_balancer("Cluster").replace(
+                "    externalIPs:",
+                &format!("    loadBalancerSourceRanges: {list}\n    externalIPs:"),
+            )
+        };
+        let (d, errors) = build(&with("[10.0.0.0/8, 10.1.2.3, nonsense/99]"));
+        assert_eq!(
+            messages(&errors),
+            [
+                "Service default/web: spec.loadBalancerSourceRanges \"10.1.2.3\" is not a CIDR \
+                 (e.g. 203.0.113.0/24); it admits no client to the load-balancer IPs until it is fixed",
+                "Service default/web: spec.loadBalancerSourceRanges \"nonsense/99\" is not a CIDR \
+                 (e.g. 203.0.113.0/24); it admits no client to the load-balancer IPs until it is fixed",
+            ]
+        );
+        let lb = fe("198.51.100.7", 80, Protocol::Tcp);
+        assert_eq!(ranges(&d, lb).unwrap(), ["10.0.0.0/8"]);
+        // Nothing valid left: still restricted, to nobody.
+        let (d, errors) = build(&with("[bad]"));
+        assert_eq!(errors.len(), 1);
+        assert_eq!(ranges(&d, lb), Some(vec![]));
+    }
+
+    #[test]
+    fn proxy_mode_load_balancer_ips_are_not_served_locally() {
+        let yaml = web_load_balancer("Cluster").replace(
+            "      - ip: 198.51.100.7",
+            "      - ip: 198.51.100.7\n        ipMode: Proxy\n      - ip: 198.51.100.8\n        ipMode: VIP",
+        );
+        let (d, errors) = build(&yaml);
+        assert!(errors.is_empty(), "{errors:?}");
+        assert!(!d
+            .frontends
+            .contains_key(&fe("198.51.100.7", 80, Protocol::Tcp)));
+        assert!(d
+            .frontends
+            .contains_key(&fe("198.51.100.8", 80, Protocol::Tcp)));
+        // The load balancer in Proxy mode reaches the Service through its NodePort.
+        assert!(d
+            .frontends
+            .contains_key(&fe("192.168.50.2", 30080, Protocol::Tcp)));
     }
 
     #[test]

@@ -17,7 +17,7 @@ pub mod files;
 pub mod kube;
 pub mod yaml;
 
-pub use desired::{build_desired, NodePortRange, SourceOptions};
+pub use desired::{build_desired, NodePortRange, SourceOptions, LABEL_ZONE};
 
 /// Where a loaded document came from; only set for errors found while loading.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -196,6 +196,12 @@ pub enum Problem {
     DuplicateHealthCheckNodePort { port: u16, owner: String },
     #[error("{field} {:?} is not an IP address; that address is not proxied", Capped(.value))]
     InvalidExternalAddress { field: &'static str, value: String },
+    #[error(
+        "spec.loadBalancerSourceRanges {:?} is not a CIDR (e.g. 203.0.113.0/24); it \
+         admits no client to the load-balancer IPs until it is fixed",
+        Capped(.value)
+    )]
+    InvalidSourceRange { value: String },
     #[error("frontend {frontend} is already used by Service {}, which keeps it; give one of them another cluster IP or port", Capped(.owner))]
     DuplicateFrontend { frontend: Frontend, owner: String },
 

@@ -21,7 +21,8 @@ pub struct Objects {
     /// that stay alive next to it, and a copy would double the agent's memory.
     pub services: Vec<Arc<Service>>,
     pub slices: Vec<Arc<EndpointSlice>>,
-    /// Only the API-server source fills this; files carry no Nodes.
+    /// The API-server source caches this node's Node; files may hold Nodes too
+    /// (their zone label and addresses are read).
     pub nodes: Vec<Arc<Node>>,
     pub errors: Vec<ObjectError>,
     /// Manifest files that could not be read (files only). Their objects are not
@@ -384,6 +385,7 @@ fn unnamed(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) ->
 enum Manifest {
     Service(Arc<Service>),
     Slice(Arc<EndpointSlice>),
+    Node(Arc<Node>),
     List(Vec<Manifest>),
     /// Not ours to proxy, read through only to check it is well-formed.
     Other,
@@ -394,6 +396,7 @@ impl Manifest {
         match self {
             Manifest::Service(service) => objects.services.push(service),
             Manifest::Slice(slice) => objects.slices.push(slice),
+            Manifest::Node(node) => objects.nodes.push(node),
             Manifest::List(items) => items.into_iter().for_each(|i| i.add_to(objects)),
             Manifest::Other => {}
         }
@@ -470,7 +473,8 @@ impl<'de> serde::de::Visitor<'de> for ManifestVisitor {
                 }
                 Manifest::Slice(Arc::new(slice))
             }
-            (_, "Service" | "EndpointSlice" | "") => return Err(not_clean()),
+            ("v1", "Node") => Manifest::Node(Arc::new(object.newtype_variant()?)),
+            (_, "Service" | "EndpointSlice" | "Node" | "") => return Err(not_clean()),
             (_, "List") if self.lists => {
                 let list: Items<ListItem> = object.newtype_variant()?;
                 list.into_manifests(|item| item.0)
@@ -552,6 +556,7 @@ fn take_json_document(json: &str, objects: &mut Objects) -> bool {
     }
     objects.services.extend(found.services);
     objects.slices.extend(found.slices);
+    objects.nodes.extend(found.nodes);
     true
 }
 
@@ -567,7 +572,11 @@ fn take_json_object(json: &str, head: Head, objects: &mut Objects) -> bool {
                 _ => return false,
             }
         }
-        (Some("Service" | "EndpointSlice"), _) | (None, _) => return false,
+        (Some("Node"), Some("v1")) => match serde_json::from_str::<Node>(json) {
+            Ok(node) => objects.nodes.push(Arc::new(node)),
+            Err(_) => return false,
+        },
+        (Some("Service" | "EndpointSlice" | "Node"), _) | (None, _) => return false,
         (Some(_), _) => {} // not ours to proxy
     }
     true
@@ -858,6 +867,7 @@ fn take_object(value: Value, location: &Location, objects: &mut Objects) {
     let (kind, expected): (&'static str, _) = match kind {
         "Service" => ("Service", "v1"),
         "EndpointSlice" => ("EndpointSlice", "discovery.k8s.io/v1"),
+        "Node" => ("Node", "v1"),
         _ => return, // not ours to proxy
     };
     if api_version != expected {
@@ -879,6 +889,11 @@ fn take_object(value: Value, location: &Location, objects: &mut Objects) {
                 objects.errors.push(error(kind, Problem::MissingName))
             }
             Ok(svc) => objects.services.push(Arc::new(svc)),
+            Err(e) => objects.errors.push(error(kind, schema(e, kind))),
+        }
+    } else if kind == "Node" {
+        match serde_json::from_value::<Node>(value) {
+            Ok(node) => objects.nodes.push(Arc::new(node)),
             Err(e) => objects.errors.push(error(kind, schema(e, kind))),
         }
     } else {
@@ -1345,6 +1360,26 @@ items:
         assert_eq!(o.errors[1].location.as_ref().unwrap().document, 3);
     }
 
+    #[test]
+    fn nodes_load_on_every_path_for_their_zone() {
+        let node = "apiVersion: v1\nkind: Node\nmetadata:\n  name: node-a\n  labels:\n    topology.kubernetes.io/zone: zone-a\n";
+        let zone = |o: &Objects| {
+            assert!(o.errors.is_empty(), "{:?}", o.errors);
+            assert_eq!(o.nodes.len(), 1);
+            o.nodes[0].metadata.labels.as_ref().unwrap()["topology.kubernetes.io/zone"].clone()
+        };
+        assert_eq!(zone(&typed_and_general_agree(node)), "zone-a");
+        assert_eq!(zone(&general_path_only(node)), "zone-a");
+        let flow = "{apiVersion: v1, kind: Node, metadata: {name: node-a, labels: {topology.kubernetes.io/zone: zone-b}}}";
+        assert_eq!(zone(&parse(flow)), "zone-b");
+        let json = r#"{"apiVersion":"v1","kind":"List","items":[{"apiVersion":"v1","kind":"Node","metadata":{"name":"node-a","labels":{"topology.kubernetes.io/zone":"zone-c"}}}]}"#;
+        assert_eq!(zone(&parse_str(Path::new("n.json"), json)), "zone-c");
+        // Another version of Node is not read as one.
+        let o = parse("apiVersion: v2\nkind: Node\nmetadata: {name: n}\n");
+        assert!(o.nodes.is_empty());
+        assert_eq!(o.errors.len(), 1, "{:?}", o.errors);
+    }
+
     /// Loads documents the way the agent did before the block-YAML reader: each one
     /// through serde_yaml and a generic value.
     fn general_path_only(text: &str) -> Objects {
@@ -1397,6 +1432,7 @@ items:
         assert!(fast.errors.is_empty(), "{:?}", fast.errors);
         assert_eq!(fast.services, general.services);
         assert_eq!(fast.slices, general.slices);
+        assert_eq!(fast.nodes, general.nodes);
         fast
     }
 
