@@ -1,6 +1,7 @@
-//! The agent loop: attach once, then follow the manifest files and keep the maps equal
-//! to what they describe. Reads happen at the edges; deciding what to write is the
-//! pure reconciler's job.
+//! The agent loop: load the programs, then follow the objects (manifest files or the
+//! API server) and the node's devices and addresses, and keep the maps and the
+//! per-packet attachments equal to what they describe. Reads happen at the edges;
+//! deciding what to write is the pure reconciler's job.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -1,5 +1,5 @@
 //! The desired service table: what the datapath should do, independent of where the
-//! objects came from (YAML files today, the API server later) and of map layout.
+//! objects came from (manifest files or the API server) and of the map layout.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;

@@ -1,5 +1,5 @@
-//! What the kernel maps hold, read back into frontends for `lb table` and for checking
-//! the reconciler. Tolerates any map contents: a table dumped in the middle of an
+//! What the kernel maps hold, read back into frontends for `lb services`, the metric
+//! labels and for checking the reconciler. Tolerates any map contents: a table dumped in the middle of an
 //! update, or left by a crashed agent, is shown with its problems rather than refused.
 
 use std::collections::BTreeMap;

@@ -1,8 +1,8 @@
 //! Where Services and EndpointSlices come from, and kube-proxy's rules for turning
 //! them into a [`crate::model::DesiredState`].
 //!
-//! Loading ([`yaml`]) and interpreting ([`build_desired`]) are separate so that a
-//! future API-server watch can feed the same rules. Both report problems with single
+//! Loading (manifest files: [`files`], [`yaml`]; the API server: [`kube`]) and
+//! interpreting ([`build_desired`]) are separate, so both sources feed the same rules. Both report problems with single
 //! objects as [`ObjectError`]s and carry on: one bad Service must not stop the others
 //! from being proxied.
 
