@@ -161,13 +161,10 @@ pub fn expired(entries: &[(CtKey, CtValue)], now_ns: u64, timeouts: &Timeouts) -
 
 /// CLOCK_MONOTONIC in nanoseconds, the clock `bpf_ktime_get_ns` reads.
 pub fn monotonic_now_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid pointer to a timespec; CLOCK_MONOTONIC always exists.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    use nix::time::{clock_gettime, ClockId};
+    // CLOCK_MONOTONIC always exists; a failure would be a kernel without clocks.
+    let ts = clock_gettime(ClockId::CLOCK_MONOTONIC).expect("CLOCK_MONOTONIC");
+    ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
 }
 
 /// An aligned table for people.

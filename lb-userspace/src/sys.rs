@@ -1,6 +1,5 @@
 //! Host facts the agent depends on: where bpffs and cgroup v2 are mounted.
 
-use std::ffi::CString;
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -9,8 +8,8 @@ pub const BPFFS_ROOT: &str = "/sys/fs/bpf";
 
 #[derive(Debug, thiserror::Error)]
 pub enum SysError {
-    #[error("cannot read /proc/mounts: {0}")]
-    Mounts(#[source] std::io::Error),
+    #[error("cannot read /proc/self/mountinfo: {0}")]
+    Mounts(#[source] procfs::ProcError),
     #[error(
         "bpffs not mounted at {path} and mounting it failed ({source}): \
          run `mount -t bpf bpf {path}` as root"
@@ -26,7 +25,7 @@ pub enum SysError {
     )]
     NotOnBpffs { pin_dir: PathBuf },
     #[error(
-        "no cgroup v2 mount found in /proc/mounts: mount one \
+        "no cgroup v2 mount found in /proc/self/mountinfo: mount one \
          (`mount -t cgroup2 none /sys/fs/cgroup`) or pass --cgroup"
     )]
     NoCgroup2,
@@ -80,36 +79,16 @@ struct Mount {
 }
 
 fn mounts() -> Result<Vec<Mount>, SysError> {
-    let text = fs::read_to_string("/proc/mounts").map_err(SysError::Mounts)?;
-    Ok(text
-        .lines()
-        .filter_map(|line| {
-            let mut fields = line.split_whitespace();
-            let _source = fields.next()?;
-            let target = unescape_mount_path(fields.next()?);
-            let fstype = fields.next()?.to_string();
-            Some(Mount { fstype, target })
+    let infos = procfs::process::Process::myself()
+        .and_then(|me| me.mountinfo())
+        .map_err(SysError::Mounts)?;
+    Ok(infos
+        .into_iter()
+        .map(|m| Mount {
+            fstype: m.fs_type,
+            target: m.mount_point,
         })
         .collect())
-}
-
-/// /proc/mounts escapes spaces and friends as octal (`\040`).
-fn unescape_mount_path(raw: &str) -> PathBuf {
-    let bytes = raw.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'\\' && i + 4 <= bytes.len() {
-            if let Ok(v) = u8::from_str_radix(&raw[i + 1..i + 4], 8) {
-                out.push(v);
-                i += 4;
-                continue;
-            }
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    PathBuf::from(String::from_utf8_lossy(&out).into_owned())
 }
 
 /// The cgroup v2 root: `/sys/fs/cgroup` on a pure v2 host, `/sys/fs/cgroup/unified`
@@ -139,25 +118,17 @@ pub fn ensure_bpffs(pin_dir: &Path) -> Result<(), SysError> {
             pin_dir: pin_dir.to_path_buf(),
         });
     }
-    let target = CString::new(BPFFS_ROOT).expect("no NUL");
-    let fstype = CString::new("bpf").expect("no NUL");
-    // SAFETY: valid NUL-terminated strings; no data argument.
-    let rc = unsafe {
-        libc::mount(
-            fstype.as_ptr(),
-            target.as_ptr(),
-            fstype.as_ptr(),
-            0,
-            std::ptr::null(),
-        )
-    };
-    if rc != 0 {
-        return Err(SysError::BpffsMount {
-            path: BPFFS_ROOT.to_string(),
-            source: std::io::Error::last_os_error(),
-        });
-    }
-    Ok(())
+    nix::mount::mount(
+        Some("bpf"),
+        BPFFS_ROOT,
+        Some("bpf"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .map_err(|errno| SysError::BpffsMount {
+        path: BPFFS_ROOT.to_string(),
+        source: errno.into(),
+    })
 }
 
 #[cfg(test)]
@@ -182,18 +153,5 @@ mod tests {
                 .starts_with("cgroup /nonexistent/cg: No such file"),
             "{e}"
         );
-    }
-
-    #[test]
-    fn mount_paths_are_unescaped() {
-        assert_eq!(
-            unescape_mount_path(r"/mnt/with\040space"),
-            PathBuf::from("/mnt/with space")
-        );
-        assert_eq!(
-            unescape_mount_path("/sys/fs/bpf"),
-            PathBuf::from("/sys/fs/bpf")
-        );
-        assert_eq!(unescape_mount_path(r"/odd\"), PathBuf::from(r"/odd\"));
     }
 }

@@ -189,14 +189,10 @@ fn emit(text: &str) -> Result<()> {
 }
 
 fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates on success.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if rc != 0 {
-        return "localhost".to_string();
-    }
-    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..end]).into_owned()
+    nix::unistd::gethostname().map_or_else(
+        |_| "localhost".to_string(),
+        |name| name.to_string_lossy().into_owned(),
+    )
 }
 
 fn main() -> Result<()> {

@@ -371,11 +371,11 @@ mod tests {
         symlink(dir.join("loop-a.yaml"), dir.join("loop-b.yaml")).unwrap();
         // Reading /proc/self/mem at offset 0 fails with EIO, root or not.
         symlink("/proc/self/mem", dir.join("io-error.yaml")).unwrap();
-        let fifo =
-            std::ffi::CString::new(dir.join("fifo.yaml").into_os_string().into_encoded_bytes())
-                .unwrap();
-        // SAFETY: a valid NUL-terminated path.
-        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
+        nix::unistd::mkfifo(
+            &dir.join("fifo.yaml"),
+            nix::sys::stat::Mode::from_bits_truncate(0o644),
+        )
+        .unwrap();
 
         let mut cache = FileCache::default();
         let loaded = cache.load(&dir).unwrap();
