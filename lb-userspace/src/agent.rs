@@ -20,6 +20,7 @@ use crate::node_net::{self, NodeNet, NodePortAddresses, Overrides};
 use crate::ops::{
     self, AgentStatus, BindAddress, HealthCheckServers, OpsServer, Routes, ServeConfig,
 };
+use crate::pin_lock::{PinLock, PinLockError, Wait};
 use crate::pins;
 use crate::reconcile;
 use crate::source::{self, files, kube, yaml::Objects, SourceOptions};
@@ -76,6 +77,9 @@ pub struct AgentConfig {
     pub metrics_addr: BindAddress,
     /// /healthz answers 503 once a change has waited longer than this to be applied.
     pub healthz_timeout: Duration,
+    /// Wait for another agent holding the pin directory to stop, instead of
+    /// failing (a rolling update's new agent).
+    pub wait_for_lock: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -95,6 +99,8 @@ pub enum AgentError {
     #[error(transparent)]
     Watch(#[from] files::WatchError),
     #[error(transparent)]
+    PinLock(#[from] PinLockError),
+    #[error(transparent)]
     TcLinks(#[from] TcLinksError),
     #[error(transparent)]
     Source(#[from] source::yaml::SourceError),
@@ -112,6 +118,11 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         files::check_source(path)?;
     }
     sys::check_cgroup2_dir(&config.cgroup)?;
+    // One agent per pin directory, before anything is bound, read or written: a
+    // rolling update's new agent waits here (--wait-for-lock) while the old one
+    // still has the ports.
+    sys::ensure_bpffs(config.pin.root())?;
+    let _pin_lock = lock_pin_dir(&config).await?;
     let status = Arc::new(AgentStatus::new());
     // Bound before anything is loaded: a taken port fails the start, not later.
     for server in ops_servers(&config, &status).await? {
@@ -142,7 +153,6 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     // devices get the per-packet programs, followed from here on.
     let mut node_net = netlink::watch().await?;
     let mut net = node_net.borrow_and_update().clone();
-    sys::ensure_bpffs(config.pin.root())?;
     let object = loader::kernel_object(config.bpf_object.as_deref())?;
     // Maps first, hooks only after the first sync filled them: a first start, or an
     // upgrade to a new map layout (fresh maps in a new `v<N>` directory), never has a
@@ -355,6 +365,31 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     }
     info!("stopping; hooks and maps stay pinned (`lb cleanup` removes them)");
     Ok(())
+}
+
+/// Takes the pin directory's lock (creating the directory if needed): at once, or
+/// after the holder stopped when `--wait-for-lock` says so.
+async fn lock_pin_dir(config: &AgentConfig) -> Result<PinLock, AgentError> {
+    let root = config.pin.root().to_path_buf();
+    std::fs::create_dir_all(&root).map_err(|source| LoadError::PinDir {
+        path: root.clone(),
+        source,
+    })?;
+    match PinLock::acquire(&root, Wait::No) {
+        Err(PinLockError::Held { holder, .. }) if config.wait_for_lock => {
+            info!(
+                pin_dir = %root.display(),
+                holder = ?holder,
+                "waiting for the agent holding the pin directory to stop"
+            );
+            let lock = tokio::task::spawn_blocking(move || PinLock::acquire(&root, Wait::Yes))
+                .await
+                .expect("the lock wait does not panic")?;
+            info!("pin directory lock taken over");
+            Ok(lock)
+        }
+        other => Ok(other?),
+    }
 }
 
 /// Unpins the maps of other layout versions once this agent's programs replaced

@@ -9,6 +9,7 @@ pub mod model;
 pub mod netlink;
 pub mod node_net;
 pub mod ops;
+pub mod pin_lock;
 pub mod pins;
 pub mod reconcile;
 pub mod source;

@@ -545,40 +545,123 @@ pub fn remove_layout(dir: &Path) -> io::Result<()> {
     fs::remove_dir(dir)
 }
 
-/// What `lb cleanup` removed.
+/// What `lb cleanup` removed, and what it found but left.
 #[derive(Debug, Default)]
 pub struct CleanupReport {
     pub removed: Vec<PathBuf>,
+    /// Entries lb did not pin (another tool's, or a user's): never removed.
+    pub left: Vec<PathBuf>,
 }
 
-/// Unpins links (which detaches the hooks) and maps of every layout version, then
-/// removes the pin directory. Missing pieces are fine: cleanup is idempotent.
-pub fn cleanup(layout: &PinLayout) -> io::Result<CleanupReport> {
-    let mut report = CleanupReport::default();
+#[derive(Debug, thiserror::Error)]
+pub enum CleanupError {
+    #[error(
+        "{} is not on a bpf filesystem: lb pins only under bpffs, so this is not a pin \
+         directory of lb's; nothing was removed (pass the --pin-dir the agent used, \
+         default /sys/fs/bpf/lb)",
+        path.display()
+    )]
+    NotBpffs { path: PathBuf },
+    #[error(transparent)]
+    Locked(#[from] crate::pin_lock::PinLockError),
+    #[error("cleaning up {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Whether `name` is a link pin lb makes under `links/`.
+fn is_link_pin(name: &str) -> bool {
+    let name = name.strip_suffix("_new").unwrap_or(name);
+    program_names::ALL.contains(&name)
+        || [program_names::TC_EXTERNAL, program_names::TC_INTERNAL]
+            .iter()
+            .any(|p| {
+                name.strip_prefix(p)
+                    .is_some_and(|rest| rest.starts_with('_'))
+            })
+}
+
+/// Whether `name` is a map-layout directory (`v<N>`).
+fn is_layout_dir(name: &str) -> bool {
+    name.len() > 1 && name.starts_with('v') && name[1..].bytes().all(|b| b.is_ascii_digit())
+}
+
+fn io_error(path: &Path) -> impl FnOnce(io::Error) -> CleanupError {
+    let path = path.to_path_buf();
+    move |source| CleanupError::Io { path, source }
+}
+
+/// The right to clean a pin directory: it is on bpffs and no agent holds it.
+pub struct CleanupLock {
+    _lock: crate::pin_lock::PinLock,
+}
+
+/// Checks that `layout` is lb's to clean and locks it against an agent starting
+/// meanwhile; `None` when there is nothing to clean.
+pub fn lock_for_cleanup(layout: &PinLayout) -> Result<Option<CleanupLock>, CleanupError> {
     let root = layout.root();
     if !root.exists() {
-        return Ok(report);
+        return Ok(None);
     }
+    let on_bpffs = nix::sys::statfs::statfs(root)
+        .map_err(|e| io_error(root)(e.into()))?
+        .filesystem_type()
+        == nix::sys::statfs::BPF_FS_MAGIC;
+    if !on_bpffs {
+        return Err(CleanupError::NotBpffs {
+            path: root.to_path_buf(),
+        });
+    }
+    let lock = crate::pin_lock::PinLock::acquire(root, crate::pin_lock::Wait::No)?;
+    Ok(Some(CleanupLock { _lock: lock }))
+}
+
+/// Unpins lb's links (which detaches the hooks) and the maps of every layout
+/// version, then removes the directories they leave empty. Only names lb pins are
+/// touched ([`lock_for_cleanup`] checked they are on bpffs); anything else is
+/// reported in `left` and stays, with its directory. Missing pieces are fine:
+/// cleanup is idempotent.
+pub fn cleanup(layout: &PinLayout, _lock: &CleanupLock) -> Result<CleanupReport, CleanupError> {
+    let mut report = CleanupReport::default();
+    let root = layout.root();
     // Links first, so no hook runs against maps that are about to go.
-    let mut dirs = vec![layout.links_dir()];
-    for entry in fs::read_dir(root)? {
-        let path = entry?.path();
-        if path != layout.links_dir() && path.is_dir() {
-            dirs.push(path);
+    let mut dirs: Vec<(PathBuf, fn(&str) -> bool)> = vec![(layout.links_dir(), is_link_pin)];
+    for entry in fs::read_dir(root).map_err(io_error(root))? {
+        let path = entry.map_err(io_error(root))?.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if path == layout.links_dir() {
+            continue;
+        }
+        if is_layout_dir(name) && path.is_dir() {
+            dirs.push((path, |n: &str| map_names::ALL.contains(&n)));
+        } else {
+            report.left.push(path);
         }
     }
-    for dir in dirs {
+    for (dir, ours) in dirs {
         if !dir.exists() {
             continue;
         }
-        for entry in fs::read_dir(&dir)? {
-            let path = entry?.path();
-            fs::remove_file(&path)?;
-            report.removed.push(path);
+        for entry in fs::read_dir(&dir).map_err(io_error(&dir))? {
+            let path = entry.map_err(io_error(&dir))?.path();
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            if ours(name) && !path.is_dir() {
+                fs::remove_file(&path).map_err(io_error(&path))?;
+                report.removed.push(path);
+            } else {
+                report.left.push(path);
+            }
         }
-        fs::remove_dir(&dir)?;
+        if fs::read_dir(&dir).map_err(io_error(&dir))?.next().is_none() {
+            fs::remove_dir(&dir).map_err(io_error(&dir))?;
+        }
     }
-    fs::remove_dir(root)?;
+    if report.left.is_empty() {
+        fs::remove_dir(root).map_err(io_error(root))?;
+    }
     Ok(report)
 }
 

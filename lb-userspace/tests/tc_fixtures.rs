@@ -118,7 +118,9 @@ impl Fixture {
 
 impl Drop for Fixture {
     fn drop(&mut self) {
-        let _ = loader::cleanup(&self.layout);
+        if let Ok(Some(lock)) = loader::lock_for_cleanup(&self.layout) {
+            let _ = loader::cleanup(&self.layout, &lock);
+        }
     }
 }
 

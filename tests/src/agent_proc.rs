@@ -186,6 +186,18 @@ impl AgentProc {
         pins: &PinDir,
         node_name: &str,
     ) -> Result<Self> {
+        Self::start_with(lb, source, cgroup, pins, node_name, &[])
+    }
+
+    /// [`AgentProc::start`] with more flags.
+    pub fn start_with(
+        lb: &Path,
+        source: Source<'_>,
+        cgroup: &Cgroup,
+        pins: &PinDir,
+        node_name: &str,
+        extra: &[&str],
+    ) -> Result<Self> {
         let spawner = Spawner::new(lb).label("lb agent").arg("agent");
         let spawner = match source {
             Source::Files(path) => spawner.arg("--services-file").arg(path),
@@ -203,6 +215,7 @@ impl AgentProc {
             // It runs in the test's own (the host's) namespace: socket hooks only,
             // never a program on the host's devices.
             .args(["--tc-attach", "off"])
+            .args(extra)
             .env("NO_COLOR", "1")
             .spawn()?;
         Ok(AgentProc { child })
@@ -256,6 +269,23 @@ impl AgentProc {
         if let Some(status) = self.child.try_wait()? {
             bail!("lb agent exited ({status}):\n{}", self.child.stderr.text());
         }
+        Ok(())
+    }
+
+    /// Waits for the agent to exit on its own; its status.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Result<ExitStatus> {
+        self.child
+            .wait_timeout(timeout)?
+            .with_context(|| format!("lb agent still running after {timeout:?}"))
+    }
+
+    /// SIGTERM (a pod being stopped) and reap; it must exit cleanly.
+    pub fn terminate(&mut self) -> Result<()> {
+        let status = self.child.terminate(Duration::from_secs(10))?;
+        ensure!(
+            status.success(),
+            "lb agent exited with {status} after SIGTERM"
+        );
         Ok(())
     }
 

@@ -449,8 +449,11 @@ fn cleanup_detaches_only_what_the_agent_attached() -> Result<()> {
     );
 
     // lb cleanup where the agent ran: netlink filters are found by device name,
-    // which only means something in the agent's network namespace.
+    // which only means something in the agent's network namespace. The agent stops
+    // first: cleanup refuses to pull the maps from under a running one.
     let pin_dir = cluster.node(0).agent().pin_dir().to_owned();
+    cluster.node_mut(0).agent_mut().stop()?;
+    let node1 = cluster.node(0).netns();
     let out = std::process::Command::new("nsenter")
         .arg(format!("--net={}", node1.path().display()))
         .arg(&lb)

@@ -440,3 +440,72 @@ fn a_changed_map_size_on_existing_pins_is_refused() -> Result<()> {
     wait_ready(&again)?;
     Ok(())
 }
+
+/// `lb cleanup` output of a run: exit status and stderr.
+fn lb_cleanup(bed: &Bed, pin_dir: &Path) -> Result<Output> {
+    Spawner::new(&bed.lb)
+        .label("lb cleanup")
+        .args(["cleanup", "--pin-dir"])
+        .arg(pin_dir)
+        .env("RUST_BACKTRACE", "0")
+        .output(Duration::from_secs(30))
+}
+
+/// Issue 15 item 3: `lb cleanup --pin-dir` on an ordinary directory refuses and
+/// deletes nothing; on a pin directory it removes only what lb pinned, says what it
+/// left, and refuses while an agent holds the directory.
+#[test]
+fn cleanup_removes_only_lbs_own_pins() -> Result<()> {
+    let bed = Bed::new()?;
+    // An ordinary directory with the user's files (and names lb would pin).
+    let user_dir = std::env::temp_dir().join(unique_name("lb-not-bpffs"));
+    std::fs::create_dir_all(user_dir.join("links"))?;
+    std::fs::write(user_dir.join("notes.txt"), "mine")?;
+    std::fs::write(user_dir.join("links/lb_connect4"), "also mine")?;
+    let out = lb_cleanup(&bed, &user_dir)?;
+    let kept = user_dir.join("notes.txt").exists() && user_dir.join("links/lb_connect4").exists();
+    let _ = std::fs::remove_dir_all(&user_dir);
+    let line = error_line(&out, 1)?;
+    ensure!(
+        line.contains("is not on a bpf filesystem") && line.contains("nothing was removed"),
+        "{line}"
+    );
+    ensure!(kept, "lb cleanup removed files of an ordinary directory");
+
+    bed.manifests
+        .write("web.yaml", &web(&[Ipv4Addr::new(10, 0, 0, 1)]))?;
+    let mut agent = bed.agent(&[]).spawn()?;
+    wait_ready(&agent)?;
+    // While the agent runs: refused, naming it, nothing removed.
+    let before = bed.pinned()?;
+    let out = lb_cleanup(&bed, bed.pins.path())?;
+    let line = error_line(&out, 1)?;
+    ensure!(
+        line.contains(&format!("in use by another lb agent (pid {})", agent.pid())),
+        "{line}"
+    );
+    ensure!(bed.pinned()? == before, "pins changed: {:?}", bed.pinned()?);
+    let status = agent.terminate(Duration::from_secs(10))?;
+    ensure!(status.success(), "agent exited with {status}");
+
+    // Another tool's entries beside lb's (bpffs holds pins and directories only).
+    std::fs::create_dir(bed.pins.path().join("other-tool"))?;
+    std::fs::create_dir(bed.pins.path().join("links/other-link"))?;
+    let out = lb_cleanup(&bed, bed.pins.path())?;
+    ensure!(out.status.success(), "lb cleanup failed: {}", out.stderr);
+    ensure!(
+        out.stderr.contains("left in place") && out.stderr.contains("other-tool"),
+        "{}",
+        out.stderr
+    );
+    let left = bed.pinned()?;
+    ensure!(
+        left == ["links", "links/other-link", "other-tool"],
+        "only the foreign entries stay: {left:?}"
+    );
+    ensure!(
+        cgroup_programs(&bed.cgroup)?.is_empty(),
+        "lb's hooks are detached"
+    );
+    Ok(())
+}

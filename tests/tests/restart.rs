@@ -192,6 +192,69 @@ fn summary(report: &LoadReport) -> String {
     )
 }
 
+/// Exactly one agent per pin dir. A second one started while the first runs is
+/// refused (non-zero exit, the holder's pid named, the fix given) and changes
+/// nothing; one started with --wait-for-lock waits and takes over when the first
+/// is stopped (a DaemonSet rolling update), under load, with no failed connection.
+#[test]
+fn a_second_agent_on_the_pin_dir_is_refused_or_waits_its_turn() -> Result<()> {
+    let mut bed = Bed::new()?;
+    let before = bed.pins.services_value()?;
+    let holder = bed.agent().pid();
+    let start = |bed: &Bed, extra: &[&str]| {
+        AgentProc::start_with(
+            &bed.lb,
+            Source::Files(bed.bed.manifests.path()),
+            &bed.bed.cgroup,
+            &bed.pins,
+            NODE_NAME,
+            extra,
+        )
+    };
+    let mut second = start(&bed, &[])?;
+    let status = second.wait_exit(READY_TIMEOUT)?;
+    let log = second.log().join("\n");
+    ensure!(
+        !status.success(),
+        "the second agent ran beside the first:\n{log}"
+    );
+    ensure!(
+        log.contains(&format!("is in use by another lb agent (pid {holder})"))
+            && log.contains("--wait-for-lock"),
+        "the refusal must name the holder and the fix:\n{log}"
+    );
+    ensure!(!log.contains("ready and serving"), "{log}");
+    ensure!(
+        bed.pins.services_value()? == before,
+        "the refused agent changed the table"
+    );
+    drop(second);
+
+    let load = bed.load()?;
+    load.run_for(Duration::from_secs(1))?;
+    let next = start(&bed, &["--wait-for-lock"])?;
+    next.wait_for_line(
+        "waiting for the agent holding the pin directory",
+        READY_TIMEOUT,
+    )?;
+    load.run_for(Duration::from_millis(500))?;
+    ensure!(
+        !next.logged("ready and serving"),
+        "the waiting agent started serving beside the first"
+    );
+    bed.agent().terminate()?;
+    // The new agent owns the testbed's teardown from here on.
+    let next = bed.agent.insert(next);
+    next.wait_ready(READY_TIMEOUT)?;
+    load.run_for(Duration::from_secs(1))?;
+    let report = load.stop()?;
+    eprintln!("handover under load: {}", summary(&report));
+    check_clean(&report, 300)?;
+    let after = bed.pins.services_value()?;
+    ensure!(after == before, "the table changed across the handover");
+    Ok(())
+}
+
 /// SIGKILL the agent under load, start a new one on the same pin dir, cgroup and
 /// manifests: no connection fails, no long-lived connection breaks, the service
 /// table is the same, and the hooks are attached once (the new links replaced the

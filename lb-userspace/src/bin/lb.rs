@@ -154,6 +154,10 @@ struct AgentArgs {
     /// /healthz answers 503 once a change has waited longer than this to be applied.
     #[arg(long, default_value_t = ops::DEFAULT_HEALTHZ_TIMEOUT.as_secs(), value_parser = timeout_secs())]
     healthz_timeout_secs: u64,
+    /// When another agent holds --pin-dir, wait for it to stop instead of failing
+    /// (the DaemonSet sets it, so a rolling update's new agent takes over).
+    #[arg(long)]
+    wait_for_lock: bool,
 }
 
 // Ranges of the numeric agent flags, checked while parsing: a zero interval makes
@@ -266,6 +270,13 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::Cleanup => {
+            let Some(lock) = loader::lock_for_cleanup(&layout)? else {
+                eprintln!(
+                    "nothing to clean up: {} does not exist",
+                    layout.root().display()
+                );
+                return Ok(());
+            };
             // The netlink filters first: their record is a map about to be unpinned.
             let filters = tc_links::cleanup(&layout);
             if !filters.elsewhere.is_empty() {
@@ -281,8 +292,7 @@ fn main() -> Result<()> {
                     layout.root().display()
                 );
             }
-            let report = loader::cleanup(&layout)
-                .with_context(|| format!("cleaning up {}", layout.root().display()))?;
+            let report = loader::cleanup(&layout, &lock)?;
             eprintln!(
                 "removed {} pins under {}",
                 report.removed.len(),
@@ -290,6 +300,17 @@ fn main() -> Result<()> {
             );
             if !filters.removed.is_empty() {
                 eprintln!("removed netlink TC filters: {}", filters.removed.join(", "));
+            }
+            if !report.left.is_empty() {
+                let left: Vec<String> = report
+                    .left
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect();
+                eprintln!(
+                    "left in place (not pinned by lb), with their directories: {}",
+                    left.join(", ")
+                );
             }
             Ok(())
         }
@@ -339,6 +360,7 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
         healthz_addr: args.healthz_bind_address,
         metrics_addr: args.metrics_bind_address,
         healthz_timeout: Duration::from_secs(args.healthz_timeout_secs),
+        wait_for_lock: args.wait_for_lock,
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
