@@ -572,6 +572,9 @@ pub enum CleanupError {
     },
 }
 
+/// Which names of a directory lb pinned.
+type NameFilter = fn(&str) -> bool;
+
 /// Whether `name` is a link pin lb makes under `links/`.
 fn is_link_pin(name: &str) -> bool {
     let name = name.strip_suffix("_new").unwrap_or(name);
@@ -628,7 +631,7 @@ pub fn cleanup(layout: &PinLayout, _lock: &CleanupLock) -> Result<CleanupReport,
     let mut report = CleanupReport::default();
     let root = layout.root();
     // Links first, so no hook runs against maps that are about to go.
-    let mut dirs: Vec<(PathBuf, fn(&str) -> bool)> = vec![(layout.links_dir(), is_link_pin)];
+    let mut dirs: Vec<(PathBuf, NameFilter)> = vec![(layout.links_dir(), is_link_pin)];
     for entry in fs::read_dir(root).map_err(io_error(root))? {
         let path = entry.map_err(io_error(root))?.path();
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
