@@ -135,6 +135,34 @@ pub struct ServiceValue {
 }
 const _: () = assert!(core::mem::size_of::<ServiceValue>() == 16);
 
+/// The `SVC_FLAG_*` bits, read by name (as Cilium's `lb*_svc_is_*` helpers do).
+impl ServiceValue {
+    /// `sessionAffinity: ClientIP`.
+    #[inline(always)]
+    pub const fn is_affinity(&self) -> bool {
+        self.flags & SVC_FLAG_AFFINITY != 0
+    }
+
+    /// Internal master whose external traffic must use the external entry
+    /// (`externalTrafficPolicy: Local`).
+    #[inline(always)]
+    pub const fn is_external_scope(&self) -> bool {
+        self.flags & SVC_FLAG_EXTERNAL_SCOPE != 0
+    }
+
+    /// The external entry itself.
+    #[inline(always)]
+    pub const fn is_external(&self) -> bool {
+        self.flags & SVC_FLAG_EXTERNAL != 0
+    }
+
+    /// New flows must come from `loadBalancerSourceRanges`.
+    #[inline(always)]
+    pub const fn has_source_ranges(&self) -> bool {
+        self.flags & SVC_FLAG_SOURCE_RANGES != 0
+    }
+}
+
 /// Value of `LB_BACKENDS`, keyed by a `u32` backend id. A backend id names one
 /// endpoint *of one frontend*; ids are not shared between Services, so removing an
 /// endpoint from a Service removes its id and any affinity entry that still names it
@@ -153,6 +181,14 @@ pub struct Backend {
     pub flags: u8,
 }
 const _: () = assert!(core::mem::size_of::<Backend>() == 8);
+
+impl Backend {
+    /// The endpoint runs on this node (`BACKEND_FLAG_LOCAL`).
+    #[inline(always)]
+    pub const fn is_local(&self) -> bool {
+        self.flags & BACKEND_FLAG_LOCAL != 0
+    }
+}
 
 /// Key of `LB_SOCK_REVNAT` (LRU): which backend one socket was sent to.
 #[repr(C)]

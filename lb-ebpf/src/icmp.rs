@@ -14,7 +14,7 @@ use crate::{
 };
 
 /// Stores through which skb->csum (CHECKSUM_COMPLETE) stays right.
-const BPF_F_RECOMPUTE_CSUM: u64 = 1;
+const BPF_F_RECOMPUTE_CSUM: u64 = aya_ebpf::bindings::BPF_F_RECOMPUTE_CSUM as u64;
 const ICMP_CSUM_OFF: usize = 2;
 const IP_CSUM_IN_HDR: usize = 10;
 const IP_SRC_IN_HDR: usize = 12;

@@ -5,8 +5,8 @@ use lb_common::IPPROTO_UDP;
 
 use crate::packet::{Flow, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF};
 
-const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
-const BPF_F_MARK_MANGLED_0: u64 = 1 << 5;
+const BPF_F_PSEUDO_HDR: u64 = aya_ebpf::bindings::BPF_F_PSEUDO_HDR as u64;
+const BPF_F_MARK_MANGLED_0: u64 = aya_ebpf::bindings::BPF_F_MARK_MANGLED_0 as u64;
 
 /// The tuple a packet should leave with.
 #[derive(Clone, Copy)]

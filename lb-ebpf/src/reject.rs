@@ -13,7 +13,7 @@ use crate::packet::{Flow, ETH_HLEN, TCP_FLAG_ACK, TCP_FLAG_FIN, TCP_FLAG_RST, TC
 
 const IP_HLEN: usize = 20;
 const TCP_HLEN: usize = 20;
-const TC_ACT_REDIRECT: i32 = 7;
+use aya_ebpf::bindings::TC_ACT_REDIRECT;
 
 /// Rewrites the packet into a RST answering it and redirects it back. `Err` when
 /// the packet cannot be answered (it is a RST itself, or a helper failed); the

@@ -2,9 +2,7 @@
 //! per-packet path: slot choice, session affinity, and the reject errno.
 
 use aya_ebpf::helpers::generated::bpf_ktime_get_ns;
-use lb_common::{
-    stat, AffinityKey, AffinityValue, Backend, ServiceKey, ServiceValue, SVC_FLAG_AFFINITY,
-};
+use lb_common::{stat, AffinityKey, AffinityValue, Backend, ServiceKey, ServiceValue};
 
 use crate::{
     maps::{LB_AFFINITY, LB_BACKENDS, LB_SERVICES},
@@ -52,7 +50,7 @@ fn pick(
     client: &impl Fn() -> u64,
     entropy: u32,
 ) -> Option<(u32, Backend)> {
-    if master.flags & SVC_FLAG_AFFINITY == 0 {
+    if !master.is_affinity() {
         slot(master_key, master, entropy)
     } else {
         with_affinity(master_key, master, client(), entropy)

@@ -2,7 +2,7 @@
 //! ingress IP (kube-proxy's KUBE-FW chains).
 
 use aya_ebpf::btf_maps::lpm_trie::Key;
-use lb_common::{ServiceValue, SourceRangeKey, SOURCE_RANGE_PREFIX_BASE, SVC_FLAG_SOURCE_RANGES};
+use lb_common::{ServiceValue, SourceRangeKey, SOURCE_RANGE_PREFIX_BASE};
 
 use crate::maps::LB_SOURCE_RANGES;
 
@@ -11,7 +11,7 @@ use crate::maps::LB_SOURCE_RANGES;
 /// then only from inside one of its ranges.
 #[inline(always)]
 pub fn admits(master: &ServiceValue, saddr: u32) -> bool {
-    if master.flags & SVC_FLAG_SOURCE_RANGES == 0 {
+    if !master.has_source_ranges() {
         return true;
     }
     let key = Key::new(

@@ -5,8 +5,8 @@
 
 use aya_ebpf::{helpers::generated::bpf_get_prandom_u32, programs::TcContext};
 use lb_common::{
-    stat, ServiceKey, AFFINITY_CLIENT_IP, BACKEND_FLAG_LOCAL, CT_DIR_FORWARD, CT_DIR_REPLY,
-    IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_FLAG_EXTERNAL_SCOPE,
+    stat, ServiceKey, AFFINITY_CLIENT_IP, CT_DIR_FORWARD, CT_DIR_REPLY, IPPROTO_TCP,
+    SCOPE_EXTERNAL, SCOPE_INTERNAL,
 };
 
 use crate::{
@@ -16,8 +16,7 @@ use crate::{
     reject, select, source_ranges, stats,
 };
 
-pub const TC_ACT_OK: i32 = 0;
-pub const TC_ACT_SHOT: i32 = 2;
+pub use aya_ebpf::bindings::{TC_ACT_OK, TC_ACT_SHOT};
 
 /// Source ports for SNAT when the client's own port is taken on the backend side.
 const SNAT_PORT_MIN: u32 = 32_768;
@@ -114,7 +113,7 @@ fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
         stats::source_range_drop(master.rev_nat_id);
         return TC_ACT_SHOT;
     }
-    if scope == SCOPE_EXTERNAL && master.flags & SVC_FLAG_EXTERNAL_SCOPE != 0 {
+    if scope == SCOPE_EXTERNAL && master.is_external_scope() {
         master_key.scope = SCOPE_EXTERNAL;
         let Some(external) = select::frontend(&master_key) else {
             return TC_ACT_OK;
@@ -160,7 +159,7 @@ fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
         0,
         CT_DIR_REPLY,
     );
-    let node = if backend.flags & BACKEND_FLAG_LOCAL != 0 {
+    let node = if backend.is_local() {
         0
     } else {
         snat_source(ctx, flow.saddr, backend.address)
