@@ -5,8 +5,8 @@
 
 use aya_ebpf::{helpers::generated::bpf_get_prandom_u32, programs::TcContext};
 use lb_common::{
-    stat, ServiceKey, AFFINITY_CLIENT_IP, CT_DIR_FORWARD, CT_DIR_REPLY, IPPROTO_TCP,
-    SCOPE_EXTERNAL, SCOPE_INTERNAL,
+    stat, Backend, CtValue, ServiceKey, ServiceValue, AFFINITY_CLIENT_IP, CT_DIR_FORWARD,
+    CT_DIR_REPLY, IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL,
 };
 
 use crate::{
@@ -95,63 +95,21 @@ fn apply(ctx: &TcContext, flow: &Flow, to: &Tuple) -> i32 {
 
 #[inline(always)]
 fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
-    let mut master_key = ServiceKey {
-        address: flow.daddr,
-        port: flow.dport,
-        backend_slot: 0,
-        proto: flow.proto,
-        scope: SCOPE_INTERNAL,
-        _pad: [0; 2],
+    let (key, master) = match lookup(ctx, flow, scope) {
+        Ok(frontend) => frontend,
+        Err(verdict) => return verdict,
     };
-    let Some(mut master) = select::frontend(&master_key) else {
-        return TC_ACT_OK;
+    let (backend_id, backend) = match pick(flow, &key, &master) {
+        Ok(picked) => picked,
+        Err(verdict) => return verdict,
     };
-    // Before the scope switch: the ranges hang off the internal master, and apply to
-    // every client of a LoadBalancer IP, from outside or from pods, as in kube-proxy.
-    if !source_ranges::admits(&master, flow.saddr) {
-        stats::bump(stat::TC_SOURCE_RANGE_DROP);
-        stats::source_range_drop(master.rev_nat_id);
-        return TC_ACT_SHOT;
-    }
-    if scope == SCOPE_EXTERNAL && master.is_external_scope() {
-        master_key.scope = SCOPE_EXTERNAL;
-        let Some(external) = select::frontend(&master_key) else {
-            return TC_ACT_OK;
-        };
-        master = external;
-    }
-    if master.count == 0 {
-        stats::bump(stat::TC_NO_BACKEND);
-        stats::service(master.rev_nat_id, true);
-        // externalTrafficPolicy: Local without a local endpoint drops, as kube-proxy
-        // does, so the load balancer's health checks fail over to another node.
-        // A Service without any endpoint rejects.
-        if master_key.scope == SCOPE_EXTERNAL || flow.proto != IPPROTO_TCP {
-            return TC_ACT_SHOT;
-        }
-        return reject::tcp_reset(ctx, flow).unwrap_or(TC_ACT_SHOT);
-    }
-    let client = || AFFINITY_CLIENT_IP | flow.saddr as u64;
-    let entropy = unsafe { bpf_get_prandom_u32() };
-    let Some((backend_id, backend)) = select::backend(&master_key, &master, client, entropy) else {
-        stats::bump(stat::TC_NO_BACKEND);
-        return TC_ACT_SHOT;
-    };
-
     // What the backend's replies will come back to us as, and what they must become.
-    let original_reply = Tuple {
-        saddr: flow.daddr,
-        daddr: flow.saddr,
-        sport: flow.dport,
-        dport: flow.sport,
-    };
-    let state = ct::state_of(flow);
-    let mut forward = Tuple {
+    let original_reply = reply_tuple(&Tuple {
         saddr: flow.saddr,
-        daddr: backend.address,
+        daddr: flow.daddr,
         sport: flow.sport,
-        dport: backend.port,
-    };
+        dport: flow.dport,
+    });
     let reply_entry = ct::entry(
         &original_reply,
         backend_id,
@@ -159,48 +117,25 @@ fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
         0,
         CT_DIR_REPLY,
     );
+    let mut forward = Tuple {
+        saddr: flow.saddr,
+        daddr: backend.address,
+        sport: flow.sport,
+        dport: backend.port,
+    };
     let node = if backend.is_local() {
         0
     } else {
         snat_source(ctx, flow.saddr, backend.address)
     };
-    if node == 0 {
-        // Replies of a local backend pass through this node anyway: keep the client's
-        // address (what externalTrafficPolicy: Local promises).
-        let reply_key = ct::key_of_tuple(&reply_tuple(&forward), flow.proto);
-        if ct::put(&reply_key, &reply_entry).is_err() {
-            stats::bump(stat::TC_CT_FULL);
-            return TC_ACT_SHOT;
-        }
-    } else {
-        // A remote backend would answer the client directly, bypassing our reverse
-        // NAT: make the node the source. Keep the client's port when it is free on
-        // the backend side, else try random ones; the NOEXIST insert is the claim.
-        forward.saddr = node;
-        let mut claimed = false;
-        let mut port = flow.sport;
-        for attempt in 0..SNAT_RETRIES {
-            if attempt > 0 {
-                let r = unsafe { bpf_get_prandom_u32() };
-                port = ((SNAT_PORT_MIN + r % SNAT_PORT_SPAN) as u16).to_be();
-            }
-            forward.sport = port;
-            let reply_key = ct::key_of_tuple(&reply_tuple(&forward), flow.proto);
-            if ct::claim(&reply_key, &reply_entry).is_ok() {
-                claimed = true;
-                break;
-            }
-        }
-        if !claimed {
-            stats::bump(stat::TC_SNAT_EXHAUSTED);
-            return TC_ACT_SHOT;
-        }
+    if let Err(verdict) = claim_reply(flow, &mut forward, &reply_entry, node) {
+        return verdict;
     }
     let forward_entry = ct::entry(
         &forward,
         backend_id,
         master.rev_nat_id,
-        state,
+        ct::state_of(flow),
         CT_DIR_FORWARD,
     );
     if ct::put(&ct::key_of(flow), &forward_entry).is_err() {
@@ -210,6 +145,95 @@ fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
     stats::bump(stat::TC_NEW_FLOW);
     stats::service(master.rev_nat_id, false);
     apply(ctx, flow, &forward)
+}
+
+/// The frontend a new flow is addressed to, its scope resolved: `Err` holds the
+/// verdict for a flow that goes no further (not a frontend: passed on; outside
+/// the source ranges: dropped; no usable endpoint: dropped or reset).
+#[inline(always)]
+fn lookup(ctx: &TcContext, flow: &Flow, scope: u8) -> Result<(ServiceKey, ServiceValue), i32> {
+    let mut key = ServiceKey {
+        address: flow.daddr,
+        port: flow.dport,
+        backend_slot: 0,
+        proto: flow.proto,
+        scope: SCOPE_INTERNAL,
+        _pad: [0; 2],
+    };
+    let Some(mut master) = select::frontend(&key) else {
+        return Err(TC_ACT_OK);
+    };
+    // Before the scope switch: the ranges hang off the internal master, and apply to
+    // every client of a LoadBalancer IP, from outside or from pods, as in kube-proxy.
+    if !source_ranges::admits(&master, flow.saddr) {
+        stats::bump(stat::TC_SOURCE_RANGE_DROP);
+        stats::source_range_drop(master.rev_nat_id);
+        return Err(TC_ACT_SHOT);
+    }
+    if scope == SCOPE_EXTERNAL && master.is_external_scope() {
+        key.scope = SCOPE_EXTERNAL;
+        let Some(external) = select::frontend(&key) else {
+            return Err(TC_ACT_OK);
+        };
+        master = external;
+    }
+    if master.count == 0 {
+        stats::bump(stat::TC_NO_BACKEND);
+        stats::service(master.rev_nat_id, true);
+        // externalTrafficPolicy: Local without a local endpoint drops, as kube-proxy
+        // does, so the load balancer's health checks fail over to another node.
+        // A Service without any endpoint rejects.
+        if key.scope == SCOPE_EXTERNAL || flow.proto != IPPROTO_TCP {
+            return Err(TC_ACT_SHOT);
+        }
+        return Err(reject::tcp_reset(ctx, flow).unwrap_or(TC_ACT_SHOT));
+    }
+    Ok((key, master))
+}
+
+/// The backend of a new flow (random, or the client's under ClientIP affinity).
+#[inline(always)]
+fn pick(flow: &Flow, key: &ServiceKey, master: &ServiceValue) -> Result<(u32, Backend), i32> {
+    let client = || AFFINITY_CLIENT_IP | flow.saddr as u64;
+    // SAFETY: a plain helper without arguments.
+    let entropy = unsafe { bpf_get_prandom_u32() };
+    select::backend(key, master, client, entropy).ok_or_else(|| {
+        stats::bump(stat::TC_NO_BACKEND);
+        TC_ACT_SHOT
+    })
+}
+
+/// Records where the backend's replies come back, so they are reverse-translated.
+/// A local backend's replies pass through this node anyway: the client's address
+/// is kept (what externalTrafficPolicy: Local promises). A remote backend would
+/// answer the client directly, bypassing our reverse NAT: `node` becomes the
+/// source, keeping the client's port when it is free on the backend side, else a
+/// random one; the NOEXIST insert is the claim. `Err` holds the verdict.
+#[inline(always)]
+fn claim_reply(flow: &Flow, forward: &mut Tuple, reply: &CtValue, node: u32) -> Result<(), i32> {
+    if node == 0 {
+        let reply_key = ct::key_of_tuple(&reply_tuple(forward), flow.proto);
+        return ct::put(&reply_key, reply).map_err(|_| {
+            stats::bump(stat::TC_CT_FULL);
+            TC_ACT_SHOT
+        });
+    }
+    forward.saddr = node;
+    let mut port = flow.sport;
+    for attempt in 0..SNAT_RETRIES {
+        if attempt > 0 {
+            // SAFETY: a plain helper without arguments.
+            let r = unsafe { bpf_get_prandom_u32() };
+            port = ((SNAT_PORT_MIN + r % SNAT_PORT_SPAN) as u16).to_be();
+        }
+        forward.sport = port;
+        let reply_key = ct::key_of_tuple(&reply_tuple(forward), flow.proto);
+        if ct::claim(&reply_key, reply).is_ok() {
+            return Ok(());
+        }
+    }
+    stats::bump(stat::TC_SNAT_EXHAUSTED);
+    Err(TC_ACT_SHOT)
 }
 
 /// The source of a flow SNATed towards a remote backend: `--node-ip` when given,
