@@ -18,16 +18,14 @@ use crate::packet::{ETH_HLEN, IP_CSUM_OFF};
 const AF_INET: u8 = 2;
 const IP_TTL_OFF: usize = ETH_HLEN + 8;
 
-/// `Some(verdict)` when the packet was redirected; `None` leaves it to the stack
-/// (no route, TTL exhausted: the stack then answers as it does).
+/// An input route lookup from the device the packet arrived on, as forwarding
+/// would do (an output lookup would pin the egress to that same device; at TC
+/// ingress the skb's device is the ingress device). `None` without a route.
 #[inline(always)]
-pub fn redirect(ctx: &TcContext, saddr: u32, daddr: u32) -> Option<i32> {
+fn lookup(ctx: &TcContext, saddr: u32, daddr: u32, flags: u32) -> Option<bpf_fib_lookup> {
     // SAFETY: an all-zero bpf_fib_lookup is a valid request to fill in.
     let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
     params.family = AF_INET;
-    // An input lookup from the device the packet arrived on, as forwarding would do
-    // (an output lookup would pin the egress to that same device). At TC ingress
-    // the skb's device is the ingress device.
     // SAFETY: reading the program's own context.
     params.ifindex = unsafe { (*ctx.skb.skb).ifindex };
     params.__bindgen_anon_3.ipv4_src = saddr;
@@ -38,16 +36,22 @@ pub fn redirect(ctx: &TcContext, saddr: u32, daddr: u32) -> Option<i32> {
             ctx.as_ptr(),
             &mut params,
             core::mem::size_of::<bpf_fib_lookup>() as i32,
-            0,
+            flags,
         )
     };
-    if rc != BPF_FIB_LKUP_RET_SUCCESS as i64 && rc != BPF_FIB_LKUP_RET_NO_NEIGH as i64 {
-        return None;
-    }
+    (rc == BPF_FIB_LKUP_RET_SUCCESS as i64 || rc == BPF_FIB_LKUP_RET_NO_NEIGH as i64)
+        .then_some(params)
+}
+
+/// `Some(verdict)` when the packet was redirected; `None` leaves it to the stack
+/// (no route, TTL exhausted: the stack then answers as it does).
+#[inline(always)]
+pub fn redirect(ctx: &TcContext, saddr: u32, daddr: u32) -> Option<i32> {
+    let route = lookup(ctx, saddr, daddr, 0)?;
     decrement_ttl(ctx)?;
     // SAFETY: plain helper; a null nexthop lets the kernel resolve the neighbour of
     // the route it looks up on the egress device.
-    let verdict = unsafe { bpf_redirect_neigh(params.ifindex, core::ptr::null_mut(), 0, 0) };
+    let verdict = unsafe { bpf_redirect_neigh(route.ifindex, core::ptr::null_mut(), 0, 0) };
     Some(verdict as i32)
 }
 
@@ -56,27 +60,9 @@ pub fn redirect(ctx: &TcContext, saddr: u32, daddr: u32) -> Option<i32> {
 /// there is no route, or the kernel predates `BPF_FIB_LOOKUP_SRC` (6.7).
 #[inline(always)]
 pub fn source_towards(ctx: &TcContext, saddr: u32, daddr: u32) -> Option<u32> {
-    // SAFETY: an all-zero bpf_fib_lookup is a valid request to fill in.
-    let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
-    params.family = AF_INET;
-    // SAFETY: reading the program's own context.
-    params.ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    params.__bindgen_anon_3.ipv4_src = saddr;
-    params.__bindgen_anon_4.ipv4_dst = daddr;
-    // SAFETY: params lives on this stack frame for the call.
-    let rc = unsafe {
-        fib_lookup(
-            ctx.as_ptr(),
-            &mut params,
-            core::mem::size_of::<bpf_fib_lookup>() as i32,
-            BPF_FIB_LOOKUP_SRC,
-        )
-    };
-    if rc != BPF_FIB_LKUP_RET_SUCCESS as i64 && rc != BPF_FIB_LKUP_RET_NO_NEIGH as i64 {
-        return None;
-    }
+    let route = lookup(ctx, saddr, daddr, BPF_FIB_LOOKUP_SRC)?;
     // SAFETY: the kernel filled the IPv4 member of the union it was asked about.
-    let source = unsafe { params.__bindgen_anon_3.ipv4_src };
+    let source = unsafe { route.__bindgen_anon_3.ipv4_src };
     (source != 0).then_some(source)
 }
 

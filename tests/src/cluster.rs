@@ -38,7 +38,7 @@ use serde::de::DeserializeOwned;
 
 use crate::agent::{Agent, AgentSpec, CtFlow, ServiceEntry, READY_TIMEOUT, SYNC_TIMEOUT};
 use crate::cgroup::Cgroup;
-use crate::manifests::ManifestDir;
+use crate::manifests::{documents, Endpoint, EndpointSlice, ManifestDir, Service};
 use crate::netns::NetNs;
 use crate::probe::{BulkReport, TcpReport, WhoamiReport};
 use crate::process::Spawner;
@@ -471,6 +471,35 @@ impl Cluster {
             .flat_map(|n| n.pods.iter())
             .find(|p| p.name() == name)
             .with_context(|| format!("no pod {name} in the cluster"))
+    }
+
+    /// The ready endpoint of pod `name`, with the nodeName of the node it runs on.
+    pub fn endpoint(&self, name: &str) -> Result<Endpoint> {
+        let (i, pod) = self
+            .nodes
+            .iter()
+            .enumerate()
+            .find_map(|(i, n)| n.pods.iter().find(|p| p.name() == name).map(|p| (i, p)))
+            .with_context(|| format!("no pod {name} in the cluster"))?;
+        Ok(Endpoint::ready(name, pod.ip()).on_node(&node_name(i)))
+    }
+
+    /// Write `<service>.yaml`: the Service and one EndpointSlice with `endpoints`.
+    pub fn publish_endpoints(&self, svc: &Service, endpoints: Vec<Endpoint>) -> Result<()> {
+        let slice = EndpointSlice::for_service(svc, endpoints);
+        self.manifests.write(
+            &format!("{}.yaml", svc.name),
+            &documents([svc.to_yaml(), slice.to_yaml()]),
+        )
+    }
+
+    /// [`Cluster::publish_endpoints`] with the ready endpoints of the pods `backends`.
+    pub fn publish(&self, svc: &Service, backends: &[&str]) -> Result<()> {
+        let endpoints = backends
+            .iter()
+            .map(|name| self.endpoint(name))
+            .collect::<Result<Vec<_>>>()?;
+        self.publish_endpoints(svc, endpoints)
     }
 
     /// The external client's namespace.

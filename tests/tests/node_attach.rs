@@ -13,8 +13,8 @@ use anyhow::{ensure, Context, Result};
 use aya::programs::tc::{self, NlOptions, TcAttachOptions, TcAttachType, TcHandle};
 use aya::programs::{links::LinkOrder, SchedClassifier};
 use lb_tests::agent::LinkStatus;
-use lb_tests::cluster::{node_ip, node_name, Cluster, Node, Role, CLIENT_IP, WHOAMI_PORT};
-use lb_tests::manifests::{documents, Endpoint, EndpointSlice, Service, ServicePort};
+use lb_tests::cluster::{node_ip, Cluster, Node, Role, CLIENT_IP, WHOAMI_PORT};
+use lb_tests::manifests::{Service, ServicePort};
 use lb_tests::netns::NetNs;
 use lb_tests::util::poll;
 use lb_tests::{cargo_tools, lb_binary, ECHO_TCP_PORT};
@@ -23,27 +23,6 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// A device change must reach the datapath within a second (the target);
 /// the polls allow for a loaded test machine.
 const DEVICE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Write `<svc>.yaml` with one slice naming `backends` (by pod name).
-fn publish(cluster: &Cluster, svc: &Service, backends: &[&str]) -> Result<()> {
-    let eps = backends
-        .iter()
-        .map(|name| {
-            let (i, pod) = cluster
-                .nodes()
-                .iter()
-                .enumerate()
-                .find_map(|(i, n)| n.pods().iter().find(|p| p.name() == *name).map(|p| (i, p)))
-                .with_context(|| format!("no pod {name}"))?;
-            Ok(Endpoint::ready(name, pod.ip()).on_node(&node_name(i)))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let slice = EndpointSlice::for_service(svc, eps);
-    cluster.manifests.write(
-        &format!("{}.yaml", svc.name),
-        &documents([svc.to_yaml(), slice.to_yaml()]),
-    )
-}
 
 fn whoami_node_port(name: &str, vip: Ipv4Addr, node_port: u16) -> Service {
     Service::new(
@@ -190,7 +169,7 @@ fn every_service_kind_answers_on_pods_created_after_the_agents() -> Result<()> {
         (&ingress, ["pod-a"]),
         (&echo, ["pod-a"]),
     ] {
-        publish(&cluster, svc, &backends)?;
+        cluster.publish(svc, &backends)?;
     }
     let pod_a = SocketAddrV4::new(cluster.pod("pod-a")?.ip(), WHOAMI_PORT);
     let pod_b = SocketAddrV4::new(cluster.pod("pod-b")?.ip(), WHOAMI_PORT);
@@ -322,7 +301,7 @@ fn every_service_kind_answers_on_pods_created_after_the_agents() -> Result<()> {
     let before = wait_link(&cluster, 0, "vpod-a", "pod-facing", "auto", None)?;
     cluster.remove_pod("pod-a")?;
     cluster.add_pod("pod-a", 0, Role::Backend)?;
-    publish(&cluster, &etp, &["pod-a"])?;
+    cluster.publish(&etp, &["pod-a"])?;
     let new_a = SocketAddrV4::new(cluster.pod("pod-a")?.ip(), WHOAMI_PORT);
     ensure!(new_a != pod_a, "pod-a has a new address");
     cluster.wait_frontend(0, SocketAddrV4::new(n1, 30203), "TCP", "external", &[new_a])?;
@@ -493,7 +472,7 @@ fn node_ports_follow_the_nodes_addresses() -> Result<()> {
         .backend("pod-a", 0)
         .build(cargo_tools!())?;
     let svc = whoami_node_port("addr", Ipv4Addr::new(10, 96, 1, 20), 30220);
-    publish(&cluster, &svc, &["pod-a"])?;
+    cluster.publish(&svc, &["pod-a"])?;
     cluster.start_agents(&lb, |node| {
         if node == 1 {
             vec!["--nodeport-addresses".into(), "192.168.50.0/24".into()]

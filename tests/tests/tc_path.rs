@@ -19,7 +19,7 @@ use lb_tests::cluster::{
     node_ip, node_name, Cluster, ClusterBuilder, BULK_PORT, CLIENT_IP, DROP_CONNECT_TIMEOUT,
     WHOAMI_PORT,
 };
-use lb_tests::manifests::{documents, Conditions, Endpoint, EndpointSlice, Service, ServicePort};
+use lb_tests::manifests::{Conditions, Service, ServicePort};
 use lb_tests::{cargo_tools, lb_binary};
 
 /// Normal connect timeout of probes that expect an answer.
@@ -36,30 +36,6 @@ fn node2_ip() -> Ipv4Addr {
 /// pod-a on node1 and pod-b on node2, both running lb-echo.
 fn two_backends() -> ClusterBuilder {
     Cluster::builder().backend("pod-a", 0).backend("pod-b", 1)
-}
-
-/// The ready endpoint of pod `name`, with the nodeName of the node it runs on.
-fn endpoint(cluster: &Cluster, name: &str) -> Result<Endpoint> {
-    let (i, pod) = cluster
-        .nodes()
-        .iter()
-        .enumerate()
-        .find_map(|(i, n)| n.pods().iter().find(|p| p.name() == name).map(|p| (i, p)))
-        .with_context(|| format!("no pod {name}"))?;
-    Ok(Endpoint::ready(name, pod.ip()).on_node(&node_name(i)))
-}
-
-/// Write `<service>.yaml`: the Service and one EndpointSlice with the pods `backends`.
-fn publish(cluster: &Cluster, svc: &Service, backends: &[&str]) -> Result<()> {
-    let eps = backends
-        .iter()
-        .map(|name| endpoint(cluster, name))
-        .collect::<Result<Vec<_>>>()?;
-    let slice = EndpointSlice::for_service(svc, eps);
-    cluster.manifests.write(
-        &format!("{}.yaml", svc.name),
-        &documents([svc.to_yaml(), slice.to_yaml()]),
-    )
 }
 
 /// `pod:port` for each pod named.
@@ -89,7 +65,7 @@ fn setup(
     let lb = lb_binary()?;
     let mut cluster = builder.build(cargo_tools!())?;
     for (svc, backends) in services {
-        publish(&cluster, svc, backends)?;
+        cluster.publish(svc, backends)?;
     }
     cluster.start_agents(&lb, agent_args)?;
     Ok(cluster)
@@ -694,14 +670,10 @@ fn health_check_node_port_reports_local_endpoints() -> Result<()> {
     // pod-a is terminating (still serving): node1 says 503 so the load balancer
     // stops sending, as kube-proxy counts ready endpoints only, while traffic that
     // still arrives drains to pod-a.
-    let draining = endpoint(&cluster, "pod-a")?.with_conditions(Conditions::TERMINATING_SERVING);
-    cluster.manifests.write(
-        "hc.yaml",
-        &documents([
-            svc.to_yaml(),
-            EndpointSlice::for_service(&svc, vec![draining]).to_yaml(),
-        ]),
-    )?;
+    let draining = cluster
+        .endpoint("pod-a")?
+        .with_conditions(Conditions::TERMINATING_SERVING);
+    cluster.publish_endpoints(&svc, vec![draining])?;
     let healthy = SocketAddrV4::new(node1_ip(), 32091);
     let (code, body) = lb_tests::util::poll(
         "node1's health check to answer 503 for a terminating-only node",

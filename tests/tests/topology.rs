@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use lb_tests::cluster::{node_ip, node_name, Cluster, WHOAMI_PORT};
-use lb_tests::manifests::{documents, node_yaml, Endpoint, EndpointSlice, Service, ServicePort};
+use lb_tests::manifests::{node_yaml, Endpoint, Service, ServicePort};
 use lb_tests::{cargo_tools, lb_binary};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -22,14 +22,6 @@ fn zoned(cluster: &Cluster, name: &str, node: usize, zone: &str) -> Result<Endpo
     Ok(Endpoint::ready(name, cluster.pod(name)?.ip())
         .on_node(&node_name(node))
         .in_zone(zone))
-}
-
-fn publish(cluster: &Cluster, svc: &Service, endpoints: Vec<Endpoint>) -> Result<()> {
-    let slice = EndpointSlice::for_service(svc, endpoints);
-    cluster.manifests.write(
-        &format!("{}.yaml", svc.name),
-        &documents([svc.to_yaml(), slice.to_yaml()]),
-    )
 }
 
 fn addrs(cluster: &Cluster, pods: &[&str]) -> Result<Vec<SocketAddrV4>> {
@@ -67,8 +59,7 @@ fn prefer_same_zone_keeps_to_the_zone_and_falls_back_when_it_empties() -> Result
     )
     .node_port()
     .with_traffic_distribution("PreferSameZone");
-    publish(
-        &cluster,
+    cluster.publish_endpoints(
         &svc,
         vec![
             zoned(&cluster, "pod-a", 0, "zone-a")?,
@@ -124,7 +115,7 @@ fn prefer_same_zone_keeps_to_the_zone_and_falls_back_when_it_empties() -> Result
 
     // zone-a's endpoint goes: nothing is hinted for zone-a any more, so node1 falls
     // back to every endpoint, here pod-b in zone-b.
-    publish(&cluster, &svc, vec![zoned(&cluster, "pod-b", 1, "zone-b")?])?;
+    cluster.publish_endpoints(&svc, vec![zoned(&cluster, "pod-b", 1, "zone-b")?])?;
     cluster
         .wait_frontend(0, cluster_ip, "TCP", "internal", &pod_b)
         .context("node1 must fall back to zone-b's endpoint")?;
