@@ -26,8 +26,12 @@ pub mod map_names {
     pub const SVC_STATS: &str = "LB_SVC_STATS";
     pub const ATTACHMENTS: &str = "LB_ATTACHMENTS";
     pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGES";
+    /// Added within layout 3: a new map changes no existing one, so the loader
+    /// simply creates it in an existing `v3/`, and an agent that predates it never
+    /// opens it.
+    pub const FRAG: &str = "LB_FRAG";
     /// Every map the agent pins.
-    pub const ALL: [&str; 9] = [
+    pub const ALL: [&str; 10] = [
         SERVICES,
         BACKENDS,
         SOCK_REVNAT,
@@ -37,6 +41,7 @@ pub mod map_names {
         SVC_STATS,
         ATTACHMENTS,
         SOURCE_RANGES,
+        FRAG,
     ];
 }
 
@@ -85,6 +90,11 @@ pub const DEFAULT_AFFINITY_MAX: u32 = 65_536;
 pub const DEFAULT_CT_MAX: u32 = 262_144;
 /// `LB_SOURCE_RANGES` entries: one per (LoadBalancer frontend, source range).
 pub const DEFAULT_SOURCE_RANGES_MAX: u32 = 65_536;
+/// `LB_FRAG` entries: fragmented datagrams of translated flows in flight at once.
+pub const DEFAULT_FRAG_MAX: u32 = 8_192;
+/// How long a first fragment's translation applies to later fragments: Linux's
+/// default `ipfrag_time`, after which the receiver has given up on the datagram.
+pub const FRAG_TIMEOUT_NS: u64 = 30_000_000_000;
 
 /// Key of `LB_SERVICES`: one frontend and one of its slots.
 #[repr(C)]
@@ -318,6 +328,41 @@ pub const CT_STATE_ESTABLISHED: u8 = 1 << 1;
 pub const CT_STATE_FIN: u8 = 1 << 2;
 pub const CT_STATE_RST: u8 = 1 << 3;
 
+/// Key of `LB_FRAG` (LRU): one IPv4 datagram, as RFC 791 identifies its fragments,
+/// exactly as its fragments carry it (before any translation).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct FragKey {
+    /// Source IPv4 address, network byte order.
+    pub src_addr: u32,
+    /// Destination IPv4 address, network byte order.
+    pub dst_addr: u32,
+    /// The IPv4 identification field, network byte order.
+    pub id: u16,
+    /// `IPPROTO_TCP` or `IPPROTO_UDP`.
+    pub proto: u8,
+    /// Explicit padding; always zero so that hash lookups match.
+    pub _pad: u8,
+}
+const _: () = assert!(core::mem::size_of::<FragKey>() == 12);
+
+/// Value of `LB_FRAG`: the addresses the datagram's first fragment was rewritten to,
+/// which its later fragments (no L4 header, so no ports to match) get as well.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct FragValue {
+    /// `bpf_ktime_get_ns` when the first fragment passed; the entry is ignored after
+    /// `FRAG_TIMEOUT_NS` (the IP id may be reused by then).
+    pub created_ns: u64,
+    /// Rewritten source address, network byte order.
+    pub nat_src_addr: u32,
+    /// Rewritten destination address, network byte order.
+    pub nat_dst_addr: u32,
+}
+const _: () = assert!(core::mem::size_of::<FragValue>() == 16);
+
 /// Value of the per-CPU `LB_SVC_STATS` hash, keyed by a frontend's `rev_nat_id`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -425,7 +470,9 @@ pub mod stat {
     pub const TC_SNAT_EXHAUSTED: u32 = 10;
     /// TC: headers could not be parsed or rewritten (truncated, bad lengths); passed on.
     pub const TC_MALFORMED: u32 = 11;
-    /// TC: IP fragment of a frontend flow; passed on untranslated.
+    /// TC: a later IP fragment (no L4 header) whose first fragment was not
+    /// translated here (another flow, or it has not arrived yet); passed on
+    /// untranslated. Later fragments of translated datagrams count as `TC_CT_HIT`.
     pub const TC_FRAGMENT: u32 = 12;
     /// TC: new flow to a LoadBalancer IP from outside its `loadBalancerSourceRanges`;
     /// dropped.
@@ -467,4 +514,6 @@ mod user {
     unsafe impl aya::Pod for SvcStats {}
     unsafe impl aya::Pod for Attachment {}
     unsafe impl aya::Pod for SourceRangeKey {}
+    unsafe impl aya::Pod for FragKey {}
+    unsafe impl aya::Pod for FragValue {}
 }

@@ -5,7 +5,7 @@
 //!
 //! Entry points stay thin. Socket hooks: `sock` (context access), `sock_lb`
 //! (translation). Per-packet path: `packet` (parsing), `ct` (conntrack), `nat`
-//! (rewrite + checksums), `source_ranges` (loadBalancerSourceRanges), `tc_lb` (the
+//! (rewrite + checksums), `frag` (later fragments follow their first), `source_ranges` (loadBalancerSourceRanges), `tc_lb` (the
 //! flow logic). Shared: `select` (frontend
 //! lookup, backend choice, affinity), `stats`.
 #![no_std]
@@ -14,6 +14,7 @@
 mod csum;
 mod ct;
 mod fib;
+mod frag;
 mod icmp;
 mod maps;
 mod nat;

@@ -6,10 +6,10 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use lb_common::{
-    AffinityKey, AffinityValue, Attachment, Backend, CtKey, CtValue, ServiceKey, ServiceValue,
-    SockRevNatKey, SockRevNatValue, SourceRangeKey, SvcStats, DEFAULT_AFFINITY_MAX,
-    DEFAULT_BACKENDS_MAX, DEFAULT_CT_MAX, DEFAULT_SERVICES_MAX, DEFAULT_SOCK_REVNAT_MAX,
-    DEFAULT_SOURCE_RANGES_MAX,
+    AffinityKey, AffinityValue, Attachment, Backend, CtKey, CtValue, FragKey, FragValue,
+    ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, SvcStats,
+    DEFAULT_AFFINITY_MAX, DEFAULT_BACKENDS_MAX, DEFAULT_CT_MAX, DEFAULT_FRAG_MAX,
+    DEFAULT_SERVICES_MAX, DEFAULT_SOCK_REVNAT_MAX, DEFAULT_SOURCE_RANGES_MAX,
 };
 
 /// Not preallocated: sized for 100k frontends x 10 endpoints, memory follows the
@@ -72,3 +72,9 @@ pub static LB_ATTACHMENTS: HashMap<u32, Attachment, { lb_common::ATTACHMENTS_MAX
 #[btf_map]
 pub static LB_SOURCE_RANGES: LpmTrie<SourceRangeKey, u8, { DEFAULT_SOURCE_RANGES_MAX as usize }> =
     LpmTrie::new();
+
+/// The translation of fragmented datagrams, for their later fragments (see
+/// `frag.rs`). LRU: a datagram whose fragments never all came is forgotten first.
+#[btf_map]
+pub static LB_FRAG: LruHashMap<FragKey, FragValue, { DEFAULT_FRAG_MAX as usize }> =
+    LruHashMap::new();

@@ -50,6 +50,25 @@ pub fn rewrite(ctx: &TcContext, flow: &Flow, to: &Tuple) -> Result<(), i64> {
     Ok(())
 }
 
+/// Rewrites the addresses of a later fragment: an IP header without an L4 header
+/// behind it, so only the IP header checksum follows.
+#[inline(always)]
+pub fn rewrite_l3(
+    ctx: &TcContext,
+    saddr: u32,
+    daddr: u32,
+    to_saddr: u32,
+    to_daddr: u32,
+) -> Result<(), i64> {
+    for (field_off, from, to) in [(IP_SRC_OFF, saddr, to_saddr), (IP_DST_OFF, daddr, to_daddr)] {
+        if from != to {
+            ctx.l3_csum_replace(IP_CSUM_OFF, from as u64, to as u64, 4)?;
+            ctx.store(field_off, &to, 0)?;
+        }
+    }
+    Ok(())
+}
+
 #[inline(always)]
 fn rewrite_addr(
     ctx: &TcContext,

@@ -12,6 +12,8 @@ const TCP_MIN_HLEN: usize = 20;
 const UDP_HLEN: usize = 8;
 /// More-fragments flag and fragment offset bits of `frag_off` (host order).
 const IP_MF_OFFSET_MASK: u16 = 0x3fff;
+/// The fragment offset bits alone.
+const IP_OFFSET_MASK: u16 = 0x1fff;
 const IPPROTO_ICMP: u8 = 1;
 const ICMP_HLEN: usize = 8;
 const ICMP_DEST_UNREACH: u8 = 3;
@@ -39,6 +41,9 @@ pub struct Flow {
     pub tcp_flags: u8,
     /// Offset of the L4 header from the start of the frame.
     pub l4_off: usize,
+    /// The IPv4 identification (network byte order) when the packet is the first
+    /// fragment of a datagram: its translation must be remembered for the rest.
+    pub first_fragment_id: Option<u16>,
 }
 
 impl Flow {
@@ -68,14 +73,26 @@ pub struct IcmpError {
     pub inner_csum_present: bool,
 }
 
+/// A later fragment: the datagram it belongs to.
+#[derive(Clone, Copy)]
+pub struct Fragment {
+    /// Network byte order, as on the wire.
+    pub saddr: u32,
+    pub daddr: u32,
+    /// The IPv4 identification, network byte order.
+    pub id: u16,
+    pub proto: u8,
+}
+
 pub enum Parsed {
     /// Not IPv4, or not TCP/UDP: nothing for us.
     Ignored,
     /// Destination unreachable, time exceeded or parameter problem about a TCP/UDP
     /// packet: belongs to that packet's flow.
     IcmpError(IcmpError),
-    /// An IPv4 fragment: later fragments carry no ports, so it cannot be matched.
-    Fragment,
+    /// A later fragment of an IPv4 datagram (offset > 0): no L4 header, so it can
+    /// only follow what its first fragment got.
+    Fragment(Fragment),
     /// Header lengths that do not add up; left to the stack to discard.
     Malformed,
     Flow(Flow),
@@ -108,34 +125,64 @@ fn try_parse(ctx: &TcContext) -> Result<Parsed, ()> {
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP && proto != IPPROTO_ICMP {
         return Ok(Parsed::Ignored);
     }
-    if u16::from_be_bytes([ip[6], ip[7]]) & IP_MF_OFFSET_MASK != 0 {
-        return Ok(Parsed::Fragment);
+    let saddr = u32::from_ne_bytes([ip[12], ip[13], ip[14], ip[15]]);
+    let daddr = u32::from_ne_bytes([ip[16], ip[17], ip[18], ip[19]]);
+    let frag_off = u16::from_be_bytes([ip[6], ip[7]]);
+    let id = u16::from_ne_bytes([ip[4], ip[5]]);
+    let fragmented = frag_off & IP_MF_OFFSET_MASK != 0;
+    if fragmented && frag_off & IP_OFFSET_MASK != 0 {
+        return Ok(Parsed::Fragment(Fragment {
+            saddr,
+            daddr,
+            id,
+            proto,
+        }));
     }
     let l4_len = total_len - ihl;
     let l4_off = ETH_HLEN + ihl;
     if proto == IPPROTO_ICMP {
+        // An ICMP error split in fragments is not worth translating.
+        if fragmented {
+            return Ok(Parsed::Ignored);
+        }
         return parse_icmp_error(ctx, &ip, l4_off, ETH_HLEN + total_len);
     }
     let tcp_flags = if proto == IPPROTO_TCP {
         if l4_len < TCP_MIN_HLEN {
             return Err(());
         }
-        ctx.load::<u8>(l4_off + 13).map_err(|_| ())?
+        let [doff, flags]: [u8; 2] = ctx.load(l4_off + 12).map_err(|_| ())?;
+        // The header length must cover the fixed header and fit in the packet.
+        let doff = ((doff >> 4) as usize) * 4;
+        if doff < TCP_MIN_HLEN || doff > l4_len {
+            return Err(());
+        }
+        flags
     } else {
         if l4_len < UDP_HLEN {
+            return Err(());
+        }
+        // The UDP length covers the whole datagram: exactly this payload, or in a
+        // first fragment, more than it (the rest follows).
+        let udp_len = u16::from_be(ctx.load::<u16>(l4_off + 4).map_err(|_| ())?) as usize;
+        if udp_len < UDP_HLEN
+            || (!fragmented && udp_len != l4_len)
+            || (fragmented && udp_len <= l4_len)
+        {
             return Err(());
         }
         0
     };
     let ports: [u16; 2] = ctx.load(l4_off).map_err(|_| ())?;
     Ok(Parsed::Flow(Flow {
-        saddr: u32::from_ne_bytes([ip[12], ip[13], ip[14], ip[15]]),
-        daddr: u32::from_ne_bytes([ip[16], ip[17], ip[18], ip[19]]),
+        saddr,
+        daddr,
         sport: ports[0],
         dport: ports[1],
         proto,
         tcp_flags,
         l4_off,
+        first_fragment_id: fragmented.then_some(id),
     }))
 }
 
@@ -177,6 +224,7 @@ fn parse_icmp_error(
         proto: inner_proto,
         tcp_flags: 0,
         l4_off: inner_l4_off,
+        first_fragment_id: None,
     };
     Ok(Parsed::IcmpError(IcmpError {
         saddr: u32::from_ne_bytes([ip[12], ip[13], ip[14], ip[15]]),

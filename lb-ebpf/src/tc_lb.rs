@@ -10,7 +10,7 @@ use lb_common::{
 };
 
 use crate::{
-    ct, fib, icmp,
+    ct, fib, frag, icmp,
     nat::{self, Tuple},
     packet::{self, Flow, Parsed},
     reject, select, source_ranges, stats,
@@ -60,15 +60,13 @@ pub fn handle(ctx: &TcContext, scope: u8) -> i32 {
                 }
             };
         }
-        Parsed::Fragment => {
-            stats::bump(stat::TC_FRAGMENT);
-            return TC_ACT_OK;
-        }
+        Parsed::Fragment(fragment) => return frag::follow(ctx, &fragment),
         Parsed::Malformed => {
             stats::bump(stat::TC_MALFORMED);
             return TC_ACT_OK;
         }
     };
+    frag::forget(&flow);
     if let Some(to) = ct::follow(&flow) {
         stats::bump(stat::TC_CT_HIT);
         return apply(ctx, &flow, &to);
@@ -83,6 +81,7 @@ fn apply(ctx: &TcContext, flow: &Flow, to: &Tuple) -> i32 {
         stats::bump(stat::TC_MALFORMED);
         return TC_ACT_SHOT;
     }
+    frag::remember(flow, to);
     // A new source (SNAT, or a reply now from the frontend) may be an address of this
     // node, which routing input refuses: forward it ourselves.
     if to.saddr != flow.saddr {

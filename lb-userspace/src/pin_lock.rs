@@ -54,6 +54,26 @@ pub enum Wait {
 impl PinLock {
     /// Locks `dir` (which must exist). `Wait::Yes` blocks until the holder is gone.
     pub fn acquire(dir: &Path, wait: Wait) -> Result<Self, PinLockError> {
+        loop {
+            let lock = Self::lock_once(dir, wait)?;
+            // While we waited, `lb cleanup` may have taken the lock first and removed
+            // the directory, and the path may name a new one by now: a lock on the
+            // removed inode would guard nothing, and a second agent could lock the
+            // new directory beside us. Lock what the path names now.
+            if same_inode(&lock._lock, dir) {
+                return Ok(lock);
+            }
+            drop(lock);
+            if let Err(source) = std::fs::create_dir_all(dir) {
+                return Err(PinLockError::Open {
+                    path: dir.to_owned(),
+                    source,
+                });
+            }
+        }
+    }
+
+    fn lock_once(dir: &Path, wait: Wait) -> Result<Self, PinLockError> {
         let file = File::open(dir).map_err(|source| PinLockError::Open {
             path: dir.to_owned(),
             source,
@@ -78,6 +98,14 @@ impl PinLock {
     /// Who holds the lock on `dir`, if anyone does.
     pub fn holder_of(dir: &Path) -> Option<i32> {
         holder(dir)
+    }
+}
+
+/// Whether the locked directory is still the one `path` names.
+fn same_inode(locked: &File, path: &Path) -> bool {
+    match (locked.metadata(), std::fs::metadata(path)) {
+        (Ok(locked), Ok(now)) => locked.dev() == now.dev() && locked.ino() == now.ino(),
+        _ => false,
     }
 }
 
@@ -118,6 +146,48 @@ mod tests {
         let again = PinLock::acquire(&dir, Wait::No);
         assert!(again.is_ok(), "released when dropped");
         drop(again);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A waiter whose directory was removed (and created anew) while it waited ends
+    /// up holding the new directory, so nobody else can take it beside the waiter.
+    #[test]
+    fn a_waiter_locks_the_directory_the_path_names_when_it_gets_the_lock() {
+        let dir = std::env::temp_dir().join(format!("lb-pinlock-moved-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let holder = PinLock::acquire(&dir, Wait::No).unwrap();
+        let waiter = {
+            let dir = dir.clone();
+            std::thread::spawn(move || PinLock::acquire(&dir, Wait::Yes).unwrap())
+        };
+        // Wait until the waiter is blocked in flock: /proc/locks lists its request.
+        let me = std::process::id() as i32;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while procfs::locks()
+            .unwrap()
+            .iter()
+            .filter(|l| l.pid == Some(me) && l.lock_type == procfs::LockType::FLock)
+            .count()
+            < 2
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the waiter never blocked"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        // What `lb cleanup` and a new agent's create_dir_all do meanwhile.
+        std::fs::remove_dir(&dir).unwrap();
+        std::fs::create_dir(&dir).unwrap();
+        drop(holder);
+        let waiter = waiter.join().unwrap();
+        let second = PinLock::acquire(&dir, Wait::No);
+        assert!(
+            matches!(second, Err(PinLockError::Held { .. })),
+            "the new directory could be locked beside the waiter: {second:?}"
+        );
+        drop(second);
+        drop(waiter);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

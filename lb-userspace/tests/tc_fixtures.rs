@@ -523,25 +523,215 @@ fn truncated_and_malformed_headers_are_never_rewritten() {
     assert_eq!(f.stat(stat::TC_NEW_FLOW), 0);
 }
 
+/// A UDP datagram with `payload_len` bytes of payload (valid checksum) cut into IPv4
+/// fragments of at most `chunk` L4 bytes each (a multiple of 8), all with IP id
+/// `id`, in order.
+fn udp_fragments(
+    src: [u8; 4],
+    sport: u16,
+    dst: [u8; 4],
+    dport: u16,
+    id: u16,
+    payload_len: usize,
+    chunk: usize,
+) -> Vec<Vec<u8>> {
+    assert_eq!(chunk % 8, 0);
+    let payload: Vec<u8> = (0..payload_len).map(|i| (i * 7 % 251) as u8).collect();
+    let mut datagram = Vec::new();
+    datagram.extend_from_slice(&sport.to_be_bytes());
+    datagram.extend_from_slice(&dport.to_be_bytes());
+    datagram.extend_from_slice(&((8 + payload_len) as u16).to_be_bytes());
+    datagram.extend_from_slice(&[0, 0]);
+    datagram.extend_from_slice(&payload);
+    let c = l4_checksum(src, dst, UDP, &datagram);
+    datagram[6..8].copy_from_slice(&c.to_be_bytes());
+    let pieces: Vec<&[u8]> = datagram.chunks(chunk).collect();
+    pieces
+        .iter()
+        .enumerate()
+        .map(|(i, piece)| {
+            let more = if i + 1 < pieces.len() { 0x2000 } else { 0 };
+            let frag_off = more | ((i * chunk / 8) as u16);
+            with_ip_id(ipv4_frame(src, dst, UDP, &[], frag_off, piece), id)
+        })
+        .collect()
+}
+
+/// `frame` with another IPv4 identification (and its header checksum redone).
+fn with_ip_id(mut frame: Vec<u8>, id: u16) -> Vec<u8> {
+    frame[14 + 4..14 + 6].copy_from_slice(&id.to_be_bytes());
+    frame[14 + 10..14 + 12].copy_from_slice(&[0, 0]);
+    let ihl = usize::from(frame[14] & 0x0f) * 4;
+    let c = !fold(sum16(&frame[14..14 + ihl]));
+    frame[14 + 10..14 + 12].copy_from_slice(&c.to_be_bytes());
+    frame
+}
+
+/// Reassembles fragments as the receiver would (after checking each IP header
+/// checksum, and that all carry the same addresses and id) and checks the UDP
+/// checksum of the whole datagram: what the receiver sees.
+fn reassemble(frames: &[Vec<u8>]) -> Seen {
+    let header = |f: &[u8]| -> ([u8; 4], [u8; 4], u16) {
+        let ip = &f[14..];
+        let ihl = usize::from(ip[0] & 0x0f) * 4;
+        assert_eq!(
+            fold(sum16(&ip[..ihl])),
+            0xffff,
+            "IPv4 header checksum is wrong"
+        );
+        (
+            ip[12..16].try_into().unwrap(),
+            ip[16..20].try_into().unwrap(),
+            u16::from_be_bytes([ip[4], ip[5]]),
+        )
+    };
+    let first = header(&frames[0]);
+    let mut datagram = Vec::new();
+    for f in frames {
+        assert_eq!(header(f), first, "fragments of one datagram disagree");
+        let ip = &f[14..];
+        let ihl = usize::from(ip[0] & 0x0f) * 4;
+        let total = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
+        let offset = usize::from(u16::from_be_bytes([ip[6], ip[7]]) & 0x1fff) * 8;
+        assert_eq!(offset, datagram.len(), "fragments out of order");
+        datagram.extend_from_slice(&ip[ihl..total]);
+    }
+    let (src, dst, _) = first;
+    let pseudo = sum16(&src) + sum16(&dst) + u32::from(UDP) + datagram.len() as u32;
+    assert_eq!(
+        fold(pseudo + sum16(&datagram)),
+        0xffff,
+        "UDP checksum of the datagram is wrong"
+    );
+    assert_eq!(
+        usize::from(u16::from_be_bytes([datagram[4], datagram[5]])),
+        datagram.len()
+    );
+    Seen {
+        src,
+        sport: u16::from_be_bytes([datagram[0], datagram[1]]),
+        dst,
+        dport: u16::from_be_bytes([datagram[2], datagram[3]]),
+    }
+}
+
+/// A fragmented datagram to a NodePort (remote backend: DNAT and SNAT) and the
+/// backend's fragmented answer: the first fragment is translated through the
+/// flow, the later ones get the same addresses, and each reassembles into a
+/// datagram whose checksum holds.
 #[test]
-fn fragments_are_passed_untranslated_and_counted() {
+fn later_fragments_follow_their_first_fragment_both_ways() {
+    let mut f = Fixture::new();
+    f.program(&node_port(
+        Protocol::Udp,
+        &[backend(REMOTE_POD, 5353, false)],
+        None,
+    ));
+    let request = udp_fragments(CLIENT, 6000, NODE, NODE_PORT, 0x1111, 4000, 1480);
+    assert_eq!(request.len(), 3);
+    let mut out = Vec::new();
+    for frame in &request {
+        let (verdict, rewritten) = f.external(frame);
+        assert_eq!(verdict, TC_ACT_OK);
+        out.push(rewritten);
+    }
+    let forward = reassemble(&out);
+    assert_eq!(
+        (forward.src, forward.dst, forward.dport),
+        (NODE, REMOTE_POD, 5353)
+    );
+
+    // The answer, as large, from the other node back to our SNAT address and port.
+    let answer = udp_fragments(REMOTE_POD, 5353, NODE, forward.sport, 0x2222, 3900, 1480);
+    let out: Vec<Vec<u8>> = answer.iter().map(|frame| f.external(frame).1).collect();
+    assert_eq!(
+        reassemble(&out),
+        Seen {
+            src: NODE,
+            sport: NODE_PORT,
+            dst: CLIENT,
+            dport: 6000
+        }
+    );
+    assert_eq!(f.stat(stat::TC_NEW_FLOW), 1);
+    // The answer's first fragment and the four later fragments.
+    assert_eq!(f.stat(stat::TC_CT_HIT), 5);
+    assert_eq!(f.stat(stat::TC_FRAGMENT), 0);
+    assert_eq!(f.stat(stat::TC_MALFORMED), 0);
+}
+
+/// Later fragments whose first fragment was not translated here (it has not come,
+/// or it belongs to no frontend) pass untouched and are counted.
+#[test]
+fn later_fragments_without_a_translated_first_pass_untouched() {
     let mut f = Fixture::new();
     f.program(&node_port(
         Protocol::Udp,
         &[backend(LOCAL_POD, 5353, true)],
         None,
     ));
-    for frag_off in [
-        0x2000, /* MF, first */
-        0x0010, /* offset 128, last */
-    ] {
-        let mut p = Packet::udp(CLIENT, 6000, NODE, NODE_PORT);
-        p.frag_off = frag_off;
-        let frame = p.frame();
-        let (verdict, out) = f.external(&frame);
-        assert_eq!((verdict, &out), (TC_ACT_OK, &frame));
+    // To the NodePort, but the first fragment never arrives.
+    let orphan = udp_fragments(CLIENT, 6001, NODE, NODE_PORT, 0x3333, 3000, 1480);
+    // To another port: the first fragment passes as it is, and so do the others.
+    let other = udp_fragments(CLIENT, 6002, NODE, 53, 0x4444, 3000, 1480);
+    let frames: Vec<&Vec<u8>> = orphan[1..].iter().chain(other.iter()).collect();
+    for frame in &frames {
+        let (verdict, out) = f.external(frame);
+        assert_eq!((verdict, &out), (TC_ACT_OK, *frame));
     }
-    assert_eq!(f.stat(stat::TC_FRAGMENT), 2);
+    assert_eq!(
+        f.stat(stat::TC_FRAGMENT),
+        4,
+        "the later fragments are counted"
+    );
+    assert_eq!(f.stat(stat::TC_NEW_FLOW), 0);
+    assert_eq!(f.stat(stat::TC_CT_HIT), 0);
+}
+
+/// A TCP header claiming fewer than 20 bytes, or a UDP length that disagrees with
+/// the IP length, is malformed: counted, and passed on as it came.
+#[test]
+fn tcp_data_offset_below_5_and_udp_length_mismatch_are_malformed() {
+    let mut f = Fixture::new();
+    let mut desired = node_port(Protocol::Tcp, &[backend(LOCAL_POD, 8080, true)], None);
+    desired
+        .frontends
+        .extend(node_port(Protocol::Udp, &[backend(LOCAL_POD, 5353, true)], None).frontends);
+    f.program(&desired);
+
+    let mut cases: Vec<(&str, Vec<u8>)> = Vec::new();
+    let syn = Packet::tcp(CLIENT, 40010, NODE, NODE_PORT, SYN).frame();
+    let tcp_off = 14 + 20 + 12;
+    for doff in [0u8, 4] {
+        let mut frame = syn.clone();
+        frame[tcp_off] = doff << 4;
+        cases.push(("TCP data offset below 5", frame));
+    }
+    let mut past_end = syn.clone();
+    past_end[tcp_off] = 15 << 4;
+    cases.push(("TCP data offset past the packet", past_end));
+    let udp = Packet::udp(CLIENT, 6010, NODE, NODE_PORT).frame();
+    let udp_len_off = 14 + 20 + 4;
+    let real = u16::from_be_bytes([udp[udp_len_off], udp[udp_len_off + 1]]);
+    for (what, len) in [
+        ("UDP length above the IP length", real + 4),
+        ("UDP length below the IP length", real - 2),
+        ("UDP length below its header", 4),
+    ] {
+        let mut frame = udp.clone();
+        frame[udp_len_off..udp_len_off + 2].copy_from_slice(&len.to_be_bytes());
+        cases.push((what, frame));
+    }
+    for (what, frame) in &cases {
+        let (verdict, out) = f.external(frame);
+        assert_eq!(verdict, TC_ACT_OK, "{what}");
+        assert_eq!(&out, frame, "{what}: frame was changed");
+    }
+    assert_eq!(f.stat(stat::TC_MALFORMED), cases.len() as u64);
+    assert_eq!(f.stat(stat::TC_NEW_FLOW), 0);
+    // The same packets with honest lengths are translated.
+    assert_eq!(inspect(&f.external(&syn).1).dst, LOCAL_POD);
+    assert_eq!(inspect(&f.external(&udp).1).dst, LOCAL_POD);
 }
 
 #[test]

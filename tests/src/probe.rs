@@ -169,6 +169,19 @@ impl BulkReport {
     }
 }
 
+/// `lb-probe udp-echo`: large datagrams to an lb-echo `--bulk-port` (UDP side).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct UdpEchoReport {
+    /// An answer counts as answered only when it echoed the datagram byte for byte;
+    /// a changed echo is the error `MISMATCH`.
+    #[serde(flatten)]
+    pub tally: Tally,
+    /// Distinct source addresses `recvfrom()` reported ("ip:port").
+    pub sources: BTreeSet<String>,
+    /// Size of each datagram sent (bytes of UDP payload).
+    pub size: usize,
+}
+
 /// The byte stream of `lb-probe bulk`: xorshift64* from a seed, so the receiver can
 /// regenerate and compare what it expects without keeping a copy.
 #[derive(Clone, Debug)]

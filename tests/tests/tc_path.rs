@@ -20,6 +20,8 @@ use lb_tests::cluster::{
     WHOAMI_PORT,
 };
 use lb_tests::manifests::{Conditions, Service, ServicePort};
+use lb_tests::probe::UdpEchoReport;
+use lb_tests::util::ip;
 use lb_tests::{cargo_tools, lb_binary};
 
 /// Normal connect timeout of probes that expect an answer.
@@ -413,6 +415,70 @@ fn udp_node_port_to_remote_backend() -> Result<()> {
         "answers must come from the NodePort: {r:#?}"
     );
     ensure!(r.seen_ips("pod-b") == set(&[node1_ip()]), "{r:#?}");
+    Ok(())
+}
+
+/// (9) UDP datagrams larger than the MTU through NodePorts, to a local and to a
+/// remote backend: they travel as IP fragments both ways (the client's and the
+/// backend's stacks fragment them), every datagram reaches the backend whole and its
+/// echo comes back whole, from the NodePort.
+#[test]
+fn fragmented_udp_through_node_ports_arrives_whole_both_ways() -> Result<()> {
+    const SIZE: usize = 4000;
+    let service = |name: &str, vip: [u8; 4], node_port: u16| {
+        Service::new(
+            name,
+            Ipv4Addr::from(vip),
+            vec![ServicePort::udp("big", 53, BULK_PORT.into()).with_node_port(node_port.into())],
+        )
+        .node_port()
+    };
+    let local = service("big-local", [10, 96, 0, 38], 30054);
+    let remote = service("big-remote", [10, 96, 0, 39], 30055);
+    let cluster = setup(
+        two_backends(),
+        &[(&local, &["pod-a"]), (&remote, &["pod-b"])],
+        no_args,
+    )?;
+    // Datagrams of SIZE bytes must not fit the client's links, or nothing fragments.
+    let links = ip(&["-n", cluster.client().name(), "-o", "link", "show"])?;
+    for line in links.lines().filter(|l| !l.contains(" lo:")) {
+        let mtu: usize = line
+            .split_whitespace()
+            .skip_while(|w| *w != "mtu")
+            .nth(1)
+            .and_then(|m| m.parse().ok())
+            .with_context(|| format!("no mtu in {line}"))?;
+        ensure!(mtu < SIZE, "the client's link fits {SIZE} bytes: {line}");
+    }
+
+    for (node_port, pod) in [(30054, "pod-a"), (30055, "pod-b")] {
+        let np = SocketAddrV4::new(node1_ip(), node_port);
+        cluster.wait_frontend(
+            0,
+            np,
+            "UDP",
+            "internal",
+            &pod_addrs(&cluster, &[pod], BULK_PORT)?,
+        )?;
+        let args: Vec<String> = ["udp-echo", "--to", &np.to_string(), "--count", "5"]
+            .into_iter()
+            .map(String::from)
+            .chain(["--size".to_string(), SIZE.to_string()])
+            .collect();
+        let r: UdpEchoReport =
+            cluster.probe_in(cluster.client(), &args, Duration::from_secs(60))?;
+        let stats = cluster.all_stats();
+        ensure!(
+            r.tally.answered == 5 && r.tally.errors.is_empty(),
+            "{SIZE}-byte datagrams to {np} ({pod}): {r:#?}\n{stats}"
+        );
+        ensure!(r.tally.names() == [pod].into(), "{r:#?}");
+        ensure!(
+            r.sources == [np.to_string()].into(),
+            "answers must come from the NodePort: {r:#?}"
+        );
+    }
     Ok(())
 }
 

@@ -10,8 +10,10 @@
 //!   TCP writes `<name> <peer-ip>:<peer-port>\n` on accept and closes; UDP answers
 //!   each datagram with `<name> <peer-ip>:<peer-port>`. This is how a test checks
 //!   whether a backend saw the client's own address or a SNAT address.
-//! - `--bulk-port P` (TCP only): writes `<name>\n`, then echoes every byte it
-//!   receives until the client closes its side, then closes too.
+//! - `--bulk-port P`: TCP writes `<name>\n`, then echoes every byte it receives
+//!   until the client closes its side, then closes too. UDP answers each datagram
+//!   (up to 64 KiB: larger than the MTU, so IP fragments both ways) with
+//!   `<name>\n` followed by the datagram itself.
 //!
 //! The name in every answer is how a test learns which backend it reached. Threads and
 //! std only: it has to start fast and never be the thing under test.
@@ -106,18 +108,18 @@ fn serve_tcp(name: Arc<str>, listener: TcpListener, handler: ConnHandler) {
     }
 }
 
-fn serve_udp(name: Arc<str>, socket: UdpSocket, whoami: bool) {
-    let mut buf = [0u8; 2048];
+fn serve_udp(name: Arc<str>, socket: UdpSocket, kind: Kind) {
+    let mut buf = vec![0u8; 65_536];
     loop {
-        let Ok((_, from)) = socket.recv_from(&mut buf) else {
+        let Ok((n, from)) = socket.recv_from(&mut buf) else {
             continue;
         };
-        let answer = if whoami {
-            format!("{name} {from}")
-        } else {
-            name.to_string()
+        let answer = match kind {
+            Kind::Whoami => format!("{name} {from}").into_bytes(),
+            Kind::Echo => name.as_bytes().to_vec(),
+            Kind::Bulk => [format!("{name}\n").as_bytes(), &buf[..n]].concat(),
         };
-        let _ = socket.send_to(answer.as_bytes(), from);
+        let _ = socket.send_to(&answer, from);
     }
 }
 
@@ -163,9 +165,6 @@ fn main() -> ExitCode {
         };
         let n = Arc::clone(&name);
         handles.push(thread::spawn(move || serve_tcp(n, tcp, handler)));
-        if matches!(kind, Kind::Bulk) {
-            continue;
-        }
         let udp = match UdpSocket::bind(addr) {
             Ok(u) => u,
             Err(e) => {
@@ -174,8 +173,7 @@ fn main() -> ExitCode {
             }
         };
         let n = Arc::clone(&name);
-        let whoami = matches!(kind, Kind::Whoami);
-        handles.push(thread::spawn(move || serve_udp(n, udp, whoami)));
+        handles.push(thread::spawn(move || serve_udp(n, udp, kind)));
     }
     // Everything is bound: the testbed waits for this line before using the pod.
     println!("listening");

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use lb_tests::probe::{
-    BulkReport, HoldHello, PatternStream, Tally, TcpReport, UdpConnectedReport, UdpReport,
-    WhoamiAnswer, WhoamiReport,
+    BulkReport, HoldHello, PatternStream, Tally, TcpReport, UdpConnectedReport, UdpEchoReport,
+    UdpReport, WhoamiAnswer, WhoamiReport,
 };
 use lb_tests::util::io_error_name;
 
@@ -84,6 +84,17 @@ enum Mode {
         #[arg(long, default_value_t = 2000)]
         connect_timeout_ms: u64,
     },
+    /// N datagrams of SIZE bytes (larger than the MTU: IP fragments) to an lb-echo
+    /// `--bulk-port`, each from a new unconnected socket; each answer must echo the
+    /// datagram byte for byte.
+    UdpEcho {
+        #[arg(long)]
+        to: SocketAddrV4,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65_000))]
+        size: u32,
+    },
     /// One TCP connection to an lb-echo `--bulk-port`: sends BYTES of a pseudo-random
     /// stream while reading the echo back, and compares every byte.
     Bulk {
@@ -130,6 +141,9 @@ fn main() -> ExitCode {
                 ))
             };
             report.and_then(|r| print_json(&r))
+        }
+        Mode::UdpEcho { to, count, size } => {
+            udp_echo(to, count, size as usize).and_then(|r| print_json(&r))
         }
         Mode::Bulk {
             to,
@@ -249,6 +263,44 @@ fn udp(to: SocketAddrV4, count: u32, per_socket: u32) -> Result<UdpReport> {
                 report.sources.insert(from.to_string());
                 report.tally.answer(&name);
                 report.per_socket.last_mut().expect("pushed").insert(name);
+            }
+            Err(e) => record(&mut report.tally, "recvfrom", &e),
+        }
+    }
+    Ok(report)
+}
+
+fn udp_echo(to: SocketAddrV4, count: u32, size: usize) -> Result<UdpEchoReport> {
+    let mut report = UdpEchoReport {
+        size,
+        ..UdpEchoReport::default()
+    };
+    let mut buf = vec![0u8; 65_536];
+    for i in 0..count {
+        report.tally.attempts += 1;
+        let mut datagram = vec![0u8; size];
+        PatternStream::new(u64::from(i)).fill(&mut datagram);
+        let socket = new_udp_socket()?;
+        if let Err(e) = socket.send_to(&datagram, to) {
+            record(&mut report.tally, "sendto", &e);
+            continue;
+        }
+        match socket.recv_from(&mut buf) {
+            Ok((n, from)) => {
+                report.sources.insert(from.to_string());
+                // `<name>\n` and the datagram.
+                let answer = &buf[..n];
+                let split = answer.iter().position(|b| *b == b'\n');
+                match split {
+                    Some(at) if answer[at + 1..] == datagram[..] => {
+                        report.tally.answer(&String::from_utf8_lossy(&answer[..at]));
+                    }
+                    _ => report.tally.error(
+                        "recvfrom",
+                        "MISMATCH".into(),
+                        &format!("{n} bytes back for {size} sent"),
+                    ),
+                }
             }
             Err(e) => record(&mut report.tally, "recvfrom", &e),
         }
