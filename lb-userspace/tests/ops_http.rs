@@ -599,3 +599,88 @@ async fn binding_a_taken_port_fails_with_the_address() {
     assert_eq!(*failed, addr);
     assert!(err.to_string().contains(&addr.to_string()), "{err}");
 }
+
+/// `/healthz` must answer within this while hostile clients are connected.
+const PROBE_DEADLINE: Duration = Duration::from_secs(1);
+
+async fn probe_healthz(addr: SocketAddr, when: &str) {
+    let reply = tokio::time::timeout(PROBE_DEADLINE, get(addr, "/healthz"))
+        .await
+        .unwrap_or_else(|_| panic!("/healthz did not answer within {PROBE_DEADLINE:?} {when}"));
+    assert_eq!(reply.status, 200, "{when}: {}", reply.body);
+}
+
+/// A hostile crowd, as a kubelet probe or a load balancer's health check would meet
+/// it: 200 clients that send half a request line and stall (slowloris), malformed
+/// and oversized requests. `/healthz` keeps answering 200 within a second
+/// throughout, with the default connection limit and with one far below the crowd
+/// (where the stalled clients are closed to make room, oldest first).
+#[tokio::test]
+async fn healthz_survives_slow_and_malformed_clients() {
+    const STALLED: usize = 200;
+    let status = Arc::new(AgentStatus::new());
+    status.record_sync(Duration::from_millis(1), 1, 1);
+    status.mark_initial_sync();
+    // A request timeout longer than the test: only the connection handling can
+    // keep the probes in, not stalled clients timing out.
+    let patient =
+        ServeConfig::new(Duration::from_secs(60)).request_timeout(Duration::from_secs(60));
+    for (config, limit) in [
+        (patient.clone(), None),
+        (patient.clone().max_connections(32), Some(32)),
+    ] {
+        let addr = start(status.clone(), config).await;
+        let mut stalled = Vec::new();
+        for i in 0..STALLED {
+            let mut stream = TcpStream::connect(addr).await.unwrap();
+            stream.write_all(b"GET /hea").await.unwrap();
+            stalled.push(stream);
+            if i % 25 == 24 {
+                probe_healthz(addr, &format!("with {} stalled clients", i + 1)).await;
+            }
+        }
+        let mut huge = b"GET /healthz HTTP/1.1\r\n".to_vec();
+        while huge.len() <= 4 * MAX_REQUEST_BYTES {
+            huge.extend_from_slice(b"X-Filler: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n");
+        }
+        for (request, expected) in [
+            (&b"GARBAGE\r\n\r\n"[..], 400),
+            (b"GET /\xff HTTP/1.1\r\n\r\n", 400),
+            (b"GET /healthz HTTP/1.1\r\nBad Header\r\n\r\n", 400),
+            (&huge, 431),
+        ] {
+            let reply = exchange(addr, request).await;
+            assert_eq!(
+                reply.status,
+                expected,
+                "{}",
+                String::from_utf8_lossy(request)
+            );
+            probe_healthz(addr, "after a bad request").await;
+        }
+        for round in 0..10 {
+            probe_healthz(addr, &format!("round {round} with the crowd still there")).await;
+        }
+        // With the low limit, the stalled clients made room: all but the newest
+        // few were closed by the server.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+        let mut closed = 0;
+        for stream in &mut stalled {
+            let mut buf = [0u8; 64];
+            if let Ok(read) = tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
+                assert!(
+                    !matches!(read, Ok(n) if n > 0),
+                    "a stalled client got an answer"
+                );
+                closed += 1;
+            }
+        }
+        match limit {
+            None => assert_eq!(closed, 0, "no stalled client is closed under the limit"),
+            Some(limit) => assert!(
+                closed >= STALLED - limit,
+                "{closed} of {STALLED} stalled clients closed with a limit of {limit}"
+            ),
+        }
+    }
+}
