@@ -17,14 +17,15 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::Full;
+use http_body_util::{BodyExt, Empty, Full};
 use hyper::body::Incoming;
-use hyper::header::{HeaderValue, ALLOW, CACHE_CONTROL, CONTENT_TYPE};
+use hyper::header::{HeaderValue, ALLOW, CACHE_CONTROL, CONTENT_TYPE, HOST};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -186,6 +187,56 @@ async fn linger(stream: &mut TcpStream) {
         }
     })
     .await;
+}
+
+/// Why a GET to an agent listener got no usable answer.
+#[derive(Debug, thiserror::Error)]
+pub enum GetError {
+    #[error("cannot connect to {addr}: {source}")]
+    Connect {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("no answer from {addr} within {timeout:?}")]
+    Timeout { addr: SocketAddr, timeout: Duration },
+    #[error("HTTP exchange with {addr} failed: {source}")]
+    Http {
+        addr: SocketAddr,
+        #[source]
+        source: hyper::Error,
+    },
+}
+
+/// `GET path` from `addr` with hyper's HTTP/1 client: the status and the body,
+/// all within `timeout`.
+pub(super) async fn get(
+    addr: SocketAddr,
+    path: &str,
+    timeout: Duration,
+) -> Result<(StatusCode, Bytes), GetError> {
+    let exchange = async {
+        let stream = TcpStream::connect(addr)
+            .await
+            .map_err(|source| GetError::Connect { addr, source })?;
+        let http = |source| GetError::Http { addr, source };
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(http)?;
+        let driver = tokio::spawn(conn);
+        let request = Request::get(path)
+            .header(HOST, addr.to_string())
+            .body(Empty::<Bytes>::new())
+            .expect("a path and a socket address make a valid request");
+        let response = sender.send_request(request).await.map_err(http)?;
+        let status = response.status();
+        let body = response.into_body().collect().await.map_err(http)?;
+        driver.abort();
+        Ok((status, body.to_bytes()))
+    };
+    tokio::time::timeout(timeout, exchange)
+        .await
+        .map_err(|_| GetError::Timeout { addr, timeout })?
 }
 
 fn respond(request: &Request<Incoming>, answer: &Answer) -> Response<Full<Bytes>> {

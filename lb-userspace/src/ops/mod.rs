@@ -22,9 +22,11 @@ pub mod metrics;
 pub mod status;
 
 pub use health_check::HealthCheckServers;
-pub use http::MAX_REQUEST_BYTES;
+pub use http::{GetError, MAX_REQUEST_BYTES};
 pub use metrics::{LAST_CHANGE_TRIGGER_TIME, SYNC_DURATION_BUCKETS};
-pub use status::{rfc3339, AgentStatus, Clock, Health, ManualClock, SystemClock};
+pub use status::{
+    rfc3339, AgentStatus, Clock, Health, ManualClock, StatusReport, SystemClock, UnreadableFile,
+};
 
 use http::{Limits, Reply};
 
@@ -50,6 +52,35 @@ pub enum OpsError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// Why `lb status` could not get the agent's own view.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    #[error(transparent)]
+    Get(#[from] GetError),
+    #[error(
+        "{addr}/status answered {status}; is --metrics-address the agent's --metrics-bind-address?"
+    )]
+    Status {
+        addr: SocketAddr,
+        status: StatusCode,
+    },
+    #[error("{addr}/status answered something that is not the agent's status: {source}")]
+    Body {
+        addr: SocketAddr,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Asks the agent whose metrics listener is at `addr` for its `/status`.
+pub async fn fetch_status(addr: SocketAddr, timeout: Duration) -> Result<StatusReport, FetchError> {
+    let (status, body) = http::get(addr, "/status", timeout).await?;
+    if status != StatusCode::OK {
+        return Err(FetchError::Status { addr, status });
+    }
+    serde_json::from_slice(&body).map_err(|source| FetchError::Body { addr, source })
 }
 
 /// A listen address flag where the empty string means "off", as kube-proxy's

@@ -267,20 +267,23 @@ impl AgentStatus {
         (health, body)
     }
 
-    /// The `/status` body: what an operator asks `lb status` about the agent.
+    /// What `/status` answers: what an operator asks `lb status` about the agent.
+    pub fn report(&self) -> StatusReport {
+        StatusReport {
+            initial_sync_done: self.initial_sync_done(),
+            unreadable_files: self
+                .unreadable_files()
+                .into_iter()
+                .map(|(path, reason)| UnreadableFile { path, reason })
+                .collect(),
+        }
+    }
+
+    /// The `/status` body: [`AgentStatus::report`] in JSON.
     pub fn status_json(&self) -> String {
-        let files: Vec<serde_json::Value> = self
-            .unreadable_files()
-            .into_iter()
-            .map(|(path, reason)| {
-                serde_json::json!({"path": path.to_string_lossy(), "reason": reason})
-            })
-            .collect();
-        let body = serde_json::json!({
-            "initialSyncDone": self.initial_sync_done(),
-            "unreadableFiles": files,
-        });
-        format!("{body}\n")
+        let mut body = serde_json::to_string(&self.report()).expect("plain data serializes");
+        body.push('\n');
+        body
     }
 
     /// The `/metrics` body in the OpenMetrics text format, after running the
@@ -297,6 +300,21 @@ impl AgentStatus {
             .map_or(Duration::ZERO, |since| now.saturating_duration_since(since));
         self.metrics.encode(pending)
     }
+}
+
+/// The agent's own view, as `/status` serves it and `lb status` prints it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StatusReport {
+    pub initial_sync_done: bool,
+    /// Manifest files the agent cannot read, in file name order.
+    pub unreadable_files: Vec<UnreadableFile>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct UnreadableFile {
+    pub path: PathBuf,
+    pub reason: String,
 }
 
 /// `time` in RFC 3339, UTC, whole seconds (`2024-05-01T10:00:00Z`). Times before
