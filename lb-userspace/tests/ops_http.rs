@@ -530,6 +530,43 @@ async fn routes_limit_what_a_server_answers() {
     assert_eq!(get(healthz, "/metrics").await.status, 404);
     assert_eq!(get(metrics, "/metrics").await.status, 200);
     assert_eq!(get(metrics, "/healthz").await.status, 404);
+    // kube-proxy's /proxyMode and lb's /status go with the metrics.
+    let mode = get(metrics, "/proxyMode").await;
+    assert_eq!((mode.status, mode.body.as_str()), (200, "ebpf"));
+    assert_eq!(get(healthz, "/proxyMode").await.status, 404);
+    assert_eq!(get(healthz, "/status").await.status, 404);
+}
+
+#[tokio::test]
+async fn status_lists_unreadable_files_and_fetch_status_reads_it() {
+    let status = Arc::new(AgentStatus::new());
+    let addr = start(status.clone(), ServeConfig::new(Duration::from_secs(60))).await;
+    let reply = get(addr, "/status").await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.header("content-type"), Some("application/json"));
+    assert_eq!(reply.json()["unreadableFiles"], serde_json::json!([]));
+
+    status.set_unreadable_files(vec![(
+        "/m/a.yaml".into(),
+        "a FIFO, not a regular file".into(),
+    )]);
+    let report = ops::fetch_status(addr, CLIENT_DEADLINE).await.unwrap();
+    assert_eq!(
+        report.unreadable_files,
+        [ops::UnreadableFile {
+            path: "/m/a.yaml".into(),
+            reason: "a FIFO, not a regular file".into()
+        }]
+    );
+
+    // Asked where nothing listens: the error names the address.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let nobody = closed.local_addr().unwrap();
+    drop(closed);
+    let err = ops::fetch_status(nobody, CLIENT_DEADLINE)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains(&nobody.to_string()), "{err}");
 }
 
 #[tokio::test]
