@@ -354,6 +354,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                     desired.frontends.len(),
                     desired.backend_count(),
                 );
+                status.record_programmed(&current.slices);
             }
             Err(SyncError::Attach(e)) => return Err(e.into()),
             Err(SyncError::Maps(e)) => {

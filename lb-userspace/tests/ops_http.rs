@@ -39,7 +39,11 @@ fn parse_reply(raw: &[u8]) -> Reply {
     let mut lines = head.split("\r\n");
     let status_line = lines.next().unwrap();
     let mut parts = status_line.splitn(3, ' ');
-    assert_eq!(parts.next(), Some("HTTP/1.1"), "{status_line}");
+    // hyper answers an HTTP/1.0 request in HTTP/1.0.
+    assert!(
+        matches!(parts.next(), Some("HTTP/1.1" | "HTTP/1.0")),
+        "{status_line}"
+    );
     let status = parts.next().unwrap().parse().unwrap();
     let headers: BTreeMap<String, String> = lines
         .map(|l| {
@@ -270,8 +274,11 @@ fn parse_sample(line: &str) -> Sample {
     }
 }
 
-/// Checks every line of the text format and returns the samples.
+/// Checks every line of the OpenMetrics text format and returns the samples.
 fn parse_exposition(text: &str) -> Vec<Sample> {
+    let text = text
+        .strip_suffix("# EOF\n")
+        .expect("the exposition ends with # EOF");
     assert!(text.ends_with('\n'));
     let mut types = BTreeMap::new();
     let mut samples = Vec::new();
@@ -293,13 +300,19 @@ fn parse_exposition(text: &str) -> Vec<Sample> {
             continue;
         }
         let sample = parse_sample(line);
-        let family = ["_bucket", "_sum", "_count"]
-            .iter()
-            .find_map(|suffix| {
-                let base = sample.name.strip_suffix(suffix)?;
-                (types.get(base).map(String::as_str) == Some("histogram")).then_some(base)
-            })
-            .unwrap_or(&sample.name);
+        // A family's samples: histograms add _bucket/_sum/_count, counters _total.
+        let family = [
+            ("_bucket", "histogram"),
+            ("_sum", "histogram"),
+            ("_count", "histogram"),
+            ("_total", "counter"),
+        ]
+        .iter()
+        .find_map(|(suffix, kind)| {
+            let base = sample.name.strip_suffix(suffix)?;
+            (types.get(base).map(String::as_str) == Some(*kind)).then_some(base)
+        })
+        .unwrap_or(&sample.name);
         assert!(types.contains_key(family), "no TYPE before {line:?}");
         samples.push(sample);
     }
@@ -350,7 +363,7 @@ async fn metrics_report_what_was_recorded() {
     assert_eq!(reply.status, 200);
     assert_eq!(
         reply.header("content-type"),
-        Some("text/plain; version=0.0.4; charset=utf-8")
+        Some("application/openmetrics-text; version=1.0.0; charset=utf-8")
     );
     let samples = parse_exposition(&reply.body);
     let v = |name, labels: &[(&str, &str)]| value(&samples, name, labels);
@@ -408,14 +421,14 @@ async fn metrics_report_what_was_recorded() {
         .collect();
     for declared in [
         "lb_sync_duration_seconds histogram",
-        "lb_syncs_total counter",
-        "lb_sync_errors_total counter",
+        "lb_syncs counter",
+        "lb_sync_errors counter",
         "lb_object_errors gauge",
         "lb_last_sync_timestamp_seconds gauge",
         "lb_sync_pending_seconds gauge",
         "lb_map_entries gauge",
         "lb_map_capacity gauge",
-        "lb_datapath_events_total counter",
+        "lb_datapath_events counter",
     ] {
         assert!(kinds.contains(declared), "{declared} missing");
     }
@@ -489,11 +502,12 @@ async fn other_paths_and_methods_are_refused() {
         let reply = exchange(addr, bad).await;
         assert_eq!(reply.status, 400, "{}", String::from_utf8_lossy(bad));
     }
+    // hyper refuses any version but HTTP/1.x as a malformed request.
     assert_eq!(
         exchange(addr, b"GET /healthz HTTP/2.0\r\n\r\n")
             .await
             .status,
-        505
+        400
     );
     // HTTP/1.0 and bare newlines are still understood.
     assert_eq!(
@@ -516,21 +530,43 @@ async fn routes_limit_what_a_server_answers() {
     assert_eq!(get(healthz, "/metrics").await.status, 404);
     assert_eq!(get(metrics, "/metrics").await.status, 200);
     assert_eq!(get(metrics, "/healthz").await.status, 404);
+    // kube-proxy's /proxyMode and lb's /status go with the metrics.
+    let mode = get(metrics, "/proxyMode").await;
+    assert_eq!((mode.status, mode.body.as_str()), (200, "ebpf"));
     assert_eq!(get(healthz, "/proxyMode").await.status, 404);
+    assert_eq!(get(healthz, "/status").await.status, 404);
 }
 
 #[tokio::test]
-async fn proxy_mode_is_answered_next_to_the_metrics() {
+async fn status_lists_unreadable_files_and_fetch_status_reads_it() {
     let status = Arc::new(AgentStatus::new());
-    let addr = start(status, ServeConfig::new(Duration::from_secs(60))).await;
-    let reply = get(addr, "/proxyMode").await;
+    let addr = start(status.clone(), ServeConfig::new(Duration::from_secs(60))).await;
+    let reply = get(addr, "/status").await;
     assert_eq!(reply.status, 200);
-    // kube-proxy writes the bare mode, no newline: clients compare it as is.
-    assert_eq!(reply.body, "ebpf");
+    assert_eq!(reply.header("content-type"), Some("application/json"));
+    assert_eq!(reply.json()["unreadableFiles"], serde_json::json!([]));
+
+    status.set_unreadable_files(vec![(
+        "/m/a.yaml".into(),
+        "a FIFO, not a regular file".into(),
+    )]);
+    let report = ops::fetch_status(addr, CLIENT_DEADLINE).await.unwrap();
     assert_eq!(
-        reply.header("content-type"),
-        Some("text/plain; charset=utf-8")
+        report.unreadable_files,
+        [ops::UnreadableFile {
+            path: "/m/a.yaml".into(),
+            reason: "a FIFO, not a regular file".into()
+        }]
     );
+
+    // Asked where nothing listens: the error names the address.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let nobody = closed.local_addr().unwrap();
+    drop(closed);
+    let err = ops::fetch_status(nobody, CLIENT_DEADLINE)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains(&nobody.to_string()), "{err}");
 }
 
 #[tokio::test]
@@ -599,4 +635,89 @@ async fn binding_a_taken_port_fails_with_the_address() {
     let OpsError::Bind { addr: failed, .. } = &err;
     assert_eq!(*failed, addr);
     assert!(err.to_string().contains(&addr.to_string()), "{err}");
+}
+
+/// `/healthz` must answer within this while hostile clients are connected.
+const PROBE_DEADLINE: Duration = Duration::from_secs(1);
+
+async fn probe_healthz(addr: SocketAddr, when: &str) {
+    let reply = tokio::time::timeout(PROBE_DEADLINE, get(addr, "/healthz"))
+        .await
+        .unwrap_or_else(|_| panic!("/healthz did not answer within {PROBE_DEADLINE:?} {when}"));
+    assert_eq!(reply.status, 200, "{when}: {}", reply.body);
+}
+
+/// A hostile crowd, as a kubelet probe or a load balancer's health check would meet
+/// it: 200 clients that send half a request line and stall (slowloris), malformed
+/// and oversized requests. `/healthz` keeps answering 200 within a second
+/// throughout, with the default connection limit and with one far below the crowd
+/// (where the stalled clients are closed to make room, oldest first).
+#[tokio::test]
+async fn healthz_survives_slow_and_malformed_clients() {
+    const STALLED: usize = 200;
+    let status = Arc::new(AgentStatus::new());
+    status.record_sync(Duration::from_millis(1), 1, 1);
+    status.mark_initial_sync();
+    // A request timeout longer than the test: only the connection handling can
+    // keep the probes in, not stalled clients timing out.
+    let patient =
+        ServeConfig::new(Duration::from_secs(60)).request_timeout(Duration::from_secs(60));
+    for (config, limit) in [
+        (patient.clone(), None),
+        (patient.clone().max_connections(32), Some(32)),
+    ] {
+        let addr = start(status.clone(), config).await;
+        let mut stalled = Vec::new();
+        for i in 0..STALLED {
+            let mut stream = TcpStream::connect(addr).await.unwrap();
+            stream.write_all(b"GET /hea").await.unwrap();
+            stalled.push(stream);
+            if i % 25 == 24 {
+                probe_healthz(addr, &format!("with {} stalled clients", i + 1)).await;
+            }
+        }
+        let mut huge = b"GET /healthz HTTP/1.1\r\n".to_vec();
+        while huge.len() <= 4 * MAX_REQUEST_BYTES {
+            huge.extend_from_slice(b"X-Filler: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n");
+        }
+        for (request, expected) in [
+            (&b"GARBAGE\r\n\r\n"[..], 400),
+            (b"GET /\xff HTTP/1.1\r\n\r\n", 400),
+            (b"GET /healthz HTTP/1.1\r\nBad Header\r\n\r\n", 400),
+            (&huge, 431),
+        ] {
+            let reply = exchange(addr, request).await;
+            assert_eq!(
+                reply.status,
+                expected,
+                "{}",
+                String::from_utf8_lossy(request)
+            );
+            probe_healthz(addr, "after a bad request").await;
+        }
+        for round in 0..10 {
+            probe_healthz(addr, &format!("round {round} with the crowd still there")).await;
+        }
+        // With the low limit, the stalled clients made room: all but the newest
+        // few were closed by the server.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+        let mut closed = 0;
+        for stream in &mut stalled {
+            let mut buf = [0u8; 64];
+            if let Ok(read) = tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
+                assert!(
+                    !matches!(read, Ok(n) if n > 0),
+                    "a stalled client got an answer"
+                );
+                closed += 1;
+            }
+        }
+        match limit {
+            None => assert_eq!(closed, 0, "no stalled client is closed under the limit"),
+            Some(limit) => assert!(
+                closed >= STALLED - limit,
+                "{closed} of {STALLED} stalled clients closed with a limit of {limit}"
+            ),
+        }
+    }
 }

@@ -149,6 +149,32 @@ fn metric(addr: SocketAddrV4, name: &str) -> Result<u64> {
     Ok(value.trim().parse()?)
 }
 
+/// `lb status` (text, or `--json`) asking the agent at `addr`; it must succeed.
+fn lb_status(bed: &Bed, addr: SocketAddrV4, json: bool) -> Result<String> {
+    let json: &[&str] = if json { &["--json"] } else { &[] };
+    Spawner::new(&bed.lb)
+        .label("lb status")
+        .arg("status")
+        .arg("--pin-dir")
+        .arg(bed.pins.path())
+        .arg("--metrics-address")
+        .arg(addr.to_string())
+        .args(json)
+        .env("RUST_BACKTRACE", "0")
+        .output(Duration::from_secs(10))?
+        .checked_stdout()
+}
+
+/// The `path: reason` lines `lb status` prints for unreadable manifest files.
+fn unreadable_in_status(text: &str, dir: &Path) -> Vec<String> {
+    let dir = dir.display().to_string();
+    text.lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with(&dir))
+        .map(str::to_owned)
+        .collect()
+}
+
 /// The one `Error: ...` line a failed `lb` prints, with its exit code checked.
 fn error_line(out: &Output, code: i32) -> Result<String> {
     ensure!(
@@ -179,7 +205,7 @@ fn backends_of(entries: &[ServiceEntry]) -> Vec<SocketAddrV4> {
 /// Item 1: a binary file, a dangling symlink, a symlink loop, a FIFO and a file whose
 /// read fails with EIO sit next to the good manifest. The good Service is
 /// programmed at start and its edits apply at run time; each bad file is logged once
-/// with its cause and counted in /metrics until it is removed.
+/// with its cause, counted in /metrics and listed by `lb status` until it is removed.
 #[test]
 fn unreadable_files_do_not_stop_the_directory() -> Result<()> {
     use std::os::unix::fs::symlink;
@@ -224,6 +250,33 @@ fn unreadable_files_do_not_stop_the_directory() -> Result<()> {
         })?;
     }
     ensure!(metric(addr, "lb_manifest_files_unreadable")? == 6);
+    // `lb status` shows each of them with its reason, next to the attachments.
+    let status = lb_status(&bed, addr, false)?;
+    ensure!(status.starts_with("IFINDEX"), "{status}");
+    let listed = unreadable_in_status(&status, dir);
+    ensure!(listed.len() == bad.len(), "{status}");
+    for (file, cause) in bad {
+        let path = dir.join(file).display().to_string();
+        ensure!(
+            listed
+                .iter()
+                .any(|l| l.starts_with(&format!("{path}: ")) && l.contains(cause)),
+            "{file} ({cause}) not listed by lb status:\n{status}"
+        );
+    }
+    let json: serde_json::Value = serde_json::from_str(&lb_status(&bed, addr, true)?)?;
+    ensure!(json["links"].is_array(), "{json}");
+    let files = json["agent"]["unreadableFiles"]
+        .as_array()
+        .with_context(|| format!("no agent.unreadableFiles in {json}"))?;
+    ensure!(files.len() == bad.len(), "{json}");
+    let fifo = dir.join("fifo.yaml").display().to_string();
+    ensure!(
+        files
+            .iter()
+            .any(|f| f["path"] == fifo.as_str() && f["reason"] == "a FIFO, not a regular file"),
+        "{json}"
+    );
 
     // Edits of the good file still apply while the bad ones are there.
     bed.manifests.write("web.yaml", &web(&[a, b]))?;
@@ -249,6 +302,32 @@ fn unreadable_files_do_not_stop_the_directory() -> Result<()> {
     poll("the unreadable count to drop to 4", SYNC_TIMEOUT, || {
         Ok((metric(addr, "lb_manifest_files_unreadable")? == 4).then_some(()))
     })?;
+    let status = lb_status(&bed, addr, false)?;
+    let listed = unreadable_in_status(&status, dir);
+    ensure!(listed.len() == 4, "{status}");
+    ensure!(
+        !status.contains("fifo.yaml") && !status.contains("dangling.yaml"),
+        "fixed files still listed:\n{status}"
+    );
+    ensure!(status.contains(&binary), "{status}");
+
+    // An agent that does not answer: the attachments are still shown, and why the
+    // rest is missing.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let nobody = match closed.local_addr()? {
+        std::net::SocketAddr::V4(a) => a,
+        other => bail!("not IPv4: {other}"),
+    };
+    drop(closed);
+    let status = lb_status(&bed, nobody, false)?;
+    ensure!(status.starts_with("IFINDEX"), "{status}");
+    ensure!(
+        status.contains(&format!("agent: not reachable at {nobody}")),
+        "{status}"
+    );
+    let json: serde_json::Value = serde_json::from_str(&lb_status(&bed, nobody, true)?)?;
+    ensure!(json["agent"]["reachable"] == false, "{json}");
+    ensure!(json["links"].is_array(), "{json}");
     Ok(())
 }
 

@@ -1,6 +1,6 @@
 //! `lb`: the agent and its inspection tools.
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -56,10 +56,15 @@ enum Command {
         #[arg(long)]
         per_service: bool,
     },
-    /// Show which devices the per-packet programs are attached to, and why.
+    /// Show which devices the per-packet programs are attached to, and why, and
+    /// the manifest files the agent cannot read.
     Status {
         #[arg(long)]
         json: bool,
+        /// Where the agent serves /metrics (its --metrics-bind-address); its own
+        /// view (unreadable manifest files) is asked for there.
+        #[arg(long, default_value = ops::DEFAULT_METRICS_ADDR)]
+        metrics_address: SocketAddr,
     },
     /// Detach the hooks and unpin every map and link under --pin-dir.
     Cleanup,
@@ -259,15 +264,33 @@ fn main() -> Result<()> {
                 emit(&text)
             }
         }
-        Command::Status { json } => {
+        Command::Status {
+            json,
+            metrics_address,
+        } => {
             let links = tc_links::recorded(&layout)?;
+            let agent = agent_status(metrics_address)?;
             if json {
-                let status = serde_json::json!({ "links": links });
-                println!("{}", serde_json::to_string_pretty(&status)?);
+                let agent = match &agent {
+                    Ok(report) => serde_json::json!({
+                        "address": metrics_address,
+                        "reachable": true,
+                        "initialSyncDone": report.initial_sync_done,
+                        "unreadableFiles": report.unreadable_files,
+                    }),
+                    Err(e) => serde_json::json!({
+                        "address": metrics_address,
+                        "reachable": false,
+                        "error": e.to_string(),
+                    }),
+                };
+                let status = serde_json::json!({ "links": links, "agent": agent });
+                emit(&(serde_json::to_string_pretty(&status)? + "\n"))
             } else {
-                print!("{}", tc_links::render_text(&links));
+                let mut text = tc_links::render_text(&links);
+                text += &render_agent_status(metrics_address, &agent);
+                emit(&text)
             }
-            Ok(())
         }
         Command::Cleanup => {
             let Some(lock) = loader::lock_for_cleanup(&layout)? else {
@@ -315,6 +338,44 @@ fn main() -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// How long `lb status` waits for the agent.
+const AGENT_STATUS_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The agent's own view, or why it could not be had (the attachments are still
+/// shown then).
+fn agent_status(addr: SocketAddr) -> Result<Result<ops::StatusReport, ops::FetchError>> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    Ok(runtime.block_on(ops::fetch_status(addr, AGENT_STATUS_TIMEOUT)))
+}
+
+fn render_agent_status(
+    addr: SocketAddr,
+    agent: &Result<ops::StatusReport, ops::FetchError>,
+) -> String {
+    let report = match agent {
+        Ok(report) => report,
+        Err(e) => {
+            return format!(
+                "\nagent: not reachable at {addr} ({e}); pass its --metrics-bind-address \
+                 as --metrics-address\n"
+            )
+        }
+    };
+    if report.unreadable_files.is_empty() {
+        return format!("\nagent at {addr}: every manifest file is readable\n");
+    }
+    let mut out = format!(
+        "\nagent at {addr}: {} manifest file(s) cannot be read (their last good objects stay):\n",
+        report.unreadable_files.len()
+    );
+    for file in &report.unreadable_files {
+        out += &format!("  {}: {}\n", file.path.display(), file.reason);
+    }
+    out
 }
 
 fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {

@@ -1,0 +1,387 @@
+//! The agent's Prometheus metrics, kept and encoded by `prometheus-client` in the
+//! OpenMetrics text format.
+//!
+//! Values the agent reports as they happen (syncs, errors, map usage) are typed
+//! metrics; the kernel's counters, read fresh on each scrape and replaced whole,
+//! are encoded from their last reading by a collector.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, linear_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+use super::status::lock;
+
+/// The content type of [`Metrics::encode`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Upper bounds of the `lb_sync_duration_seconds` buckets (`+Inf` is implicit).
+pub const SYNC_DURATION_BUCKETS: [f64; 13] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// The annotation the EndpointSlice controller sets to the time of the change
+/// (Pod, Service) that made it update the slice.
+pub const LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+
+/// kube-proxy's `kubeproxy_sync_proxy_rules_duration_seconds` buckets: 1 ms
+/// doubling to 16.384 s.
+fn kube_proxy_sync_buckets() -> impl Iterator<Item = f64> {
+    exponential_buckets(0.001, 2.0, 15)
+}
+
+/// kube-proxy's `kubeproxy_network_programming_duration_seconds` buckets: 0 (its
+/// `merge` starts from a zero bucket), 0.25 s and 0.5 s, every second to 59 s,
+/// every 5 s to 115 s, every 30 s to 5 min.
+fn network_programming_buckets() -> impl Iterator<Item = f64> {
+    std::iter::once(0.0)
+        .chain(linear_buckets(0.25, 0.25, 2))
+        .chain(linear_buckets(1.0, 1.0, 59))
+        .chain(linear_buckets(60.0, 5.0, 12))
+        .chain(linear_buckets(120.0, 30.0, 7))
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MapLabel {
+    map: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PathLabel {
+    path: String,
+}
+
+/// The registry and the handles the agent updates.
+pub(super) struct Metrics {
+    registry: Registry,
+    sync_duration: Histogram,
+    kube_proxy_sync_duration: Histogram,
+    pub(super) network_programming: Histogram,
+    syncs: Counter,
+    pub(super) sync_errors: Counter,
+    pub(super) object_errors: Gauge,
+    files_unreadable: Gauge,
+    file_unreadable: Family<PathLabel, Gauge>,
+    last_sync: Gauge<f64, AtomicU64>,
+    kube_proxy_last_sync: Gauge<f64, AtomicU64>,
+    pending: Gauge<f64, AtomicU64>,
+    pub(super) initial_sync_done: Gauge,
+    frontends: Gauge,
+    backends: Gauge,
+    map_entries: Family<MapLabel, Gauge>,
+    map_capacity: Family<MapLabel, Gauge>,
+    kernel: Arc<KernelCounters>,
+}
+
+impl Metrics {
+    pub(super) fn new() -> Self {
+        let mut registry = Registry::default();
+        let sync_duration = Histogram::new(SYNC_DURATION_BUCKETS);
+        registry.register(
+            "lb_sync_duration_seconds",
+            "Time one reconcile pass of the service table took",
+            sync_duration.clone(),
+        );
+        let kube_proxy_sync_duration = Histogram::new(kube_proxy_sync_buckets());
+        registry.register(
+            "kubeproxy_sync_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds (one successful sync of the service table)",
+            kube_proxy_sync_duration.clone(),
+        );
+        let network_programming = Histogram::new(network_programming_buckets());
+        registry.register(
+            "kubeproxy_network_programming_duration_seconds",
+            "In Cluster Network Programming Latency in seconds: from an EndpointSlice's \
+             last-change-trigger-time to the end of the sync that applied it",
+            network_programming.clone(),
+        );
+        let syncs = Counter::default();
+        registry.register(
+            "lb_syncs",
+            "Successful reconcile passes of the service table",
+            syncs.clone(),
+        );
+        let sync_errors = Counter::default();
+        registry.register(
+            "lb_sync_errors",
+            "Failed reconcile passes of the service table",
+            sync_errors.clone(),
+        );
+        let object_errors = Gauge::default();
+        registry.register(
+            "lb_object_errors",
+            "Objects skipped as invalid by the last interpretation",
+            object_errors.clone(),
+        );
+        let files_unreadable = Gauge::default();
+        registry.register(
+            "lb_manifest_files_unreadable",
+            "Manifest files the last read could not read (their last good objects stay)",
+            files_unreadable.clone(),
+        );
+        let file_unreadable = Family::default();
+        registry.register(
+            "lb_manifest_file_unreadable",
+            "1 for each manifest file that cannot be read, by path",
+            file_unreadable.clone(),
+        );
+        let last_sync = Gauge::default();
+        registry.register(
+            "lb_last_sync_timestamp_seconds",
+            "Unix time of the last successful reconcile pass; 0 before the first",
+            last_sync.clone(),
+        );
+        let kube_proxy_last_sync = Gauge::default();
+        registry.register(
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "The last time proxy rules were successfully synced",
+            kube_proxy_last_sync.clone(),
+        );
+        let pending = Gauge::default();
+        registry.register(
+            "lb_sync_pending_seconds",
+            "Age of the oldest change not yet applied; 0 when nothing is pending",
+            pending.clone(),
+        );
+        let initial_sync_done = Gauge::default();
+        registry.register(
+            "lb_initial_sync_done",
+            "1 once the first full service table is in the maps",
+            initial_sync_done.clone(),
+        );
+        let frontends = Gauge::default();
+        registry.register(
+            "lb_frontends",
+            "Service frontends (IP, port, protocol) in the last synced table",
+            frontends.clone(),
+        );
+        let backends = Gauge::default();
+        registry.register(
+            "lb_backends",
+            "Backends in the last synced table, counted per frontend",
+            backends.clone(),
+        );
+        let map_entries = Family::default();
+        registry.register(
+            "lb_map_entries",
+            "Entries in use in a pinned BPF map",
+            map_entries.clone(),
+        );
+        let map_capacity = Family::default();
+        registry.register(
+            "lb_map_capacity",
+            "Maximum entries of a pinned BPF map",
+            map_capacity.clone(),
+        );
+        let kernel = Arc::new(KernelCounters::default());
+        registry.register_collector(Box::new(kernel.clone()));
+        Self {
+            registry,
+            sync_duration,
+            kube_proxy_sync_duration,
+            network_programming,
+            syncs,
+            sync_errors,
+            object_errors,
+            files_unreadable,
+            file_unreadable,
+            last_sync,
+            kube_proxy_last_sync,
+            pending,
+            initial_sync_done,
+            frontends,
+            backends,
+            map_entries,
+            map_capacity,
+            kernel,
+        }
+    }
+
+    pub(super) fn record_sync(
+        &self,
+        duration: Duration,
+        finished: SystemTime,
+        frontends: usize,
+        backends: usize,
+    ) {
+        let seconds = duration.as_secs_f64();
+        self.sync_duration.observe(seconds);
+        self.kube_proxy_sync_duration.observe(seconds);
+        self.syncs.inc();
+        let at = unix_seconds(finished);
+        self.last_sync.set(at);
+        self.kube_proxy_last_sync.set(at);
+        self.frontends.set(frontends as i64);
+        self.backends.set(backends as i64);
+    }
+
+    pub(super) fn set_unreadable_files(&self, files: &[(PathBuf, String)]) {
+        self.files_unreadable.set(files.len() as i64);
+        self.file_unreadable.clear();
+        for (path, _) in files {
+            let path = path.to_string_lossy().into_owned();
+            self.file_unreadable
+                .get_or_create(&PathLabel { path })
+                .set(1);
+        }
+    }
+
+    pub(super) fn set_map_usage(&self, map: &str, entries: usize, capacity: u32) {
+        let label = MapLabel {
+            map: map.to_string(),
+        };
+        self.map_entries.get_or_create(&label).set(entries as i64);
+        self.map_capacity
+            .get_or_create(&label)
+            .set(i64::from(capacity));
+    }
+
+    pub(super) fn set_datapath_counters(&self, counters: &[(&str, u64)]) {
+        *lock(&self.kernel.datapath) = counters
+            .iter()
+            .map(|(name, value)| (name.to_string(), *value))
+            .collect();
+    }
+
+    pub(super) fn set_service_counters(&self, counters: &[(String, u64, u64)]) {
+        *lock(&self.kernel.services) = counters
+            .iter()
+            .map(|(frontend, connections, refused)| (frontend.clone(), (*connections, *refused)))
+            .collect();
+    }
+
+    /// The exposition, with the pending gauge set to `pending` first.
+    pub(super) fn encode(&self, pending: Duration) -> String {
+        self.pending.set(pending.as_secs_f64());
+        let mut out = String::with_capacity(8192);
+        // Only the writer could fail, and a String does not.
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("encoding into a String");
+        out
+    }
+}
+
+fn unix_seconds(time: SystemTime) -> f64 {
+    time.duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// The kernel's counters as last read. They are totals kept by the kernel
+/// programs, so they are encoded as read rather than added to typed counters.
+#[derive(Debug, Default)]
+struct KernelCounters {
+    /// Event -> count, summed over CPUs.
+    datapath: Mutex<BTreeMap<String, u64>>,
+    /// Frontend (as `lb services` prints it) -> (connections, refused).
+    services: Mutex<BTreeMap<String, (u64, u64)>>,
+}
+
+impl Collector for KernelCounters {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let datapath = lock(&self.datapath).clone();
+        let mut family = encoder.encode_descriptor(
+            "lb_datapath_events",
+            "Datapath events counted by the kernel programs, summed over CPUs",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for (event, value) in &datapath {
+            let labels = [("event", event.as_str())];
+            ConstCounter::new(*value).encode(family.encode_family(&labels)?)?;
+        }
+        let services = lock(&self.services).clone();
+        for (name, help, pick) in [
+            (
+                "lb_service_connections",
+                "Connections sent to a backend of the frontend (socket hooks and per-packet flows)",
+                0,
+            ),
+            (
+                "lb_service_rejected",
+                "Connections refused or dropped for want of a usable backend",
+                1,
+            ),
+        ] {
+            let mut family = encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                prometheus_client::metrics::MetricType::Counter,
+            )?;
+            for (frontend, (connections, refused)) in &services {
+                let value = if pick == 0 { *connections } else { *refused };
+                let labels = [("frontend", frontend.as_str())];
+                ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// kube-proxy's network programming latency bookkeeping: the last trigger time
+/// seen per EndpointSlice.
+#[derive(Debug, Default)]
+pub(super) struct ProgrammingLatency {
+    /// Trigger times before this (the agent's start) are not measured: they were
+    /// programmed by whatever ran before, and would read as huge latencies.
+    started: Option<SystemTime>,
+    /// (namespace, name) -> the newest trigger time applied.
+    seen: HashMap<(String, String), SystemTime>,
+}
+
+impl ProgrammingLatency {
+    pub(super) fn new(started: SystemTime) -> Self {
+        Self {
+            started: Some(started),
+            seen: HashMap::new(),
+        }
+    }
+
+    /// Remembers the trigger times of `slices` and returns, in seconds, how long
+    /// before `now` each new one was. Slices that are gone are forgotten.
+    pub(super) fn applied(&mut self, slices: &[Arc<EndpointSlice>], now: SystemTime) -> Vec<f64> {
+        let mut latencies = Vec::new();
+        let mut seen = HashMap::with_capacity(slices.len());
+        for slice in slices {
+            let meta = &slice.metadata;
+            let key = (
+                meta.namespace.clone().unwrap_or_default(),
+                meta.name.clone().unwrap_or_default(),
+            );
+            let previous = self.seen.get(&key).copied().or(self.started);
+            let trigger = meta
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(LAST_CHANGE_TRIGGER_TIME))
+                .and_then(|t| t.parse::<jiff::Timestamp>().ok())
+                .map(SystemTime::from);
+            match trigger {
+                Some(trigger) if previous.is_none_or(|p| trigger > p) => {
+                    latencies.push(
+                        now.duration_since(trigger)
+                            .unwrap_or(Duration::ZERO)
+                            .as_secs_f64(),
+                    );
+                    seen.insert(key, trigger);
+                }
+                _ => {
+                    if let Some(kept) = self.seen.get(&key) {
+                        seen.insert(key, *kept);
+                    }
+                }
+            }
+        }
+        self.seen = seen;
+        latencies
+    }
+}

@@ -1,0 +1,279 @@
+//! Health, metrics and status for the agent, over HTTP on tokio and hyper.
+//!
+//! - [`status`]: what the agent reports ([`AgentStatus`]) and the health rule;
+//! - [`metrics`]: the Prometheus metrics (`prometheus-client`);
+//! - [`health_check`]: the per-Service `healthCheckNodePort` listeners;
+//! - `http`: the hyper glue shared by all listeners.
+//!
+//! An [`OpsServer`] answers `GET /healthz` (kube-proxy's contract) and, on the
+//! metrics address, `/metrics`, `/proxyMode` (as kube-proxy) and `/status` (what
+//! `lb status` shows about the agent).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::StatusCode;
+use tokio::net::TcpListener;
+
+pub mod health_check;
+mod http;
+pub mod metrics;
+pub mod status;
+
+pub use health_check::HealthCheckServers;
+pub use http::{GetError, MAX_REQUEST_BYTES};
+pub use metrics::{LAST_CHANGE_TRIGGER_TIME, SYNC_DURATION_BUCKETS};
+pub use status::{
+    rfc3339, AgentStatus, Clock, Health, ManualClock, StatusReport, SystemClock, UnreadableFile,
+};
+
+use http::{Limits, Reply};
+
+/// kube-proxy's healthz address (`--healthz-bind-address`).
+pub const DEFAULT_HEALTHZ_ADDR: &str = "0.0.0.0:10256";
+/// kube-proxy's metrics address (`--metrics-bind-address`): local only by default.
+pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:10249";
+/// kube-proxy's default: twice its default sync period of 30 s.
+pub const DEFAULT_HEALTHZ_TIMEOUT: Duration = Duration::from_secs(60);
+/// Connections held at once by one listener; one more evicts the oldest that has
+/// not sent its request head (see `http`).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 512;
+/// Time a client has to send its request head, and again to take the response.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// What `/proxyMode` answers; kube-proxy answers its mode (`iptables`, `ipvs`, ...).
+pub const PROXY_MODE: &str = "ebpf";
+
+#[derive(Debug, thiserror::Error)]
+pub enum OpsError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Why `lb status` could not get the agent's own view.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    #[error(transparent)]
+    Get(#[from] GetError),
+    #[error(
+        "{addr}/status answered {status}; is --metrics-address the agent's --metrics-bind-address?"
+    )]
+    Status {
+        addr: SocketAddr,
+        status: StatusCode,
+    },
+    #[error("{addr}/status answered something that is not the agent's status: {source}")]
+    Body {
+        addr: SocketAddr,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Asks the agent whose metrics listener is at `addr` for its `/status`.
+pub async fn fetch_status(addr: SocketAddr, timeout: Duration) -> Result<StatusReport, FetchError> {
+    let (status, body) = http::get(addr, "/status", timeout).await?;
+    if status != StatusCode::OK {
+        return Err(FetchError::Status { addr, status });
+    }
+    serde_json::from_slice(&body).map_err(|source| FetchError::Body { addr, source })
+}
+
+/// A listen address flag where the empty string means "off", as kube-proxy's
+/// `--healthz-bind-address` and `--metrics-bind-address`: parses `""` or
+/// `IP:PORT` (`[IPv6]:PORT`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BindAddress(pub Option<SocketAddr>);
+
+impl std::str::FromStr for BindAddress {
+    type Err = std::net::AddrParseError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let s = s.trim();
+        if s.is_empty() {
+            return Ok(Self(None));
+        }
+        s.parse().map(|addr| Self(Some(addr)))
+    }
+}
+
+impl std::fmt::Display for BindAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(addr) => write!(f, "{addr}"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Which endpoints a server answers; the others are 404.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Routes {
+    pub healthz: bool,
+    pub metrics: bool,
+}
+
+impl Routes {
+    pub const ALL: Routes = Routes {
+        healthz: true,
+        metrics: true,
+    };
+    pub const HEALTHZ: Routes = Routes {
+        healthz: true,
+        metrics: false,
+    };
+    pub const METRICS: Routes = Routes {
+        healthz: false,
+        metrics: true,
+    };
+}
+
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    /// `/healthz` says 503 when a change has been pending for longer than this.
+    pub healthz_timeout: Duration,
+    pub routes: Routes,
+    /// Time a client has to send its request head, and again to take the response.
+    pub request_timeout: Duration,
+    /// Connections held at once; see [`DEFAULT_MAX_CONNECTIONS`].
+    pub max_connections: usize,
+}
+
+impl ServeConfig {
+    /// Both endpoints, [`DEFAULT_REQUEST_TIMEOUT`], [`DEFAULT_MAX_CONNECTIONS`].
+    pub fn new(healthz_timeout: Duration) -> Self {
+        Self {
+            healthz_timeout,
+            routes: Routes::ALL,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+        }
+    }
+
+    pub fn routes(mut self, routes: Routes) -> Self {
+        self.routes = routes;
+        self
+    }
+
+    pub fn request_timeout(mut self, timeout: Duration) -> Self {
+        self.request_timeout = timeout;
+        self
+    }
+
+    pub fn max_connections(mut self, max: usize) -> Self {
+        self.max_connections = max;
+        self
+    }
+}
+
+/// A bound listener; [`OpsServer::run`] serves it.
+pub struct OpsServer {
+    listener: TcpListener,
+    local_addr: SocketAddr,
+    status: Arc<AgentStatus>,
+    config: ServeConfig,
+}
+
+impl OpsServer {
+    pub async fn bind(
+        addr: SocketAddr,
+        status: Arc<AgentStatus>,
+        config: ServeConfig,
+    ) -> Result<Self, OpsError> {
+        let wrap = |source| OpsError::Bind { addr, source };
+        let listener = TcpListener::bind(addr).await.map_err(wrap)?;
+        let local_addr = listener.local_addr().map_err(wrap)?;
+        Ok(Self {
+            listener,
+            local_addr,
+            status,
+            config,
+        })
+    }
+
+    /// The address actually bound (the port chosen for `:0`).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Serves until the future is dropped; failed accepts are logged and retried.
+    pub async fn run(self) -> Result<(), OpsError> {
+        let limits = Limits {
+            request_timeout: self.config.request_timeout,
+            max_connections: self.config.max_connections,
+        };
+        let (status, config) = (self.status, self.config);
+        let answer: http::Answer = Arc::new(move |path: &str| route(path, &status, &config));
+        http::serve(self.listener, limits, answer).await;
+        Ok(())
+    }
+}
+
+/// The agent's own endpoints.
+fn route(path: &str, status: &AgentStatus, config: &ServeConfig) -> Option<Reply> {
+    match path {
+        "/healthz" if config.routes.healthz => {
+            let (health, body) = status.healthz_json(config.healthz_timeout);
+            let code = if health.healthy {
+                StatusCode::OK
+            } else {
+                StatusCode::SERVICE_UNAVAILABLE
+            };
+            Some(Reply::new(code, "application/json", body))
+        }
+        "/metrics" if config.routes.metrics => Some(Reply::new(
+            StatusCode::OK,
+            metrics::CONTENT_TYPE,
+            status.encode_metrics(),
+        )),
+        "/proxyMode" if config.routes.metrics => Some(Reply::new(
+            StatusCode::OK,
+            "text/plain; charset=utf-8",
+            PROXY_MODE.to_string(),
+        )),
+        "/status" if config.routes.metrics => Some(Reply::new(
+            StatusCode::OK,
+            "application/json",
+            status.status_json(),
+        )),
+        _ => None,
+    }
+}
+
+/// Binds `addr` and serves both endpoints on it until the future is dropped.
+pub async fn serve(
+    addr: SocketAddr,
+    status: Arc<AgentStatus>,
+    healthz_timeout: Duration,
+) -> Result<(), OpsError> {
+    OpsServer::bind(addr, status, ServeConfig::new(healthz_timeout))
+        .await?
+        .run()
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bind_addresses_parse_and_empty_is_off() {
+        let parse = |s: &str| s.parse::<BindAddress>();
+        assert_eq!(parse("").unwrap(), BindAddress(None));
+        assert_eq!(
+            parse(DEFAULT_HEALTHZ_ADDR).unwrap().0,
+            Some(SocketAddr::from(([0, 0, 0, 0], 10256)))
+        );
+        assert_eq!(
+            parse(DEFAULT_METRICS_ADDR).unwrap().to_string(),
+            "127.0.0.1:10249"
+        );
+        assert_eq!(parse("[::1]:80").unwrap().0.unwrap().port(), 80);
+        assert!(parse("0.0.0.0").is_err());
+        assert!(parse("localhost:80").is_err());
+    }
+}
