@@ -198,41 +198,58 @@ impl Packet {
         }
     }
 
+    /// The frame, built and checksummed by etherparse: the oracle is not the
+    /// arithmetic of the program under test, nor a copy of it.
     fn frame(&self) -> Vec<u8> {
-        let mut l4 = Vec::new();
-        l4.extend_from_slice(&self.sport.to_be_bytes());
-        l4.extend_from_slice(&self.dport.to_be_bytes());
-        if self.proto == TCP {
-            l4.extend_from_slice(&1000u32.to_be_bytes()); // seq
-            l4.extend_from_slice(&0u32.to_be_bytes()); // ack
-            l4.push(5 << 4); // data offset
-            l4.push(self.tcp_flags);
-            l4.extend_from_slice(&64240u16.to_be_bytes()); // window
-            l4.extend_from_slice(&[0, 0, 0, 0]); // checksum, urgent
+        use etherparse::{IpFragOffset, IpNumber, Ipv4Header, Ipv4Options, TcpHeader, UdpHeader};
+        let l4_len = if self.proto == TCP {
+            TcpHeader::MIN_LEN
         } else {
-            l4.extend_from_slice(&((8 + self.payload.len()) as u16).to_be_bytes());
-            l4.extend_from_slice(&[0, 0]);
-        }
-        l4.extend_from_slice(&self.payload);
-        let csum_at = if self.proto == TCP { 16 } else { 6 };
-        if !(self.proto == UDP && self.udp_no_checksum) {
-            let mut c = l4_checksum(self.src, self.dst, self.proto, &l4);
-            if c == 0 && self.proto == UDP {
-                c = 0xffff;
-            }
-            l4[csum_at..csum_at + 2].copy_from_slice(&c.to_be_bytes());
-        }
-
-        ipv4_frame(
+            UdpHeader::LEN
+        };
+        let mut ip = Ipv4Header::new(
+            (self.ip_options.len() + l4_len + self.payload.len()) as u16,
+            64,
+            IpNumber(self.proto),
             self.src,
             self.dst,
-            self.proto,
-            &self.ip_options,
-            self.frag_off,
-            &l4,
         )
+        .unwrap();
+        ip.options = Ipv4Options::try_from(&self.ip_options[..]).unwrap();
+        ip.total_len = (ip.header_len() + l4_len + self.payload.len()) as u16;
+        ip.identification = 0x1234;
+        ip.dont_fragment = self.frag_off & 0x4000 != 0;
+        ip.more_fragments = self.frag_off & 0x2000 != 0;
+        ip.fragment_offset = IpFragOffset::try_new(self.frag_off & 0x1fff).unwrap();
+        ip.header_checksum = ip.calc_header_checksum();
+        let mut l4 = Vec::new();
+        if self.proto == TCP {
+            let mut tcp = TcpHeader::new(self.sport, self.dport, 1000, 64240);
+            tcp.fin = self.tcp_flags & FIN != 0;
+            tcp.syn = self.tcp_flags & SYN != 0;
+            tcp.rst = self.tcp_flags & RST != 0;
+            tcp.ack = self.tcp_flags & ACK != 0;
+            tcp.checksum = tcp.calc_checksum_ipv4(&ip, &self.payload).unwrap();
+            tcp.write(&mut l4).unwrap();
+        } else {
+            let mut udp =
+                UdpHeader::without_ipv4_checksum(self.sport, self.dport, self.payload.len())
+                    .unwrap();
+            if !self.udp_no_checksum {
+                udp.checksum = udp.calc_checksum_ipv4(&ip, &self.payload).unwrap();
+            }
+            udp.write(&mut l4).unwrap();
+        }
+        l4.extend_from_slice(&self.payload);
+        let mut frame = ETHERNET.to_vec();
+        ip.write(&mut frame).unwrap();
+        frame.extend_from_slice(&l4);
+        frame
     }
 }
+
+/// Destination, source, EtherType IPv4.
+const ETHERNET: [u8; 14] = [0x02, 0, 0, 0, 0, 1, 0x02, 0, 0, 0, 0, 2, 0x08, 0x00];
 
 /// Ethernet + IPv4 (valid header checksum) around `l4`.
 fn ipv4_frame(
@@ -253,32 +270,40 @@ fn ipv4_frame(
     ip.extend_from_slice(&src);
     ip.extend_from_slice(&dst);
     ip.extend_from_slice(options);
-    let c = fold(sum16(&ip));
-    ip[10..12].copy_from_slice(&(!c).to_be_bytes());
+    let c = checksum(&[&ip]);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
 
-    let mut frame = vec![0x02, 0, 0, 0, 0, 1, 0x02, 0, 0, 0, 0, 2, 0x08, 0x00];
+    let mut frame = ETHERNET.to_vec();
     frame.extend_from_slice(&ip);
     frame.extend_from_slice(l4);
     frame
 }
 
-fn sum16(bytes: &[u8]) -> u32 {
-    bytes
-        .chunks(2)
-        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
-        .sum()
+/// The Internet checksum over `parts`, summed by etherparse: 0 over a region that
+/// already holds its correct checksum.
+fn checksum(parts: &[&[u8]]) -> u16 {
+    parts
+        .iter()
+        .fold(etherparse::checksum::Sum16BitWords::new(), |sum, part| {
+            sum.add_slice(part)
+        })
+        .ones_complement()
+        // etherparse sums native-endian words; the wire wants the big-endian value.
+        .to_be()
 }
 
-fn fold(mut sum: u32) -> u16 {
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    sum as u16
+/// The IPv4 pseudo header of an L4 segment of `len` bytes.
+fn pseudo(src: [u8; 4], dst: [u8; 4], proto: u8, len: usize) -> [u8; 12] {
+    let mut p = [0u8; 12];
+    p[..4].copy_from_slice(&src);
+    p[4..8].copy_from_slice(&dst);
+    p[9] = proto;
+    p[10..].copy_from_slice(&(len as u16).to_be_bytes());
+    p
 }
 
 fn l4_checksum(src: [u8; 4], dst: [u8; 4], proto: u8, l4: &[u8]) -> u16 {
-    let pseudo = sum16(&src) + sum16(&dst) + u32::from(proto) + l4.len() as u32;
-    !fold(pseudo + sum16(l4))
+    checksum(&[&pseudo(src, dst, proto, l4.len()), l4])
 }
 
 /// What a frame says after the program ran, with both checksums verified.
@@ -300,8 +325,8 @@ fn inspect(frame: &[u8]) -> Seen {
 fn addresses(packet: &[u8], verify_l4: bool) -> Seen {
     let ihl = usize::from(packet[0] & 0x0f) * 4;
     assert_eq!(
-        fold(sum16(&packet[..ihl])),
-        0xffff,
+        checksum(&[&packet[..ihl]]),
+        0,
         "IPv4 header checksum is wrong"
     );
     let total = usize::from(u16::from_be_bytes([packet[2], packet[3]]));
@@ -312,8 +337,7 @@ fn addresses(packet: &[u8], verify_l4: bool) -> Seen {
     let checksum_at = if proto == TCP { 16 } else { 6 };
     let has_checksum = verify_l4 && u16::from_be_bytes([l4[checksum_at], l4[checksum_at + 1]]) != 0;
     if verify_l4 && (proto == TCP || has_checksum) {
-        let pseudo = sum16(&src) + sum16(&dst) + u32::from(proto) + l4.len() as u32;
-        assert_eq!(fold(pseudo + sum16(l4)), 0xffff, "L4 checksum is wrong");
+        assert_eq!(l4_checksum(src, dst, proto, l4), 0, "L4 checksum is wrong");
     }
     Seen {
         src,
@@ -562,7 +586,7 @@ fn with_ip_id(mut frame: Vec<u8>, id: u16) -> Vec<u8> {
     frame[14 + 4..14 + 6].copy_from_slice(&id.to_be_bytes());
     frame[14 + 10..14 + 12].copy_from_slice(&[0, 0]);
     let ihl = usize::from(frame[14] & 0x0f) * 4;
-    let c = !fold(sum16(&frame[14..14 + ihl]));
+    let c = checksum(&[&frame[14..14 + ihl]]);
     frame[14 + 10..14 + 12].copy_from_slice(&c.to_be_bytes());
     frame
 }
@@ -574,11 +598,7 @@ fn reassemble(frames: &[Vec<u8>]) -> Seen {
     let header = |f: &[u8]| -> ([u8; 4], [u8; 4], u16) {
         let ip = &f[14..];
         let ihl = usize::from(ip[0] & 0x0f) * 4;
-        assert_eq!(
-            fold(sum16(&ip[..ihl])),
-            0xffff,
-            "IPv4 header checksum is wrong"
-        );
+        assert_eq!(checksum(&[&ip[..ihl]]), 0, "IPv4 header checksum is wrong");
         (
             ip[12..16].try_into().unwrap(),
             ip[16..20].try_into().unwrap(),
@@ -597,10 +617,9 @@ fn reassemble(frames: &[Vec<u8>]) -> Seen {
         datagram.extend_from_slice(&ip[ihl..total]);
     }
     let (src, dst, _) = first;
-    let pseudo = sum16(&src) + sum16(&dst) + u32::from(UDP) + datagram.len() as u32;
     assert_eq!(
-        fold(pseudo + sum16(&datagram)),
-        0xffff,
+        l4_checksum(src, dst, UDP, &datagram),
+        0,
         "UDP checksum of the datagram is wrong"
     );
     assert_eq!(
@@ -809,7 +828,7 @@ fn icmp_error(
     let quote = &quoted[14..14 + quote_len];
     let mut icmp = vec![kind, code, 0, 0, 0, 0, 0, 0];
     icmp.extend_from_slice(quote);
-    let c = !fold(sum16(&icmp));
+    let c = checksum(&[&icmp]);
     icmp[2..4].copy_from_slice(&c.to_be_bytes());
     ipv4_frame(src, dst, 1, &[], 0, &icmp)
 }
@@ -818,9 +837,9 @@ fn icmp_error(
 /// IP, ICMP and quoted IP checksums (and the quoted L4 checksum when `full_quote`).
 fn inspect_icmp(frame: &[u8], full_quote: bool) -> ([u8; 4], [u8; 4], Seen) {
     let ip = &frame[14..34];
-    assert_eq!(fold(sum16(ip)), 0xffff, "outer IPv4 checksum");
+    assert_eq!(checksum(&[ip]), 0, "outer IPv4 checksum");
     let icmp = &frame[34..];
-    assert_eq!(fold(sum16(icmp)), 0xffff, "ICMP checksum");
+    assert_eq!(checksum(&[icmp]), 0, "ICMP checksum");
     (
         ip[12..16].try_into().unwrap(),
         ip[16..20].try_into().unwrap(),
