@@ -77,6 +77,8 @@ pub struct AgentConfig {
     pub metrics_addr: BindAddress,
     /// /healthz answers 503 once a change has waited longer than this to be applied.
     pub healthz_timeout: Duration,
+    /// How often the maps are compared with what the agent wrote, and repaired.
+    pub consistency_interval: Duration,
     /// Wait for another agent holding the pin directory to stop, instead of
     /// failing (a rolling update's new agent).
     pub wait_for_lock: bool,
@@ -221,6 +223,11 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let mut health_checks = HealthCheckServers::default();
     let mut gc_ticker = tokio::time::interval(config.ct_gc_interval);
     gc_ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut consistency_ticker = tokio::time::interval_at(
+        tokio::time::Instant::now() + config.consistency_interval,
+        config.consistency_interval,
+    );
+    consistency_ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let current = tokio::select! {
             _ = gc_ticker.tick() => {
@@ -230,6 +237,26 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                     Err(e) => warn!("conntrack garbage collection failed: {e}"),
                 }
                 continue;
+            }
+            _ = consistency_ticker.tick(), if attached => {
+                // The agent plans against what it remembers writing; an entry
+                // changed behind its back (bpftool, another tool, a bug) would stay
+                // wrong until the Service changed. Compare, and on a difference
+                // forget the memory and sync from the kernel's table.
+                let Some(known) = &known_table else { continue };
+                match maps.snapshot() {
+                    Ok(kernel) if kernel == *known => continue,
+                    Ok(_) => {
+                        warn!("the service table in the kernel differs from what this agent wrote; repairing");
+                        status.record_drift_repair();
+                        known_table = None;
+                        last.clone()
+                    }
+                    Err(e) => {
+                        warn!("consistency check could not read the maps: {e}");
+                        continue;
+                    }
+                }
             }
             changed = objects.changed() => {
                 if changed.is_err() {

@@ -588,3 +588,55 @@ fn cleanup_removes_only_lbs_own_pins() -> Result<()> {
     );
     Ok(())
 }
+
+/// Issue 12 (drift repair): an entry deleted from the maps behind the agent's back
+/// is restored by the periodic consistency check and counted in /metrics.
+#[test]
+fn a_map_entry_deleted_behind_the_agents_back_is_restored_and_counted() -> Result<()> {
+    let bed = Bed::new()?;
+    let backends = [Ipv4Addr::new(10, 0, 0, 1), Ipv4Addr::new(10, 0, 0, 2)];
+    bed.manifests.write("web.yaml", &web(&backends))?;
+    let agent = bed
+        .agent(&["--consistency-check-interval-secs", "1"])
+        .spawn()?;
+    wait_ready(&agent)?;
+    let addr = ops_addr(&agent)?;
+    let before = bed.pins.services_json()?;
+    let entry = find_frontend(&before, VIP, 80, "TCP").context("the web frontend")?;
+    ensure!(entry.backends.len() == 2, "{before:#?}");
+    ensure!(metric(addr, "lb_drift_repairs_total")? == 0);
+
+    // Another tool deletes one backend entry (ids are host-order u32 keys).
+    let id = entry.backends[0].id;
+    let map = bed
+        .pins
+        .path()
+        .join(format!("v{}/LB_BACKENDS", lb_common::PIN_LAYOUT_VERSION));
+    let key: Vec<String> = id.to_ne_bytes().iter().map(|b| b.to_string()).collect();
+    let out = std::process::Command::new("bpftool")
+        .args(["map", "delete", "pinned"])
+        .arg(&map)
+        .arg("key")
+        .args(&key)
+        .output()?;
+    ensure!(out.status.success(), "bpftool map delete: {out:?}");
+    ensure!(
+        bed.pins.services_json()? != before,
+        "the deletion did not change the table"
+    );
+
+    // Restored: both backends served again (a new backend id may be used), and
+    // the listing shows no problem left.
+    let want = entry.backend_addrs();
+    bed.pins
+        .wait_services("the deleted backend to be restored", SYNC_TIMEOUT, |e| {
+            find_frontend(e, VIP, 80, "TCP")
+                .is_some_and(|f| f.backend_addrs() == want && f.problems.is_empty())
+        })?;
+    let repairs = poll("the repair to be counted", SYNC_TIMEOUT, || {
+        let n = metric(addr, "lb_drift_repairs_total")?;
+        Ok((n >= 1).then_some(n))
+    })?;
+    ensure!(repairs == 1, "one deletion, {repairs} repairs");
+    Ok(())
+}

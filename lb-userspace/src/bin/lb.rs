@@ -159,6 +159,10 @@ struct AgentArgs {
     /// /healthz answers 503 once a change has waited longer than this to be applied.
     #[arg(long, default_value_t = ops::DEFAULT_HEALTHZ_TIMEOUT.as_secs(), value_parser = timeout_secs())]
     healthz_timeout_secs: u64,
+    /// How often the service table in the kernel is compared with what the agent
+    /// wrote, and repaired (an entry changed behind the agent's back).
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    consistency_check_interval_secs: u64,
     /// When another agent holds --pin-dir, wait for it to stop instead of failing
     /// (the DaemonSet sets it, so a rolling update's new agent takes over).
     #[arg(long)]
@@ -422,6 +426,7 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
         metrics_addr: args.metrics_bind_address,
         healthz_timeout: Duration::from_secs(args.healthz_timeout_secs),
         wait_for_lock: args.wait_for_lock,
+        consistency_interval: Duration::from_secs(args.consistency_check_interval_secs),
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -69,6 +69,7 @@ pub(super) struct Metrics {
     pub(super) network_programming: Histogram,
     syncs: Counter,
     pub(super) sync_errors: Counter,
+    pub(super) drift_repairs: Counter,
     pub(super) object_errors: Gauge,
     files_unreadable: Gauge,
     file_unreadable: Family<PathLabel, Gauge>,
@@ -116,6 +117,13 @@ impl Metrics {
             "lb_sync_errors",
             "Failed reconcile passes of the service table",
             sync_errors.clone(),
+        );
+        let drift_repairs = Counter::default();
+        registry.register(
+            "lb_drift_repairs",
+            "Consistency checks that found the kernel maps differing from what the agent \
+             wrote (an entry changed behind its back) and rewrote them",
+            drift_repairs.clone(),
         );
         let object_errors = Gauge::default();
         registry.register(
@@ -192,6 +200,7 @@ impl Metrics {
             network_programming,
             syncs,
             sync_errors,
+            drift_repairs,
             object_errors,
             files_unreadable,
             file_unreadable,

@@ -198,6 +198,11 @@ impl AgentStatus {
         self.metrics.sync_errors.inc();
     }
 
+    /// A consistency check found the maps changed behind the agent's back.
+    pub fn record_drift_repair(&self) {
+        self.metrics.drift_repairs.inc();
+    }
+
     /// Objects skipped by the last interpretation (invalid Services, slices, files).
     pub fn record_object_errors(&self, count: usize) {
         self.metrics.object_errors.set(count as i64);
