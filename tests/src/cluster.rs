@@ -51,6 +51,20 @@ pub const WHOAMI_PORT: u16 = 9000;
 /// lb-echo port echoing a byte stream back (TCP) in every backend.
 pub const BULK_PORT: u16 = 9001;
 
+/// A NodePort Service `name` on cluster IP `vip`: whoami 80 -> 9000/TCP (node port
+/// `node_port`).
+pub fn whoami_node_port(name: &str, vip: Ipv4Addr, node_port: u16) -> Service {
+    Service::new(
+        name,
+        vip,
+        vec![
+            crate::manifests::ServicePort::tcp("whoami", 80, WHOAMI_PORT.into())
+                .with_node_port(node_port.into()),
+        ],
+    )
+    .node_port()
+}
+
 /// The external client, on the node network but outside the cluster.
 pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 100);
 /// The second external client ([`ClusterBuilder::second_client`]).

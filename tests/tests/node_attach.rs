@@ -13,7 +13,7 @@ use anyhow::{ensure, Context, Result};
 use aya::programs::tc::{self, NlOptions, TcAttachOptions, TcAttachType, TcHandle};
 use aya::programs::{links::LinkOrder, SchedClassifier};
 use lb_tests::agent::LinkStatus;
-use lb_tests::cluster::{node_ip, Cluster, Node, Role, CLIENT_IP, WHOAMI_PORT};
+use lb_tests::cluster::{node_ip, whoami_node_port, Cluster, Node, Role, CLIENT_IP, WHOAMI_PORT};
 use lb_tests::manifests::{Service, ServicePort};
 use lb_tests::netns::NetNs;
 use lb_tests::util::poll;
@@ -23,15 +23,6 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// A device change must reach the datapath within a second (the target);
 /// the polls allow for a loaded test machine.
 const DEVICE_TIMEOUT: Duration = Duration::from_secs(10);
-
-fn whoami_node_port(name: &str, vip: Ipv4Addr, node_port: u16) -> Service {
-    Service::new(
-        name,
-        vip,
-        vec![ServicePort::tcp("whoami", 80, WHOAMI_PORT.into()).with_node_port(node_port.into())],
-    )
-    .node_port()
-}
 
 /// `count` connections from `ns` to `to` are all answered by `pod`, which sees them
 /// from `source`.

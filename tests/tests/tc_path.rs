@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use lb_tests::cluster::{
-    node_ip, node_name, Cluster, ClusterBuilder, BULK_PORT, CLIENT_IP, DROP_CONNECT_TIMEOUT,
-    WHOAMI_PORT,
+    node_ip, node_name, whoami_node_port, Cluster, ClusterBuilder, BULK_PORT, CLIENT_IP,
+    DROP_CONNECT_TIMEOUT, WHOAMI_PORT,
 };
 use lb_tests::manifests::{Conditions, Service, ServicePort};
 use lb_tests::probe::UdpEchoReport;
@@ -45,17 +45,6 @@ fn pod_addrs(cluster: &Cluster, pods: &[&str], port: u16) -> Result<Vec<SocketAd
     pods.iter()
         .map(|name| Ok(SocketAddrV4::new(cluster.pod(name)?.ip(), port)))
         .collect()
-}
-
-/// A NodePort Service `name` on cluster IP `vip`: whoami 80 -> 9000/TCP (node port
-/// `node_port`).
-fn whoami_node_port(name: &str, vip: Ipv4Addr, node_port: u16) -> Service {
-    Service::new(
-        name,
-        vip,
-        vec![ServicePort::tcp("whoami", 80, WHOAMI_PORT.into()).with_node_port(node_port.into())],
-    )
-    .node_port()
 }
 
 /// Build the cluster, publish `services` (with their backends) and start the agents.
