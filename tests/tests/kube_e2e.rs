@@ -314,13 +314,18 @@ fn slice_modified_removes_a_backend_and_an_outage_keeps_the_datapath() -> Result
 
     // Outage: the server stops listening and breaks its connections.
     kb.rt.block_on(kb.server.stop());
-    // A connect to a just-freed loopback port can, rarely, pick that same port as
-    // its own source and connect to itself: one refusal in a few tries is proof.
-    let refused = (0..5).any(|_| {
-        std::net::TcpStream::connect(kb.server.addr())
+    // Refused within a bounded number of tries: a connect to a just-freed loopback
+    // port can, rarely, pick that same port as its own source and connect to itself,
+    // and the server's connections wind down asynchronously.
+    let refused = lb_tests::util::poll("the fake API server to refuse", REQUEST, || {
+        Ok(std::net::TcpStream::connect(kb.server.addr())
             .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+            .then_some(()))
     });
-    ensure!(refused, "the fake API server still accepts connections");
+    ensure!(
+        refused.is_ok(),
+        "the fake API server still accepts connections"
+    );
     // Long enough for a client-go style backoff (0.8 s doubling) to have grown
     // past 10 s: 6 failed attempts per kind.
     wait_retries(&mut kb, 6).context("the agent did not notice the outage")?;
