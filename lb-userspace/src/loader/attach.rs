@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use aya::programs::{
     links::{FdLink, LinkOrder},
-    tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcAttachType, TcHandle},
+    tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcAttachType, TcError, TcHandle},
     CgroupAttachMode, ProgramError, SchedClassifier,
 };
 use aya::Ebpf;
@@ -147,9 +147,11 @@ fn attach_tc(
 
     // clsact may be there already (another tool, an earlier agent): that is fine.
     if let Err(e) = tc::qdisc_add_clsact(iface) {
-        let text = error_chain(&e);
-        if !text.contains("File exists") {
-            return Err(tc_error(format!("adding the clsact qdisc: {text}")));
+        if tc_errno(&e) != Some(libc::EEXIST) {
+            return Err(tc_error(format!(
+                "adding the clsact qdisc: {}",
+                error_chain(&e)
+            )));
         }
     }
     let options = TcAttachOptions::Netlink(NlOptions {
@@ -161,7 +163,7 @@ fn attach_tc(
         Ok(id) => id,
         // Our slot is taken by a previous agent's filter: replace its program in
         // place, so no packet meets an empty slot.
-        Err(e) if error_chain(&e).contains("File exists") => {
+        Err(e) if program_errno(&e) == Some(libc::EEXIST) => {
             let existing = SchedClassifierLink::attached(
                 iface,
                 TcAttachType::Ingress,
@@ -182,4 +184,56 @@ fn attach_tc(
     // like a pinned link does.
     std::mem::forget(link);
     Ok(TcLink::Netlink)
+}
+
+/// The errno a TC operation failed with, where aya keeps one (netlink answers
+/// carry it as an `io::Error` inside [`aya::sys::NetlinkError`]).
+fn tc_errno(error: &TcError) -> Option<i32> {
+    match error {
+        TcError::NetlinkError(e) => e.raw_os_error(),
+        TcError::IoError(e) => e.raw_os_error(),
+        _ => None,
+    }
+}
+
+/// [`tc_errno`] for the errors of attaching a program.
+fn program_errno(error: &ProgramError) -> Option<i32> {
+    match error {
+        ProgramError::TcError(e) => tc_errno(e),
+        ProgramError::NetlinkError(e) => e.raw_os_error(),
+        ProgramError::IOError(e) => e.raw_os_error(),
+        ProgramError::SyscallError(e) => e.io_error.raw_os_error(),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io;
+
+    use super::*;
+
+    #[test]
+    fn an_existing_qdisc_or_filter_is_told_by_its_errno_not_its_words() {
+        let errno = |n| io::Error::from_raw_os_error(n);
+        assert_eq!(
+            tc_errno(&TcError::IoError(errno(libc::EEXIST))),
+            Some(libc::EEXIST)
+        );
+        assert_eq!(
+            program_errno(&ProgramError::TcError(TcError::IoError(errno(
+                libc::EEXIST
+            )))),
+            Some(libc::EEXIST)
+        );
+        assert_eq!(
+            program_errno(&ProgramError::IOError(errno(libc::ENODEV))),
+            Some(libc::ENODEV)
+        );
+        // Words that merely read like the errno (a device named so, a message of
+        // another layer) are not the errno: attaching then fails as it should.
+        let words = ProgramError::TcError(TcError::IoError(io::Error::other("File exists")));
+        assert_eq!(program_errno(&words), None);
+        assert_eq!(tc_errno(&TcError::AlreadyAttached), None);
+    }
 }
