@@ -104,8 +104,8 @@ mod tests {
 
     #[test]
     fn a_second_holder_is_refused_and_named() {
-        let dir = std::env::temp_dir().join(format!("lb-pinlock-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         let first = PinLock::acquire(&dir, Wait::No).unwrap();
         let err = PinLock::acquire(&dir, Wait::No).unwrap_err();
         let text = err.to_string();
@@ -118,6 +118,5 @@ mod tests {
         let again = PinLock::acquire(&dir, Wait::No);
         assert!(again.is_ok(), "released when dropped");
         drop(again);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

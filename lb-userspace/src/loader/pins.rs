@@ -239,7 +239,8 @@ mod tests {
 
     #[test]
     fn other_layout_versions_are_found_and_removed() {
-        let root = std::env::temp_dir().join(format!("lb-layouts-{}", std::process::id()));
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().to_path_buf();
         let layout = PinLayout::new(&root);
         let current = format!("v{}", lb_common::PIN_LAYOUT_VERSION);
         for dir in ["v0", "v1", "v17", &current, "links", "vx", "v"] {
@@ -254,6 +255,5 @@ mod tests {
         remove_layout(&root.join("v0")).unwrap();
         assert!(!root.join("v0").exists());
         assert!(layout.maps_dir().exists(), "the current layout stays");
-        fs::remove_dir_all(&root).unwrap();
     }
 }
