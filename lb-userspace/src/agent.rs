@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use lb_common::map_names;
 use tracing::{debug, info, warn};
 
+use crate::codec;
 use crate::conntrack;
 use crate::loader::{self, LoadError, MapSizes, PinLayout, TcAttach};
 use crate::maps::{MapsError, PinnedMaps};
@@ -559,7 +560,7 @@ enum SyncError {
 /// The first half of a sync: the desired table planned against what the maps hold
 /// and written to the kernel.
 struct Written {
-    current: reconcile::MapSnapshot,
+    current: codec::MapSnapshot,
     plan: reconcile::Plan,
     /// `current` was read from the kernel, not remembered.
     read_kernel: bool,
@@ -570,7 +571,7 @@ struct Written {
 fn write_table(
     maps: &mut PinnedMaps,
     desired: &DesiredState,
-    known: &mut Option<reconcile::MapSnapshot>,
+    known: &mut Option<codec::MapSnapshot>,
 ) -> Result<Written, MapsError> {
     let started = Instant::now();
     let read_kernel = known.is_none();
@@ -608,7 +609,7 @@ fn write_table(
 fn record_table(
     maps: &mut PinnedMaps,
     written: Written,
-    known: &mut Option<reconcile::MapSnapshot>,
+    known: &mut Option<codec::MapSnapshot>,
 ) -> Result<SyncOutcome, MapsError> {
     let Written {
         mut current,
@@ -616,7 +617,7 @@ fn record_table(
         read_kernel,
     } = written;
     if !plan.is_empty() {
-        reconcile::apply(&mut current, &plan.ops);
+        current.apply(&plan.ops);
         let live = current
             .services
             .iter()

@@ -11,8 +11,8 @@ use lb_common::{
 };
 use serde::Serialize;
 
+use crate::codec::socket_addr;
 use crate::model::Protocol;
-use crate::table::ip_of;
 
 /// Idle timeouts, per protocol and TCP state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,10 +54,6 @@ pub struct Flow {
     pub backend_id: u32,
     #[serde(skip)]
     keys: [Option<CtKey>; 2],
-}
-
-fn addr(ip: u32, port: u16) -> SocketAddrV4 {
-    SocketAddrV4::new(ip_of(ip), u16::from_be(port))
 }
 
 /// The key of the entry that a packet translated by `value` gets answered with.
@@ -108,13 +104,13 @@ pub fn flows(entries: &[(CtKey, CtValue)], now_ns: u64) -> Vec<Flow> {
         }
         let last_seen = value.last_seen_ns.max(reply.map_or(0, |r| r.last_seen_ns));
         let state = value.state | reply.map_or(0, |r| r.state);
-        let client = addr(key.src_addr, key.src_port);
-        let source_seen = addr(value.nat_src_addr, value.nat_src_port);
+        let client = socket_addr(key.src_addr, key.src_port);
+        let source_seen = socket_addr(value.nat_src_addr, value.nat_src_port);
         out.push(Flow {
             protocol: Protocol::from_number(key.proto).unwrap_or(Protocol::Tcp),
             client,
-            frontend: addr(key.dst_addr, key.dst_port),
-            backend: addr(value.nat_dst_addr, value.nat_dst_port),
+            frontend: socket_addr(key.dst_addr, key.dst_port),
+            backend: socket_addr(value.nat_dst_addr, value.nat_dst_port),
             snat: (source_seen != client).then_some(source_seen),
             state: state_name(key.proto, state),
             idle_ms: now_ns.saturating_sub(last_seen) / 1_000_000,
@@ -129,9 +125,9 @@ pub fn flows(entries: &[(CtKey, CtValue)], now_ns: u64) -> Vec<Flow> {
     {
         out.push(Flow {
             protocol: Protocol::from_number(key.proto).unwrap_or(Protocol::Tcp),
-            client: addr(value.nat_dst_addr, value.nat_dst_port),
-            frontend: addr(value.nat_src_addr, value.nat_src_port),
-            backend: addr(key.src_addr, key.src_port),
+            client: socket_addr(value.nat_dst_addr, value.nat_dst_port),
+            frontend: socket_addr(value.nat_src_addr, value.nat_src_port),
+            backend: socket_addr(key.src_addr, key.src_port),
             snat: None,
             state: state_name(key.proto, value.state),
             idle_ms: now_ns.saturating_sub(value.last_seen_ns) / 1_000_000,

@@ -2,6 +2,7 @@
 //! service table, and reconciles the pinned maps to it.
 
 pub mod agent;
+pub mod codec;
 pub mod conntrack;
 pub mod loader;
 pub mod maps;

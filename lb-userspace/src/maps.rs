@@ -12,9 +12,8 @@ use lb_common::{
     map_names, stat, Backend, CtKey, CtValue, ServiceKey, ServiceValue, SourceRangeKey, SvcStats,
 };
 
+use crate::codec::{self, Capacity, MapOp, MapSnapshot, SourceRange};
 use crate::loader::PinLayout;
-use crate::reconcile::{Capacity, MapOp, MapSnapshot};
-use crate::source_ranges::{self, SourceRange};
 
 #[derive(Debug, thiserror::Error)]
 pub enum MapsError {
@@ -313,7 +312,7 @@ impl PinnedMaps {
     pub fn source_ranges(&self) -> Result<BTreeSet<SourceRange>, MapsError> {
         self.source_range_keys().map(|keys| {
             keys.iter()
-                .filter_map(|k| source_ranges::entry(k.prefix_len(), &k.data()))
+                .filter_map(|k| codec::source_range(k.prefix_len(), &k.data()))
                 .collect()
         })
     }
@@ -339,11 +338,11 @@ impl PinnedMaps {
         let present = self.source_range_keys()?;
         let have: BTreeSet<SourceRange> = present
             .iter()
-            .filter_map(|k| source_ranges::entry(k.prefix_len(), &k.data()))
+            .filter_map(|k| codec::source_range(k.prefix_len(), &k.data()))
             .collect();
         let mut changed = 0;
         for entry in wanted.difference(&have) {
-            let (prefix_len, data) = source_ranges::key(entry);
+            let (prefix_len, data) = codec::source_range_key(entry);
             self.source_ranges
                 .insert(&Key::new(prefix_len, data), 1, 0)
                 .map_err(|source| MapsError::Write {
@@ -357,7 +356,7 @@ impl PinnedMaps {
             return Ok(changed);
         }
         for key in present {
-            let keep = source_ranges::entry(key.prefix_len(), &key.data())
+            let keep = codec::source_range(key.prefix_len(), &key.data())
                 .is_some_and(|entry| wanted.contains(&entry));
             if keep {
                 continue;

@@ -15,24 +15,6 @@ pub enum Protocol {
     Udp,
 }
 
-impl Protocol {
-    /// IANA number, as the kernel reports it.
-    pub fn number(self) -> u8 {
-        match self {
-            Protocol::Tcp => lb_common::IPPROTO_TCP,
-            Protocol::Udp => lb_common::IPPROTO_UDP,
-        }
-    }
-
-    pub fn from_number(n: u8) -> Option<Self> {
-        match n {
-            lb_common::IPPROTO_TCP => Some(Protocol::Tcp),
-            lb_common::IPPROTO_UDP => Some(Protocol::Udp),
-            _ => None,
-        }
-    }
-}
-
 impl fmt::Display for Protocol {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
@@ -52,24 +34,6 @@ pub enum Scope {
     #[default]
     Internal,
     External,
-}
-
-impl Scope {
-    /// `ServiceKey::scope` value.
-    pub fn number(self) -> u8 {
-        match self {
-            Scope::Internal => lb_common::SCOPE_INTERNAL,
-            Scope::External => lb_common::SCOPE_EXTERNAL,
-        }
-    }
-
-    pub fn from_number(n: u8) -> Option<Self> {
-        match n {
-            lb_common::SCOPE_INTERNAL => Some(Scope::Internal),
-            lb_common::SCOPE_EXTERNAL => Some(Scope::External),
-            _ => None,
-        }
-    }
 }
 
 /// What a client addresses: VIP (or node IP, external IP), port, protocol, and

@@ -132,8 +132,8 @@ mod tests {
 
     #[test]
     fn a_second_holder_is_refused_and_named() {
-        let dir = std::env::temp_dir().join(format!("lb-pinlock-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         let first = PinLock::acquire(&dir, Wait::No).unwrap();
         let err = PinLock::acquire(&dir, Wait::No).unwrap_err();
         let text = err.to_string();
@@ -146,7 +146,6 @@ mod tests {
         let again = PinLock::acquire(&dir, Wait::No);
         assert!(again.is_ok(), "released when dropped");
         drop(again);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// A waiter whose directory was removed (and created anew) while it waited ends

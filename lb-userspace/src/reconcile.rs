@@ -3,46 +3,12 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
-use lb_common::{map_names, Backend, ServiceKey, ServiceValue, SVC_FLAG_AFFINITY};
+use lb_common::{map_names, Backend, ServiceKey, ServiceValue};
 
-use crate::model::{BackendAddr, DesiredState, Frontend, FrontendSpec, Protocol, Scope};
-
-/// The kernel's service table as read from the pinned maps.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct MapSnapshot {
-    /// Every `LB_SERVICES` entry (masters and slots).
-    pub services: BTreeMap<ServiceKey, ServiceValue>,
-    /// Every `LB_BACKENDS` entry.
-    pub backends: BTreeMap<u32, Backend>,
-}
-
-/// `max_entries` of the maps the plan writes to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Capacity {
-    pub services: u32,
-    pub backends: u32,
-    /// Largest frontend id (`rev_nat_id`) to hand out; 0 is reserved.
-    pub frontend_ids: u32,
-}
-
-/// One map write, applied in plan order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MapOp {
-    PutBackend {
-        id: u32,
-        backend: Backend,
-    },
-    PutService {
-        key: ServiceKey,
-        value: ServiceValue,
-    },
-    DeleteService {
-        key: ServiceKey,
-    },
-    DeleteBackend {
-        id: u32,
-    },
-}
+use crate::codec::{
+    backend_value, master_value, slot_value, Capacity, FrontendKey, MapOp, MapSnapshot,
+};
+use crate::model::{DesiredState, Frontend, FrontendSpec, Scope};
 
 /// A frontend the plan leaves as it is in the kernel, and why.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -91,92 +57,6 @@ pub const MAX_BACKENDS_PER_FRONTEND: usize = u16::MAX as usize - 1;
 /// Largest `rev_nat_id`; 0 is reserved for "none". Ids are 32-bit in the maps; this
 /// leaves room far beyond any service map while keeping counts in a `u32`.
 pub const MAX_REV_NAT_ID: u32 = u32::MAX - 1;
-
-/// The `LB_SERVICES` key of one slot (0 = master) of a frontend.
-pub fn service_key(frontend: &Frontend, slot: u16) -> ServiceKey {
-    FrontendKey::of(frontend).slot(slot)
-}
-
-/// The `LB_BACKENDS` value of one backend of a frontend speaking `protocol`.
-pub fn backend_value(backend: &BackendAddr, protocol: Protocol) -> Backend {
-    Backend {
-        address: u32::from_ne_bytes(backend.ip.octets()),
-        port: backend.port.to_be(),
-        proto: protocol.number(),
-        flags: if backend.local {
-            lb_common::BACKEND_FLAG_LOCAL
-        } else {
-            0
-        },
-    }
-}
-
-/// `external_scope`: the frontend also has an external-scope entry that traffic
-/// from outside must use instead of this one.
-fn master_value(
-    spec: &FrontendSpec,
-    count: u16,
-    rev_nat_id: u32,
-    external_scope: bool,
-) -> ServiceValue {
-    let mut flags = 0;
-    if spec.affinity_timeout_sec.is_some() {
-        flags |= SVC_FLAG_AFFINITY;
-    }
-    if external_scope {
-        flags |= lb_common::SVC_FLAG_EXTERNAL_SCOPE;
-    }
-    if spec.source_ranges.is_some() {
-        flags |= lb_common::SVC_FLAG_SOURCE_RANGES;
-    }
-    ServiceValue {
-        backend_id: 0,
-        count,
-        flags,
-        rev_nat_id,
-        affinity_timeout_sec: spec.affinity_timeout_sec.unwrap_or(0),
-    }
-}
-
-fn slot_value(backend_id: u32, rev_nat_id: u32) -> ServiceValue {
-    ServiceValue {
-        backend_id,
-        rev_nat_id,
-        ..ServiceValue::default()
-    }
-}
-
-/// A frontend as the map spells it, so that entries with a protocol the model does
-/// not know can still be grouped and removed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-struct FrontendKey {
-    address: u32,
-    port: u16,
-    proto: u8,
-    scope: u8,
-}
-
-impl FrontendKey {
-    fn of(frontend: &Frontend) -> Self {
-        FrontendKey {
-            address: u32::from_ne_bytes(frontend.ip.octets()),
-            port: frontend.port.to_be(),
-            proto: frontend.protocol.number(),
-            scope: frontend.scope.number(),
-        }
-    }
-
-    fn slot(self, slot: u16) -> ServiceKey {
-        ServiceKey {
-            address: self.address,
-            port: self.port,
-            backend_slot: slot,
-            proto: self.proto,
-            scope: self.scope,
-            _pad: [0; 2],
-        }
-    }
-}
 
 /// The entries one frontend has in the current maps.
 #[derive(Default)]
@@ -267,14 +147,7 @@ pub fn plan(desired: &DesiredState, current: &MapSnapshot, capacity: Capacity) -
             garbage.push((*key, *value));
             continue;
         }
-        let entries = groups
-            .entry(FrontendKey {
-                address: key.address,
-                port: key.port,
-                proto: key.proto,
-                scope: key.scope,
-            })
-            .or_default();
+        let entries = groups.entry(FrontendKey::of_key(key)).or_default();
         if key.backend_slot == 0 {
             entries.master = Some(*value);
         } else {
@@ -541,32 +414,13 @@ impl Planner<'_> {
     }
 }
 
-/// Apply `ops` to a snapshot as the kernel would apply them to the maps; for tests
-/// and dry runs.
-pub fn apply(snapshot: &mut MapSnapshot, ops: &[MapOp]) {
-    for op in ops {
-        match *op {
-            MapOp::PutBackend { id, backend } => {
-                snapshot.backends.insert(id, backend);
-            }
-            MapOp::PutService { key, value } => {
-                snapshot.services.insert(key, value);
-            }
-            MapOp::DeleteService { key } => {
-                snapshot.services.remove(&key);
-            }
-            MapOp::DeleteBackend { id } => {
-                snapshot.backends.remove(&id);
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::net::Ipv4Addr;
 
     use super::*;
+    use crate::codec::service_key;
+    use crate::model::{BackendAddr, Protocol};
     use crate::table;
 
     const ROOMY: Capacity = Capacity {
@@ -695,7 +549,7 @@ mod tests {
         let mut s = from.clone();
         assert_never_half_written(&s, "before");
         for (i, op) in plan.ops.iter().enumerate() {
-            apply(&mut s, std::slice::from_ref(op));
+            s.apply(std::slice::from_ref(op));
             if let Some(problem) = half_written(&s) {
                 panic!("after op {i} {op:?} of {:#?}: {problem}", plan.ops);
             }
@@ -1021,7 +875,7 @@ mod tests {
         );
         assert!(p.rejected[0].to_string().contains("--services-map-size"));
         let mut after = s.clone();
-        apply(&mut after, &p.ops);
+        after.apply(&p.ops);
         assert_never_half_written(&after, "partial plan");
         assert_programs(&after, &state(&[(a, &[1, 2], None)]));
         // With c gone there is room now.
@@ -1058,7 +912,7 @@ mod tests {
                 if *frontend == a
         ));
         let mut after = s.clone();
-        apply(&mut after, &p.ops);
+        after.apply(&p.ops);
         assert_programs(&after, &state(&[(a, &[1], None), (b, &[2], None)]));
     }
 
@@ -1084,7 +938,7 @@ mod tests {
             }]
         ));
         let mut s = MapSnapshot::default();
-        apply(&mut s, &p.ops);
+        s.apply(&p.ops);
         assert_eq!(table::decode(&s).len(), 1);
     }
 
@@ -1135,7 +989,7 @@ mod tests {
         let p = plan(&desired, &MapSnapshot::default(), ROOMY);
         assert!(p.rejected.is_empty(), "{:?}", &p.rejected[..1]);
         let mut s = MapSnapshot::default();
-        apply(&mut s, &p.ops);
+        s.apply(&p.ops);
         let table = table::decode(&s);
         assert_eq!(table.len(), 70_000);
         let ids: BTreeSet<u32> = table.iter().map(|f| f.rev_nat_id).collect();

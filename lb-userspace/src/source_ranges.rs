@@ -9,16 +9,10 @@
 //! frontend therefore admits nobody for the moment between the two, never everybody.
 
 use std::collections::BTreeSet;
-use std::net::Ipv4Addr;
 
-use ipnet::Ipv4Net;
-use lb_common::{SourceRangeKey, SOURCE_RANGE_PREFIX_BASE};
-
+pub use crate::codec::SourceRange;
+use crate::codec::{service_key, MapSnapshot};
 use crate::model::DesiredState;
-use crate::reconcile::{service_key, MapSnapshot};
-
-/// One trie entry: a frontend id and one of its ranges.
-pub type SourceRange = (u32, Ipv4Net);
 
 /// The entries `desired` needs, for the frontends `table` holds a master of.
 pub fn wanted(desired: &DesiredState, table: &MapSnapshot) -> BTreeSet<SourceRange> {
@@ -34,45 +28,12 @@ pub fn wanted(desired: &DesiredState, table: &MapSnapshot) -> BTreeSet<SourceRan
         .collect()
 }
 
-/// The trie key of an entry (see [`lb_common::SourceRangeKey`]).
-pub fn key(entry: &SourceRange) -> (u32, SourceRangeKey) {
-    let (rev_nat_id, net) = entry;
-    (
-        SOURCE_RANGE_PREFIX_BASE + u32::from(net.prefix_len()),
-        SourceRangeKey {
-            rev_nat_id: *rev_nat_id,
-            address: u32::from_ne_bytes(net.network().octets()),
-        },
-    )
-}
-
-/// The entry a trie key stands for; `None` for a key no agent writes.
-pub fn entry(prefix_len: u32, key: &SourceRangeKey) -> Option<SourceRange> {
-    let bits = prefix_len.checked_sub(SOURCE_RANGE_PREFIX_BASE)?;
-    let net = Ipv4Net::new(
-        Ipv4Addr::from(key.address.to_ne_bytes()),
-        u8::try_from(bits).ok()?,
-    )
-    .ok()?;
-    Some((key.rev_nat_id, net))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::model::{Frontend, FrontendSpec, Protocol};
+    use ipnet::Ipv4Net;
     use lb_common::ServiceValue;
-
-    #[test]
-    fn keys_round_trip_and_carry_the_prefix_after_the_id() {
-        let e: SourceRange = (7, "203.0.113.0/24".parse().unwrap());
-        let (prefix_len, k) = key(&e);
-        assert_eq!(prefix_len, 32 + 24);
-        // Network byte order: the first octet is the first byte the trie matches.
-        assert_eq!(k.address.to_ne_bytes(), [203, 0, 113, 0]);
-        assert_eq!(entry(prefix_len, &k), Some(e));
-        assert_eq!(entry(16, &k), None);
-    }
 
     #[test]
     fn only_restricted_frontends_with_a_master_get_entries() {

@@ -6,11 +6,11 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::Ipv4Addr;
 
-use lb_common::{ServiceKey, ServiceValue, SVC_FLAG_AFFINITY};
+use lb_common::ServiceValue;
 use serde::Serialize;
 
-use crate::model::{Frontend, Protocol, Scope};
-use crate::reconcile::MapSnapshot;
+use crate::codec::{affinity_timeout, backend_addr, frontend_of, MapSnapshot};
+use crate::model::Frontend;
 
 /// One frontend as programmed.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -35,27 +35,7 @@ pub struct ProgrammedBackend {
     pub local: bool,
 }
 
-/// Map byte order back to addresses: both fields are stored in network order.
-pub fn ip_of(address: u32) -> Ipv4Addr {
-    Ipv4Addr::from(address.to_ne_bytes())
-}
-
 type Group = (Option<ServiceValue>, BTreeMap<u16, ServiceValue>);
-
-/// The frontend a service entry belongs to. Entries with a protocol the hooks never
-/// look up, or with padding set, can never match a lookup; the reconciler deletes
-/// them and there is no frontend to show them under.
-fn frontend_of(key: &ServiceKey) -> Option<Frontend> {
-    if key._pad != [0; 2] {
-        return None;
-    }
-    Some(Frontend {
-        ip: ip_of(key.address),
-        port: u16::from_be(key.port),
-        protocol: Protocol::from_number(key.proto)?,
-        scope: Scope::from_number(key.scope)?,
-    })
-}
 
 /// Frontend ids and the frontends they name, from the master entries alone: what
 /// the metrics label counters with, without decoding every backend.
@@ -134,12 +114,13 @@ fn decode_one(
                 backend.proto
             ));
         }
+        let addr = backend_addr(backend);
         backends.push(ProgrammedBackend {
             slot,
             id,
-            ip: ip_of(backend.address),
-            port: u16::from_be(backend.port),
-            local: backend.flags & lb_common::BACKEND_FLAG_LOCAL != 0,
+            ip: addr.ip,
+            port: addr.port,
+            local: addr.local,
         });
     }
     let stale: Vec<String> = slots
@@ -157,11 +138,10 @@ fn decode_one(
     if master.rev_nat_id == 0 {
         problems.push("frontend id is 0".to_owned());
     }
-    let affinity = master.flags & SVC_FLAG_AFFINITY != 0;
     ProgrammedFrontend {
         frontend,
         rev_nat_id: master.rev_nat_id,
-        affinity_timeout_sec: affinity.then_some(master.affinity_timeout_sec),
+        affinity_timeout_sec: affinity_timeout(&master),
         backends,
         problems,
     }
@@ -275,8 +255,9 @@ pub fn render_text(frontends: &[ProgrammedFrontend]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::reconcile::service_key as key_of;
-    use lb_common::Backend;
+    use crate::codec::service_key as key_of;
+    use crate::model::Protocol;
+    use lb_common::{Backend, SVC_FLAG_AFFINITY};
 
     fn frontend(ip: [u8; 4], port: u16, protocol: Protocol) -> Frontend {
         Frontend::internal(Ipv4Addr::from(ip), port, protocol)

@@ -13,7 +13,7 @@ use lb_common::{program_names, stat};
 use lb_userspace::loader::{self, MapSizes, PinLayout};
 use lb_userspace::maps::PinnedMaps;
 use lb_userspace::model::{BackendAddr, DesiredState, Frontend, FrontendSpec, Protocol, Scope};
-use lb_userspace::{reconcile, source_ranges, sys};
+use lb_userspace::{codec, reconcile, source_ranges, sys};
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
@@ -1025,7 +1025,7 @@ fn a_large_table_is_written_in_batches_exactly_as_planned() {
         let plan = reconcile::plan(&desired, &before, fx.maps.capacity());
         assert!(plan.rejected.is_empty(), "{:?}", plan.rejected);
         let mut expected = before;
-        reconcile::apply(&mut expected, &plan.ops);
+        expected.apply(&plan.ops);
         let batched_before = fx.maps.batched_writes();
         fx.maps.apply(&plan.ops).unwrap();
         // Nearly every op is an insert in a long run: those went as batches.
@@ -1035,7 +1035,7 @@ fn a_large_table_is_written_in_batches_exactly_as_planned() {
             .filter(|op| {
                 matches!(
                     op,
-                    reconcile::MapOp::PutBackend { .. } | reconcile::MapOp::PutService { .. }
+                    codec::MapOp::PutBackend { .. } | codec::MapOp::PutService { .. }
                 )
             })
             .count() as u64;

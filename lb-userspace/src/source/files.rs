@@ -329,9 +329,8 @@ mod tests {
 
     #[test]
     fn only_changed_files_are_read_again_and_order_is_kept() {
-        let dir = std::env::temp_dir().join(format!("lb-files-test-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         let write = |file: &str, name: &str| {
             let tmp = dir.join(format!(".{file}.tmp"));
             std::fs::write(&tmp, SERVICE.replace("NAME", name)).unwrap();
@@ -353,7 +352,6 @@ mod tests {
         write("c.yaml", "c");
         assert_eq!(names(&cache.load(&dir).unwrap()), ["b2", "c"]);
         assert_eq!(cache.0.len(), 2, "a removed file leaves the cache");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// One unreadable file must not stop the others: each kind of failure that
@@ -361,9 +359,8 @@ mod tests {
     #[test]
     fn unreadable_files_are_reported_and_the_others_load() {
         use std::os::unix::fs::symlink;
-        let dir = std::env::temp_dir().join(format!("lb-files-bad-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         std::fs::write(dir.join("good.yaml"), SERVICE.replace("NAME", "good")).unwrap();
         std::fs::write(dir.join("binary.yaml"), b"kind: \xff\xfe\x00garbage").unwrap();
         symlink(dir.join("gone.yaml"), dir.join("dangling.yaml")).unwrap();
@@ -438,7 +435,6 @@ mod tests {
             "a removed file takes its objects along"
         );
         assert_eq!(loaded.unreadable.len(), 5);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     fn event(kind: notify::EventKind, paths: &[&Path]) -> notify::Result<notify::Event> {
@@ -509,7 +505,8 @@ mod tests {
     #[tokio::test]
     async fn configmap_swaps_and_renames_are_followed() {
         use std::os::unix::fs::symlink;
-        let dir = tempdir("lb-files-watch");
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         let svc = |name: &str| SERVICE.replace("NAME", name);
         std::fs::create_dir(dir.join("..v1")).unwrap();
         std::fs::write(dir.join("..v1/svc.yaml"), svc("one")).unwrap();
@@ -553,13 +550,5 @@ mod tests {
         wait_for(&mut rx, vec!["three", "two"]).await;
         std::fs::remove_file(dir.join("extra.yaml")).unwrap();
         wait_for(&mut rx, vec!["two"]).await;
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    fn tempdir(prefix: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("{prefix}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
     }
 }

@@ -509,8 +509,8 @@ mod tests {
 
     #[tokio::test]
     async fn kubeconfig_without_context_is_explained() {
-        let dir = std::env::temp_dir().join(format!("lb-kubeconfig-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         let path = dir.join("config");
         std::fs::write(&path, "apiVersion: v1\nkind: Config\nclusters: []\n").unwrap();
         let Err(err) = client(Some(&path)).await else {
@@ -534,7 +534,6 @@ mod tests {
         .unwrap();
         let client = client(Some(&path)).await.unwrap();
         assert_eq!(client.default_namespace(), "default");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -1489,8 +1489,8 @@ items:
 
     #[test]
     fn load_path_reads_directories_in_name_order() {
-        let dir = std::env::temp_dir().join(format!("lb-source-test-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         fs::create_dir_all(dir.join("sub.yaml")).unwrap();
         fs::write(dir.join("b.yml"), SLICE).unwrap();
         fs::write(dir.join("a.yaml"), SERVICE.replace("web", "first")).unwrap();
@@ -1512,6 +1512,5 @@ items:
         let err = load_path(&missing).unwrap_err();
         assert!(matches!(err, SourceError::NotFound { .. }));
         assert!(err.to_string().starts_with(&missing.display().to_string()));
-        fs::remove_dir_all(&dir).unwrap();
     }
 }

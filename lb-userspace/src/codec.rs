@@ -1,0 +1,414 @@
+//! The one place where the model (`Frontend`, `BackendAddr`, `FrontendSpec`, source
+//! ranges) meets the map layout of `lb_common`: encode/decode pairs, the map
+//! operations and snapshots the reconciler plans over, and the byte order of every
+//! address and port.
+//!
+//! `lb_common`'s `#[repr(C)]` types keep plain `u32`/`u16` fields because the kernel
+//! side shares them; on this side every such field goes through [`Be32`]/[`Be16`], so a
+//! value in network order and one in host order are different types rather than a
+//! comment apart.
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use ipnet::Ipv4Net;
+use lb_common::{
+    Backend, ServiceKey, ServiceValue, SourceRangeKey, BACKEND_FLAG_LOCAL,
+    SOURCE_RANGE_PREFIX_BASE, SVC_FLAG_AFFINITY, SVC_FLAG_EXTERNAL_SCOPE, SVC_FLAG_SOURCE_RANGES,
+};
+
+use crate::model::{BackendAddr, Frontend, FrontendSpec, Protocol, Scope};
+
+/// A 32-bit value in network byte order, as map fields hold addresses.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Be32(u32);
+
+impl Be32 {
+    pub const fn from_host(value: u32) -> Self {
+        Be32(value.to_be())
+    }
+
+    pub const fn to_host(self) -> u32 {
+        u32::from_be(self.0)
+    }
+
+    /// A map field as stored (already network order).
+    pub const fn from_map(raw: u32) -> Self {
+        Be32(raw)
+    }
+
+    /// The value to store in a map field.
+    pub const fn to_map(self) -> u32 {
+        self.0
+    }
+}
+
+impl From<Ipv4Addr> for Be32 {
+    fn from(ip: Ipv4Addr) -> Self {
+        Be32::from_host(u32::from(ip))
+    }
+}
+
+impl From<Be32> for Ipv4Addr {
+    fn from(value: Be32) -> Self {
+        Ipv4Addr::from(value.to_host())
+    }
+}
+
+/// A 16-bit value in network byte order, as map fields hold ports.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Be16(u16);
+
+impl Be16 {
+    pub const fn from_host(value: u16) -> Self {
+        Be16(value.to_be())
+    }
+
+    pub const fn to_host(self) -> u16 {
+        u16::from_be(self.0)
+    }
+
+    /// A map field as stored (already network order).
+    pub const fn from_map(raw: u16) -> Self {
+        Be16(raw)
+    }
+
+    /// The value to store in a map field.
+    pub const fn to_map(self) -> u16 {
+        self.0
+    }
+}
+
+// The map numbers of the model's enums.
+impl Protocol {
+    /// IANA number, as the kernel reports it.
+    pub fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => lb_common::IPPROTO_TCP,
+            Protocol::Udp => lb_common::IPPROTO_UDP,
+        }
+    }
+
+    pub fn from_number(n: u8) -> Option<Self> {
+        match n {
+            lb_common::IPPROTO_TCP => Some(Protocol::Tcp),
+            lb_common::IPPROTO_UDP => Some(Protocol::Udp),
+            _ => None,
+        }
+    }
+}
+
+impl Scope {
+    /// `ServiceKey::scope` value.
+    pub fn number(self) -> u8 {
+        match self {
+            Scope::Internal => lb_common::SCOPE_INTERNAL,
+            Scope::External => lb_common::SCOPE_EXTERNAL,
+        }
+    }
+
+    pub fn from_number(n: u8) -> Option<Self> {
+        match n {
+            lb_common::SCOPE_INTERNAL => Some(Scope::Internal),
+            lb_common::SCOPE_EXTERNAL => Some(Scope::External),
+            _ => None,
+        }
+    }
+}
+
+/// The map fields of an address and port (both network order) as a socket address.
+pub fn socket_addr(address: u32, port: u16) -> SocketAddrV4 {
+    SocketAddrV4::new(
+        Be32::from_map(address).into(),
+        Be16::from_map(port).to_host(),
+    )
+}
+
+/// The kernel's service table as read from the pinned maps.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MapSnapshot {
+    /// Every `LB_SERVICES` entry (masters and slots).
+    pub services: BTreeMap<ServiceKey, ServiceValue>,
+    /// Every `LB_BACKENDS` entry.
+    pub backends: BTreeMap<u32, Backend>,
+}
+
+impl MapSnapshot {
+    /// Applies `ops` as the kernel applies them to the maps; for tests, dry runs and
+    /// the agent's copy of what it wrote.
+    pub fn apply(&mut self, ops: &[MapOp]) {
+        for op in ops {
+            match *op {
+                MapOp::PutBackend { id, backend } => {
+                    self.backends.insert(id, backend);
+                }
+                MapOp::PutService { key, value } => {
+                    self.services.insert(key, value);
+                }
+                MapOp::DeleteService { key } => {
+                    self.services.remove(&key);
+                }
+                MapOp::DeleteBackend { id } => {
+                    self.backends.remove(&id);
+                }
+            }
+        }
+    }
+}
+
+/// `max_entries` of the maps the plan writes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capacity {
+    pub services: u32,
+    pub backends: u32,
+    /// Largest frontend id (`rev_nat_id`) to hand out; 0 is reserved.
+    pub frontend_ids: u32,
+}
+
+/// One map write, applied in plan order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MapOp {
+    PutBackend {
+        id: u32,
+        backend: Backend,
+    },
+    PutService {
+        key: ServiceKey,
+        value: ServiceValue,
+    },
+    DeleteService {
+        key: ServiceKey,
+    },
+    DeleteBackend {
+        id: u32,
+    },
+}
+
+/// A frontend as the map spells it, so that entries with a protocol or scope the
+/// model does not know can still be grouped and removed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct FrontendKey {
+    pub address: Be32,
+    pub port: Be16,
+    pub proto: u8,
+    pub scope: u8,
+}
+
+impl FrontendKey {
+    pub fn of(frontend: &Frontend) -> Self {
+        FrontendKey {
+            address: frontend.ip.into(),
+            port: Be16::from_host(frontend.port),
+            proto: frontend.protocol.number(),
+            scope: frontend.scope.number(),
+        }
+    }
+
+    /// The frontend part of a service key (any slot).
+    pub fn of_key(key: &ServiceKey) -> Self {
+        FrontendKey {
+            address: Be32::from_map(key.address),
+            port: Be16::from_map(key.port),
+            proto: key.proto,
+            scope: key.scope,
+        }
+    }
+
+    /// The `LB_SERVICES` key of one slot (0 = master).
+    pub fn slot(self, slot: u16) -> ServiceKey {
+        ServiceKey {
+            address: self.address.to_map(),
+            port: self.port.to_map(),
+            backend_slot: slot,
+            proto: self.proto,
+            scope: self.scope,
+            _pad: [0; 2],
+        }
+    }
+
+    /// `None` for a protocol or scope the model does not know.
+    pub fn frontend(self) -> Option<Frontend> {
+        Some(Frontend {
+            ip: self.address.into(),
+            port: self.port.to_host(),
+            protocol: Protocol::from_number(self.proto)?,
+            scope: Scope::from_number(self.scope)?,
+        })
+    }
+}
+
+/// The `LB_SERVICES` key of one slot (0 = master) of a frontend.
+pub fn service_key(frontend: &Frontend, slot: u16) -> ServiceKey {
+    FrontendKey::of(frontend).slot(slot)
+}
+
+/// The frontend a service entry belongs to. Entries with a protocol the hooks never
+/// look up, or with padding set, can never match a lookup: `None`.
+pub fn frontend_of(key: &ServiceKey) -> Option<Frontend> {
+    if key._pad != [0; 2] {
+        return None;
+    }
+    FrontendKey::of_key(key).frontend()
+}
+
+/// The `LB_BACKENDS` value of one backend of a frontend speaking `protocol`.
+pub fn backend_value(backend: &BackendAddr, protocol: Protocol) -> Backend {
+    Backend {
+        address: Be32::from(backend.ip).to_map(),
+        port: Be16::from_host(backend.port).to_map(),
+        proto: protocol.number(),
+        flags: if backend.local { BACKEND_FLAG_LOCAL } else { 0 },
+    }
+}
+
+/// The endpoint an `LB_BACKENDS` value names (its protocol is the frontend's).
+pub fn backend_addr(backend: &Backend) -> BackendAddr {
+    BackendAddr {
+        ip: Be32::from_map(backend.address).into(),
+        port: Be16::from_map(backend.port).to_host(),
+        local: backend.flags & BACKEND_FLAG_LOCAL != 0,
+    }
+}
+
+/// The master entry of a frontend with `count` backends. `external_scope`: the
+/// frontend also has an external-scope entry that traffic from outside must use
+/// instead of this one.
+pub fn master_value(
+    spec: &FrontendSpec,
+    count: u16,
+    rev_nat_id: u32,
+    external_scope: bool,
+) -> ServiceValue {
+    let mut flags = 0;
+    if spec.affinity_timeout_sec.is_some() {
+        flags |= SVC_FLAG_AFFINITY;
+    }
+    if external_scope {
+        flags |= SVC_FLAG_EXTERNAL_SCOPE;
+    }
+    if spec.source_ranges.is_some() {
+        flags |= SVC_FLAG_SOURCE_RANGES;
+    }
+    ServiceValue {
+        backend_id: 0,
+        count,
+        flags,
+        rev_nat_id,
+        affinity_timeout_sec: spec.affinity_timeout_sec.unwrap_or(0),
+    }
+}
+
+/// `sessionAffinity: ClientIP` timeout a master entry carries, if any.
+pub fn affinity_timeout(master: &ServiceValue) -> Option<u32> {
+    (master.flags & SVC_FLAG_AFFINITY != 0).then_some(master.affinity_timeout_sec)
+}
+
+/// The slot entry naming backend `backend_id` of frontend `rev_nat_id`.
+pub fn slot_value(backend_id: u32, rev_nat_id: u32) -> ServiceValue {
+    ServiceValue {
+        backend_id,
+        rev_nat_id,
+        ..ServiceValue::default()
+    }
+}
+
+/// One `LB_SOURCE_RANGES` entry: a frontend id and one of its ranges.
+pub type SourceRange = (u32, Ipv4Net);
+
+/// The trie key (prefix length, data) of an entry (see [`lb_common::SourceRangeKey`]).
+pub fn source_range_key(entry: &SourceRange) -> (u32, SourceRangeKey) {
+    let (rev_nat_id, net) = entry;
+    (
+        SOURCE_RANGE_PREFIX_BASE + u32::from(net.prefix_len()),
+        SourceRangeKey {
+            rev_nat_id: *rev_nat_id,
+            address: Be32::from(net.network()).to_map(),
+        },
+    )
+}
+
+/// The entry a trie key stands for; `None` for a key no agent writes.
+pub fn source_range(prefix_len: u32, key: &SourceRangeKey) -> Option<SourceRange> {
+    let bits = prefix_len.checked_sub(SOURCE_RANGE_PREFIX_BASE)?;
+    let net = Ipv4Net::new(Be32::from_map(key.address).into(), u8::try_from(bits).ok()?).ok()?;
+    Some((key.rev_nat_id, net))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn map_fields_hold_addresses_and_ports_in_network_order() {
+        // The oracle is the wire layout itself: the first octet first in memory.
+        let b = backend_value(
+            &BackendAddr {
+                ip: Ipv4Addr::new(10, 244, 1, 2),
+                port: 8080,
+                local: true,
+            },
+            Protocol::Tcp,
+        );
+        assert_eq!(b.address.to_ne_bytes(), [10, 244, 1, 2]);
+        assert_eq!(b.port.to_ne_bytes(), 8080u16.to_be_bytes());
+        assert_eq!(
+            backend_addr(&b),
+            BackendAddr {
+                ip: Ipv4Addr::new(10, 244, 1, 2),
+                port: 8080,
+                local: true,
+            }
+        );
+
+        let web = Frontend::internal(Ipv4Addr::new(10, 96, 0, 10), 443, Protocol::Udp)
+            .with_scope(Scope::External);
+        let k = service_key(&web, 3);
+        assert_eq!(k.address.to_ne_bytes(), [10, 96, 0, 10]);
+        assert_eq!(k.port.to_ne_bytes(), 443u16.to_be_bytes());
+        assert_eq!((k.backend_slot, k.scope), (3, lb_common::SCOPE_EXTERNAL));
+        assert_eq!(frontend_of(&k), Some(web));
+        assert_eq!(frontend_of(&ServiceKey { _pad: [1, 0], ..k }), None);
+        assert_eq!(frontend_of(&ServiceKey { proto: 1, ..k }), None);
+
+        assert_eq!(
+            socket_addr(k.address, k.port),
+            "10.96.0.10:443".parse().unwrap()
+        );
+        assert_eq!(Be32::from_host(0x0a60_000a).to_host(), 0x0a60_000a);
+        assert_eq!(Be16::from_map(k.port).to_host(), 443);
+    }
+
+    #[test]
+    fn master_flags_round_trip_the_affinity() {
+        let spec = |affinity_timeout_sec| FrontendSpec {
+            service: "default/web:http".into(),
+            backends: Default::default(),
+            affinity_timeout_sec,
+            source_ranges: None,
+        };
+        let m = master_value(&spec(Some(30)), 2, 7, true);
+        assert_eq!(
+            m.flags,
+            SVC_FLAG_AFFINITY | SVC_FLAG_EXTERNAL_SCOPE,
+            "affinity and external scope, no source ranges"
+        );
+        assert_eq!(affinity_timeout(&m), Some(30));
+        assert_eq!(
+            affinity_timeout(&master_value(&spec(None), 2, 7, false)),
+            None
+        );
+    }
+
+    #[test]
+    fn source_range_keys_round_trip_and_carry_the_prefix_after_the_id() {
+        let e: SourceRange = (7, "203.0.113.0/24".parse().unwrap());
+        let (prefix_len, k) = source_range_key(&e);
+        assert_eq!(prefix_len, 32 + 24);
+        // Network byte order: the first octet is the first byte the trie matches.
+        assert_eq!(k.address.to_ne_bytes(), [203, 0, 113, 0]);
+        assert_eq!(source_range(prefix_len, &k), Some(e));
+        assert_eq!(source_range(16, &k), None);
+    }
+}

@@ -1,0 +1,239 @@
+//! Attaching loaded programs: the socket hooks to a cgroup, the per-packet
+//! programs to devices (TCX links, or lb's netlink filter slot on clsact).
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use aya::programs::{
+    links::{FdLink, LinkOrder},
+    tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcAttachType, TcError, TcHandle},
+    CgroupAttachMode, ProgramError, SchedClassifier,
+};
+use aya::Ebpf;
+use lb_common::program_names;
+
+use super::load::{cgroup_program, tc_program};
+use super::{error_chain, pin_link, program_error, LoadError, PinLayout};
+
+/// Attaches the socket hooks of a loaded object to `cgroup` and pins the links;
+/// returns the pins. Links of a previous agent are replaced only after the new ones
+/// are attached: both translate identically, and a socket already rewritten to a
+/// backend is not a frontend to the second program, so the overlap is harmless
+/// while a gap would not be. The per-packet programs go on devices through
+/// [`crate::tc_links`].
+pub fn attach_cgroup_hooks(
+    ebpf: &mut Ebpf,
+    layout: &PinLayout,
+    cgroup: &Path,
+) -> Result<BTreeSet<PathBuf>, LoadError> {
+    let cgroup_file = File::open(cgroup).map_err(|source| LoadError::Cgroup {
+        path: cgroup.to_path_buf(),
+        source,
+    })?;
+    let links_dir = layout.links_dir();
+    let mut pinned = BTreeSet::new();
+    for program in program_names::ALL {
+        let link = attach_cgroup(ebpf, program, &cgroup_file)?;
+        pinned.insert(pin_link(link, program, &links_dir, program)?);
+    }
+    Ok(pinned)
+}
+
+/// The pin name of a TCX link of `program` on `device`.
+pub(crate) fn tc_pin_name(program: &str, device: &str) -> String {
+    // bpffs names cannot contain '.', which VLAN devices have.
+    format!("{program}_{}", device.replace('.', "_"))
+}
+
+/// Attaches `program` (loading it if needed) to `device`'s ingress.
+pub(crate) fn attach_tc_device(
+    ebpf: &mut Ebpf,
+    program: &'static str,
+    device: &str,
+    mode: TcAttach,
+) -> Result<TcLink, LoadError> {
+    let prog = tc_program(ebpf, program)?;
+    attach_tc(prog, program, device, mode)
+}
+
+fn attach_cgroup(
+    ebpf: &mut Ebpf,
+    program: &'static str,
+    cgroup: &File,
+) -> Result<FdLink, LoadError> {
+    let prog = cgroup_program(ebpf, program)?;
+    // With bpf_link the kernel always allows several programs per cgroup and rejects
+    // the legacy BPF_F_ALLOW_MULTI flag, so "Single" (flags 0) is the right mode.
+    let link_id = prog
+        .attach(cgroup, CgroupAttachMode::Single)
+        .map_err(|e| program_error(program, e))?;
+    let link = prog
+        .take_link(link_id)
+        .map_err(|e| program_error(program, e))?;
+    link.try_into()
+        .map_err(|e: aya::programs::links::LinkError| LoadError::PinLink {
+            program,
+            path: PathBuf::from(program),
+            message: e.to_string(),
+        })
+}
+
+/// How the per-packet programs attach to devices.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum TcAttach {
+    /// TCX where the kernel has it (>= 6.6), netlink clsact otherwise.
+    #[default]
+    Auto,
+    /// bpf_link based TCX, pinned like the cgroup hooks.
+    Tcx,
+    /// A direct-action cls_bpf filter on the clsact qdisc, for older kernels.
+    Netlink,
+    /// No per-packet path: socket hooks only (another component handles NodePort,
+    /// LoadBalancer and externalIPs).
+    Off,
+}
+
+/// Whether `mode` attaches through TCX on this kernel.
+pub(crate) fn uses_tcx(mode: TcAttach) -> bool {
+    match mode {
+        TcAttach::Auto => aya::util::KernelVersion::current()
+            .is_ok_and(|v| v >= aya::util::KernelVersion::new(6, 6, 0)),
+        TcAttach::Tcx => true,
+        TcAttach::Netlink | TcAttach::Off => false,
+    }
+}
+
+/// The netlink filter slot lb owns on each device: a fixed priority and handle, so a
+/// restarted agent finds its filter and swaps the program in place (no gap), and
+/// `lb cleanup` can find it without state.
+pub(crate) const NETLINK_PRIORITY: u16 = 0x4c42; // "LB"
+pub(crate) const NETLINK_HANDLE: TcHandle = TcHandle::new(0, 1);
+
+/// An attached per-packet program: a link to pin, or a netlink filter that lives on
+/// with the device.
+pub(crate) enum TcLink {
+    Tcx(FdLink),
+    Netlink,
+}
+
+fn attach_tc(
+    prog: &mut SchedClassifier,
+    program: &'static str,
+    iface: &str,
+    mode: TcAttach,
+) -> Result<TcLink, LoadError> {
+    let tc_error = |message: String| LoadError::TcAttach {
+        program,
+        iface: iface.to_owned(),
+        message,
+    };
+    if uses_tcx(mode) {
+        let options = TcAttachOptions::TcxOrder(LinkOrder::default());
+        let link_id = prog
+            .attach_with_options(iface, TcAttachType::Ingress, options)
+            .map_err(|e| tc_error(error_chain(&e)))?;
+        let link = prog
+            .take_link(link_id)
+            .map_err(|e| tc_error(error_chain(&e)))?;
+        return link
+            .try_into()
+            .map(TcLink::Tcx)
+            .map_err(|_| LoadError::NoTcx {
+                program,
+                iface: iface.to_owned(),
+            });
+    }
+
+    // clsact may be there already (another tool, an earlier agent): that is fine.
+    if let Err(e) = tc::qdisc_add_clsact(iface) {
+        if tc_errno(&e) != Some(libc::EEXIST) {
+            return Err(tc_error(format!(
+                "adding the clsact qdisc: {}",
+                error_chain(&e)
+            )));
+        }
+    }
+    let options = TcAttachOptions::Netlink(NlOptions {
+        priority: NETLINK_PRIORITY,
+        handle: NETLINK_HANDLE,
+        ..NlOptions::default()
+    });
+    let link_id = match prog.attach_with_options(iface, TcAttachType::Ingress, options) {
+        Ok(id) => id,
+        // Our slot is taken by a previous agent's filter: replace its program in
+        // place, so no packet meets an empty slot.
+        Err(e) if program_errno(&e) == Some(libc::EEXIST) => {
+            let existing = SchedClassifierLink::attached(
+                iface,
+                TcAttachType::Ingress,
+                NETLINK_PRIORITY,
+                NETLINK_HANDLE,
+                None,
+            )
+            .map_err(|e| tc_error(e.to_string()))?;
+            prog.attach_to_link(existing)
+                .map_err(|e| tc_error(error_chain(&e)))?
+        }
+        Err(e) => return Err(tc_error(error_chain(&e))),
+    };
+    let link = prog
+        .take_link(link_id)
+        .map_err(|e| tc_error(error_chain(&e)))?;
+    // Dropping the link would remove the filter; the filter must outlive the agent
+    // like a pinned link does.
+    std::mem::forget(link);
+    Ok(TcLink::Netlink)
+}
+
+/// The errno a TC operation failed with, where aya keeps one (netlink answers
+/// carry it as an `io::Error` inside [`aya::sys::NetlinkError`]).
+fn tc_errno(error: &TcError) -> Option<i32> {
+    match error {
+        TcError::NetlinkError(e) => e.raw_os_error(),
+        TcError::IoError(e) => e.raw_os_error(),
+        _ => None,
+    }
+}
+
+/// [`tc_errno`] for the errors of attaching a program.
+fn program_errno(error: &ProgramError) -> Option<i32> {
+    match error {
+        ProgramError::TcError(e) => tc_errno(e),
+        ProgramError::NetlinkError(e) => e.raw_os_error(),
+        ProgramError::IOError(e) => e.raw_os_error(),
+        ProgramError::SyscallError(e) => e.io_error.raw_os_error(),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io;
+
+    use super::*;
+
+    #[test]
+    fn an_existing_qdisc_or_filter_is_told_by_its_errno_not_its_words() {
+        let errno = |n| io::Error::from_raw_os_error(n);
+        assert_eq!(
+            tc_errno(&TcError::IoError(errno(libc::EEXIST))),
+            Some(libc::EEXIST)
+        );
+        assert_eq!(
+            program_errno(&ProgramError::TcError(TcError::IoError(errno(
+                libc::EEXIST
+            )))),
+            Some(libc::EEXIST)
+        );
+        assert_eq!(
+            program_errno(&ProgramError::IOError(errno(libc::ENODEV))),
+            Some(libc::ENODEV)
+        );
+        // Words that merely read like the errno (a device named so, a message of
+        // another layer) are not the errno: attaching then fails as it should.
+        let words = ProgramError::TcError(TcError::IoError(io::Error::other("File exists")));
+        assert_eq!(program_errno(&words), None);
+        assert_eq!(tc_errno(&TcError::AlreadyAttached), None);
+    }
+}

@@ -1,0 +1,173 @@
+//! The kernel object, loading it with its pinned maps, and having the verifier
+//! check the programs.
+
+use std::fs;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+
+use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier};
+use aya::{Ebpf, EbpfLoader};
+use lb_common::{map_names, program_names};
+
+use super::{program_error, LoadError, PinLayout, TcAttach};
+use crate::codec::Be32;
+
+/// `max_entries` of the maps the agent sizes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapSizes {
+    pub services: u32,
+    pub backends: u32,
+    pub sock_revnat: u32,
+    pub affinity: u32,
+    pub conntrack: u32,
+}
+
+impl Default for MapSizes {
+    fn default() -> Self {
+        Self {
+            services: lb_common::DEFAULT_SERVICES_MAX,
+            backends: lb_common::DEFAULT_BACKENDS_MAX,
+            sock_revnat: lb_common::DEFAULT_SOCK_REVNAT_MAX,
+            affinity: lb_common::DEFAULT_AFFINITY_MAX,
+            conntrack: lb_common::DEFAULT_CT_MAX,
+        }
+    }
+}
+
+/// The kernel object embedded at build time (empty when it was not built).
+static EMBEDDED_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf.o"));
+
+/// The kernel object to load: a file given on the command line, else the embedded one.
+pub fn kernel_object(path: Option<&Path>) -> Result<Vec<u8>, LoadError> {
+    match path {
+        Some(path) => fs::read(path).map_err(|source| LoadError::ReadObject {
+            path: path.to_path_buf(),
+            source,
+        }),
+        None if EMBEDDED_OBJECT.is_empty() => Err(LoadError::NoObject),
+        None => Ok(EMBEDDED_OBJECT.to_vec()),
+    }
+}
+
+/// Has the kernel verify every program the agent will attach, without attaching
+/// any: the agent does this while the first sync is still being read, so the
+/// verifier's time is off the path to serving, and a rejection stops the start
+/// before a single map write. `attach` loads whatever this did not.
+pub fn verify(ebpf: &mut Ebpf, tc: TcAttach) -> Result<(), LoadError> {
+    for program in program_names::ALL {
+        cgroup_program(ebpf, program)?;
+    }
+    if tc != TcAttach::Off {
+        for program in [program_names::TC_EXTERNAL, program_names::TC_INTERNAL] {
+            tc_program(ebpf, program)?;
+        }
+    }
+    Ok(())
+}
+
+/// Program types the agent loads, each once however often it is asked for.
+trait LoadOnce {
+    fn load_once(&mut self) -> Result<(), ProgramError>;
+}
+
+impl LoadOnce for CgroupSockAddr {
+    fn load_once(&mut self) -> Result<(), ProgramError> {
+        self.fd().map(|_| ()).or_else(|_| self.load())
+    }
+}
+
+impl LoadOnce for SchedClassifier {
+    fn load_once(&mut self) -> Result<(), ProgramError> {
+        self.fd().map(|_| ()).or_else(|_| self.load())
+    }
+}
+
+/// A program of the object, loaded into the kernel unless it already is.
+fn loaded_program<'a, P: LoadOnce>(
+    ebpf: &'a mut Ebpf,
+    program: &'static str,
+) -> Result<&'a mut P, LoadError>
+where
+    &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
+{
+    let prog: &mut P = ebpf
+        .program_mut(program)
+        .ok_or(LoadError::MissingProgram { program })?
+        .try_into()
+        .map_err(|e| program_error(program, e))?;
+    prog.load_once().map_err(|e| verifier_error(program, e))?;
+    Ok(prog)
+}
+
+pub(super) fn cgroup_program<'a>(
+    ebpf: &'a mut Ebpf,
+    program: &'static str,
+) -> Result<&'a mut CgroupSockAddr, LoadError> {
+    loaded_program(ebpf, program)
+}
+
+pub(super) fn tc_program<'a>(
+    ebpf: &'a mut Ebpf,
+    program: &'static str,
+) -> Result<&'a mut SchedClassifier, LoadError> {
+    loaded_program(ebpf, program)
+}
+
+/// Creates (or reopens, keeping their contents across restarts) the pinned maps and
+/// prepares the programs without loading them into the kernel or attaching them;
+/// `node_ip` is the SNAT source of the per-packet path. Tests use this to run
+/// programs through BPF_PROG_TEST_RUN.
+pub fn load(
+    object: &[u8],
+    layout: &PinLayout,
+    sizes: MapSizes,
+    node_ip: Option<Ipv4Addr>,
+) -> Result<Ebpf, LoadError> {
+    for dir in [layout.maps_dir(), layout.links_dir()] {
+        fs::create_dir_all(&dir).map_err(|source| LoadError::PinDir { path: dir, source })?;
+    }
+    let map_paths: Vec<(&str, PathBuf)> = map_names::ALL
+        .iter()
+        .map(|name| (*name, layout.map_path(name)))
+        .collect();
+    let mut loader = EbpfLoader::new();
+    for (name, path) in &map_paths {
+        loader.map_pin_path(name, path.as_path());
+    }
+    loader
+        .map_max_entries(map_names::SERVICES, sizes.services)
+        .map_max_entries(map_names::BACKENDS, sizes.backends)
+        .map_max_entries(map_names::SOCK_REVNAT, sizes.sock_revnat)
+        .map_max_entries(map_names::AFFINITY, sizes.affinity)
+        .map_max_entries(map_names::CT, sizes.conntrack)
+        // One counter entry per frontend at most.
+        .map_max_entries(map_names::SVC_STATS, sizes.services);
+    let node_ip = node_ip.map_or(0, |ip| Be32::from(ip).to_map());
+    loader.override_global("LB_NODE_IPV4", &node_ip, true);
+    loader.load(object).map_err(|source| LoadError::Load {
+        maps_dir: layout.maps_dir(),
+        source: Box::new(source),
+    })
+}
+
+fn verifier_error(program: &'static str, error: ProgramError) -> LoadError {
+    match &error {
+        ProgramError::LoadError {
+            io_error,
+            verifier_log,
+        } => {
+            let log = verifier_log.to_string();
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = lines[lines.len().saturating_sub(20)..].join("\n");
+            LoadError::Verifier {
+                program,
+                error: io_error.to_string(),
+                log_tail: tail,
+            }
+        }
+        _ => LoadError::Program {
+            program,
+            source: Box::new(error),
+        },
+    }
+}

@@ -1,0 +1,126 @@
+//! Everything between the kernel object and a running datapath, one room each:
+//! [`pins`] (the layout under `<pin-dir>`, link pins, retired layouts, cleanup),
+//! [`load`] (the kernel object, `EbpfLoader`, the verifier) and [`attach`] (the
+//! cgroup socket hooks and the per-packet programs on devices).
+
+use std::io;
+use std::path::PathBuf;
+
+use aya::programs::ProgramError;
+
+pub mod attach;
+pub mod load;
+pub mod pins;
+
+pub use attach::{attach_cgroup_hooks, TcAttach};
+pub(crate) use attach::{
+    attach_tc_device, tc_pin_name, uses_tcx, TcLink, NETLINK_HANDLE, NETLINK_PRIORITY,
+};
+pub use load::{kernel_object, load, verify, MapSizes};
+pub(crate) use pins::pin_link;
+pub use pins::{
+    cleanup, lock_for_cleanup, other_layouts, remove_layout, remove_stale_links, CleanupError,
+    CleanupLock, CleanupReport, PinLayout,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(
+        "this lb binary was built without the kernel object: run `cargo xtask build-ebpf` \
+         and rebuild, or pass --bpf-object PATH"
+    )]
+    NoObject,
+    #[error("cannot read kernel object {path}: {source}")]
+    ReadObject {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot create pin directory {path}: {source}")]
+    PinDir {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("loading the kernel object (maps pinned under {maps_dir}) failed: {source}")]
+    Load {
+        maps_dir: PathBuf,
+        #[source]
+        source: Box<aya::EbpfError>,
+    },
+    #[error("program {program} is missing from the kernel object; rebuild it with `cargo xtask build-ebpf`")]
+    MissingProgram { program: &'static str },
+    #[error("the verifier rejected {program}: {error}\nverifier log (tail):\n{log_tail}")]
+    Verifier {
+        program: &'static str,
+        error: String,
+        log_tail: String,
+    },
+    #[error("{program}: {source}")]
+    Program {
+        program: &'static str,
+        #[source]
+        source: Box<ProgramError>,
+    },
+    #[error("cannot open cgroup {path}: {source} (is it a cgroup v2 directory?)")]
+    Cgroup {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error(
+        "attaching {program} to {iface} needs TCX (kernel >= 6.6); this kernel only has \
+         netlink clsact, which lb does not drive yet"
+    )]
+    NoTcx {
+        program: &'static str,
+        iface: String,
+    },
+    #[error("cannot attach {program} to interface {iface}: {message} (does the interface exist in the agent's network namespace?)")]
+    TcAttach {
+        program: &'static str,
+        iface: String,
+        message: String,
+    },
+    #[error(
+        "{flag} {device}: no such device in the agent's network namespace (devices: \
+         {present}); fix the name, or leave the flag out: the agent finds node- and \
+         pod-facing devices itself"
+    )]
+    MissingDevice {
+        flag: &'static str,
+        device: String,
+        present: String,
+    },
+    #[error("cannot list or remove stale link pins in {path}: {source}")]
+    StaleLinks {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot pin link of {program} at {path}: {message}")]
+    PinLink {
+        program: &'static str,
+        path: PathBuf,
+        message: String,
+    },
+}
+
+/// aya's errors keep the errno in their source; a message without it is useless.
+pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+pub(crate) fn program_error(program: &'static str, source: ProgramError) -> LoadError {
+    LoadError::Program {
+        program,
+        source: Box::new(source),
+    }
+}
