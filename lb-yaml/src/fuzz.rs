@@ -2,7 +2,7 @@
 //! the seed corpus (`lb-yaml/tests/corpus/`) mutated byte- and line-wise, and
 //! arbitrary YAML-ish text. Properties: splitting and reading never panic, and
 //! whatever the block reader accepts (as a generic value, or as a typed Service or
-//! EndpointSlice) serde_yaml reads the same way.
+//! EndpointSlice) serde_norway reads the same way.
 
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
@@ -219,24 +219,24 @@ impl<'de> serde::de::Visitor<'de> for ObjectVisitor {
 /// The properties, for one text.
 fn check(text: &str) -> Result<(), TestCaseError> {
     for doc in split_documents(text) {
-        let general = serde_yaml::from_str::<Value>(&doc.text);
+        let general = serde_norway::from_str::<Value>(&doc.text);
         if let Some(fast) = block::from_str::<Value>(&doc.text) {
             prop_assert_eq!(
                 Some(&fast),
                 general.as_ref().ok(),
-                "the block reader read {:?} differently from serde_yaml ({:?})",
+                "the block reader read {:?} differently from serde_norway ({:?})",
                 doc.text,
                 general.as_ref().err()
             );
         }
         let general = |kind| {
             let typed = match kind {
-                "Service" => serde_yaml::from_str(&doc.text).map(Object::Service),
-                _ => serde_yaml::from_str(&doc.text).map(Object::Slice),
+                "Service" => serde_norway::from_str(&doc.text).map(Object::Service),
+                _ => serde_norway::from_str(&doc.text).map(Object::Slice),
             };
             typed.map_err(|e| {
                 TestCaseError::fail(format!(
-                    "the block reader typed {:?}, serde_yaml refuses it: {e}",
+                    "the block reader typed {:?}, serde_norway refuses it: {e}",
                     doc.text
                 ))
             })

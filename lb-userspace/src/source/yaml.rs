@@ -273,13 +273,13 @@ fn parse_documents(file: &Path, docs: &[Document], objects: &mut Objects) {
             manifest.add_to(objects);
             continue;
         }
-        match serde_yaml::from_str::<StrictValue>(&doc.text) {
+        match serde_norway::from_str::<StrictValue>(&doc.text) {
             Ok(StrictValue(value)) => take_document(value, &location, objects),
             Err(_) => {
                 // Parse again with the document at its place in the file so the
                 // error's line numbers are the file's; only on the rare error path.
                 let padded = "\n".repeat(doc.text_line - 1) + &doc.text;
-                let message = match serde_yaml::from_str::<StrictValue>(&padded) {
+                let message = match serde_norway::from_str::<StrictValue>(&padded) {
                     Err(e) => e.to_string(),
                     Ok(_) => "unreadable document".to_owned(),
                 };
@@ -1224,7 +1224,7 @@ items:
     }
 
     /// Loads documents the way the agent did before the block-YAML reader: each one
-    /// through serde_yaml and a generic value.
+    /// through serde_norway and a generic value.
     fn general_path_only(text: &str) -> Objects {
         let mut objects = Objects::default();
         for doc in split_documents(text) {
@@ -1235,7 +1235,7 @@ items:
                 item: None,
             };
             take_document(
-                serde_yaml::from_str(&doc.text).unwrap(),
+                serde_norway::from_str(&doc.text).unwrap(),
                 &location,
                 &mut objects,
             );
