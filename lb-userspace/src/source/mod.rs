@@ -11,7 +11,6 @@ use std::path::PathBuf;
 
 use crate::model::Frontend;
 
-mod block_yaml;
 mod desired;
 pub mod files;
 pub mod kube;

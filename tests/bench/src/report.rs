@@ -418,7 +418,7 @@ fn targets(res: &Results) -> String {
         o += "Where the start goes is in the control-plane table's \"of which\" column, from the \
               agent's own log: BPF load and verification (overlapping the parse), manifest \
               parse (block-style YAML read by a serde Deserializer straight into the Kubernetes \
-              types, on every CPU; see lb-userspace/src/source/block_yaml.rs), planning, and \
+              types, on every CPU; see lb-yaml/src/block.rs), planning, and \
               map writes (batched, BPF_MAP_UPDATE_BATCH), with building the desired state from \
               the objects (`desired`) between parse and plan. The same start \
               took 3.9 s with libyaml and 1.56 s with the YAML-to-JSON-text reader of the \

@@ -6,8 +6,8 @@
 //! mappings and sequences, plain, quoted and literal scalars, decimal integers, `{}`
 //! and `[]`) and gives up on everything else (anchors, tags, flow collections,
 //! multi-line scalars, floats, other number forms, duplicate keys). The caller then
-//! reads that document with serde_yaml, so the subset is a shortcut, not a dialect: a
-//! test checks that whatever this reader accepts, serde_yaml reads as the same value.
+//! reads that document with serde_norway, so the subset is a shortcut, not a dialect: a
+//! test checks that whatever this reader accepts, serde_norway reads as the same value.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -144,12 +144,12 @@ struct Reader<'a> {
     /// Keys of the mappings being read, innermost last: one allocation per
     /// document instead of one per mapping.
     keys: Vec<Cow<'a, str>>,
-    /// Nesting of the node being read; deeper documents go to serde_yaml, which
+    /// Nesting of the node being read; deeper documents go to serde_norway, which
     /// refuses them with an error instead of this reader recursing without bound.
     depth: usize,
 }
 
-/// Deeper than any Kubernetes object; serde_yaml's own limit is 128.
+/// Deeper than any Kubernetes object; serde_norway's own limit is 128.
 const MAX_DEPTH: usize = 64;
 
 /// Where a node begins.
@@ -733,8 +733,8 @@ enum Plain {
     String,
 }
 
-/// How serde_yaml (YAML 1.2 core schema) reads a plain scalar, for the cases this
-/// reader handles; `None` for numbers it leaves to serde_yaml (floats, other bases,
+/// How serde_norway (YAML 1.2 core schema) reads a plain scalar, for the cases this
+/// reader handles; `None` for numbers it leaves to serde_norway (floats, other bases,
 /// leading zeros, out of i64's range) and anything that might parse as one.
 fn resolve_plain(s: &str) -> Option<Plain> {
     // Most keys and values start with a letter that begins no null, bool or number.
@@ -852,7 +852,7 @@ fn quoted(text: &str) -> Option<(Cow<'_, str>, &str)> {
                         for _ in 0..4 {
                             code = code * 16 + chars.next()?.1.to_digit(16)?;
                         }
-                        // Surrogate halves are not characters: left to serde_yaml.
+                        // Surrogate halves are not characters: left to serde_norway.
                         char::from_u32(code)?
                     }
                     _ => return None,
@@ -869,18 +869,18 @@ mod tests {
     use super::from_str;
     use serde_json::Value;
 
-    /// What the slow path reads: serde_yaml straight into a JSON value.
-    fn serde_yaml(doc: &str) -> Option<Value> {
-        serde_yaml::from_str::<Value>(doc).ok()
+    /// What the slow path reads: serde_norway straight into a JSON value.
+    fn serde_norway(doc: &str) -> Option<Value> {
+        serde_norway::from_str::<Value>(doc).ok()
     }
 
-    /// Whenever the fast reader accepts a document, serde_yaml must read the same
+    /// Whenever the fast reader accepts a document, serde_norway must read the same
     /// value from it. Returns whether the fast reader accepted it.
     fn agrees(doc: &str) -> bool {
         let Some(fast) = from_str::<Value>(doc) else {
             return false;
         };
-        assert_eq!(Some(fast), serde_yaml(doc), "read differently: {doc:?}");
+        assert_eq!(Some(fast), serde_norway(doc), "read differently: {doc:?}");
         true
     }
 
@@ -1000,7 +1000,7 @@ ports:
 
     /// Scalars on YAML's edges, in every position the reader handles.
     #[test]
-    fn scalars_read_as_serde_yaml_reads_them_or_are_left_to_it() {
+    fn scalars_read_as_serde_norway_reads_them_or_are_left_to_it() {
         let scalars = [
             "",
             "~",
@@ -1152,7 +1152,7 @@ ports:
     }
 
     #[test]
-    fn deep_nesting_is_left_to_serde_yaml() {
+    fn deep_nesting_is_left_to_serde_norway() {
         let deep: String = (0..200).map(|i| format!("{}k:\n", " ".repeat(i))).collect();
         assert!(from_str::<Value>(&deep).is_none());
         let shallow: String = (0..20).map(|i| format!("{}k:\n", " ".repeat(i))).collect();
@@ -1161,7 +1161,7 @@ ports:
 
     /// Layouts: indentation, sequences, literals, comments and what must be refused.
     #[test]
-    fn structures_read_as_serde_yaml_reads_them_or_are_left_to_it() {
+    fn structures_read_as_serde_norway_reads_them_or_are_left_to_it() {
         let docs = [
             "a: 1\nb:\n  c: 2\n  d:\n  - 3\n  - 4\ne: 5\n",
             "a:\n  - 1\n  - 2\nb: 3\n",
