@@ -5,6 +5,11 @@
 //! Addresses and ports are kept in network byte order, as `struct bpf_sock_addr` hands
 //! them to the socket hooks, so the fast path never swaps bytes.
 //!
+//! Both families share every map: an address is 16 bytes ([`IpAddrBe`]), an IPv4
+//! address stored IPv4-mapped (`::ffff:a.b.c.d`). That is also how an AF_INET6 socket
+//! spells an IPv4 peer, so `connect6` to `::ffff:10.96.0.10` finds the IPv4 Service
+//! with no extra lookup, and one agent-side codec serves both families.
+//!
 //! The service table follows Cilium's slot layout: for one frontend (VIP, port,
 //! protocol) slot 0 is the *master* entry that holds the number of backends, and slots
 //! `1..=count` name one backend each. The agent writes the backends and slots before the
@@ -13,7 +18,7 @@
 
 /// Bumped whenever a map's key or value layout changes. Maps are pinned under
 /// `<pin-dir>/v<PIN_LAYOUT_VERSION>/` so an agent never reuses a map with another layout.
-pub const PIN_LAYOUT_VERSION: u32 = 3;
+pub const PIN_LAYOUT_VERSION: u32 = 4;
 
 /// Map names, as the kernel object defines them and as they are pinned.
 pub mod map_names {
@@ -26,9 +31,6 @@ pub mod map_names {
     pub const SVC_STATS: &str = "LB_SVC_STATS";
     pub const ATTACHMENTS: &str = "LB_ATTACHMENTS";
     pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGES";
-    /// Added within layout 3: a new map changes no existing one, so the loader
-    /// simply creates it in an existing `v3/`, and an agent that predates it never
-    /// opens it.
     pub const FRAG: &str = "LB_FRAG";
     /// Every map the agent pins.
     pub const ALL: [&str; 10] = [
@@ -51,8 +53,21 @@ pub mod program_names {
     pub const SENDMSG4: &str = "lb_sendmsg4";
     pub const RECVMSG4: &str = "lb_recvmsg4";
     pub const GETPEERNAME4: &str = "lb_getpeername4";
+    pub const CONNECT6: &str = "lb_connect6";
+    pub const SENDMSG6: &str = "lb_sendmsg6";
+    pub const RECVMSG6: &str = "lb_recvmsg6";
+    pub const GETPEERNAME6: &str = "lb_getpeername6";
     /// The cgroup socket hooks.
-    pub const ALL: [&str; 4] = [CONNECT4, SENDMSG4, RECVMSG4, GETPEERNAME4];
+    pub const ALL: [&str; 8] = [
+        CONNECT4,
+        SENDMSG4,
+        RECVMSG4,
+        GETPEERNAME4,
+        CONNECT6,
+        SENDMSG6,
+        RECVMSG6,
+        GETPEERNAME6,
+    ];
     /// TC ingress on node-facing devices.
     pub const TC_EXTERNAL: &str = "lb_tc_external";
     /// TC ingress on pod-facing devices.
@@ -96,13 +111,82 @@ pub const DEFAULT_FRAG_MAX: u32 = 8_192;
 /// default `ipfrag_time`, after which the receiver has given up on the datagram.
 pub const FRAG_TIMEOUT_NS: u64 = 30_000_000_000;
 
+/// An IP address as every map holds it: 16 bytes in network byte order (the word
+/// array only gives it the 4-byte alignment `bpf_sock_addr.user_ip6` and IPv6 headers
+/// have). An IPv4 address is stored IPv4-mapped, `::ffff:a.b.c.d`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct IpAddrBe {
+    /// The address bytes, network byte order, as four native-endian words.
+    pub words: [u32; 4],
+}
+const _: () = assert!(core::mem::size_of::<IpAddrBe>() == 16);
+
+/// Word 2 of an IPv4-mapped address: the bytes `00 00 ff ff`.
+const V4_MAPPED_WORD: u32 = u32::from_ne_bytes([0, 0, 0xff, 0xff]);
+
+impl IpAddrBe {
+    /// The IPv4-mapped form of an IPv4 address given in network byte order (as
+    /// `user_ip4` and IPv4 headers carry it).
+    #[inline(always)]
+    pub const fn from_v4(be: u32) -> Self {
+        IpAddrBe {
+            words: [0, 0, V4_MAPPED_WORD, be],
+        }
+    }
+
+    /// An IPv6 address given as its four network-order words.
+    #[inline(always)]
+    pub const fn from_v6(words: [u32; 4]) -> Self {
+        IpAddrBe { words }
+    }
+
+    /// Whether this is an IPv4 address (IPv4-mapped).
+    #[inline(always)]
+    pub const fn is_v4(&self) -> bool {
+        self.words[0] == 0 && self.words[1] == 0 && self.words[2] == V4_MAPPED_WORD
+    }
+
+    /// The IPv4 address in network byte order; meaningful only when `is_v4()`.
+    #[inline(always)]
+    pub const fn v4(&self) -> u32 {
+        self.words[3]
+    }
+}
+
+impl From<core::net::IpAddr> for IpAddrBe {
+    fn from(ip: core::net::IpAddr) -> Self {
+        let octets = match ip {
+            core::net::IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+            core::net::IpAddr::V6(v6) => v6.octets(),
+        };
+        let word =
+            |i: usize| u32::from_ne_bytes([octets[i], octets[i + 1], octets[i + 2], octets[i + 3]]);
+        IpAddrBe {
+            words: [word(0), word(4), word(8), word(12)],
+        }
+    }
+}
+
+/// IPv4-mapped addresses come back as IPv4.
+impl From<IpAddrBe> for core::net::IpAddr {
+    fn from(ip: IpAddrBe) -> Self {
+        let mut octets = [0u8; 16];
+        for (i, word) in ip.words.iter().enumerate() {
+            octets[i * 4..i * 4 + 4].copy_from_slice(&word.to_ne_bytes());
+        }
+        core::net::Ipv6Addr::from(octets).to_canonical()
+    }
+}
+
 /// Key of `LB_SERVICES`: one frontend and one of its slots.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct ServiceKey {
-    /// Virtual IPv4 address, network byte order.
-    pub address: u32,
+    /// Virtual IP address (IPv4-mapped for IPv4).
+    pub address: IpAddrBe,
     /// Service port, network byte order.
     pub port: u16,
     /// 0 for the master entry, `1..=count` for backend slots (host byte order).
@@ -114,7 +198,7 @@ pub struct ServiceKey {
     /// Explicit padding; always zero so that hash lookups match.
     pub _pad: [u8; 2],
 }
-const _: () = assert!(core::mem::size_of::<ServiceKey>() == 12);
+const _: () = assert!(core::mem::size_of::<ServiceKey>() == 24);
 
 /// `ServiceKey::scope`: the entry every frontend has, used by the socket hooks and by
 /// traffic from inside the cluster.
@@ -181,8 +265,8 @@ impl ServiceValue {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct Backend {
-    /// Pod IPv4 address, network byte order.
-    pub address: u32,
+    /// Pod IP address (IPv4-mapped for IPv4; always the frontend's family).
+    pub address: IpAddrBe,
     /// Target port, network byte order.
     pub port: u16,
     /// `IPPROTO_TCP` or `IPPROTO_UDP`.
@@ -190,7 +274,7 @@ pub struct Backend {
     /// `BACKEND_FLAG_*` bits.
     pub flags: u8,
 }
-const _: () = assert!(core::mem::size_of::<Backend>() == 8);
+const _: () = assert!(core::mem::size_of::<Backend>() == 20);
 
 impl Backend {
     /// The endpoint runs on this node (`BACKEND_FLAG_LOCAL`).
@@ -207,22 +291,25 @@ impl Backend {
 pub struct SockRevNatKey {
     /// `bpf_get_socket_cookie` of the client socket.
     pub cookie: u64,
-    /// Backend IPv4 address, network byte order.
-    pub address: u32,
+    /// Backend IP address, as the socket sees it (IPv4-mapped for IPv4, also on an
+    /// AF_INET6 socket).
+    pub address: IpAddrBe,
     /// Backend port, network byte order.
     pub port: u16,
     /// Explicit padding.
     pub _pad: u16,
+    /// Explicit padding up to the 8-byte alignment of `cookie`.
+    pub _pad2: u32,
 }
-const _: () = assert!(core::mem::size_of::<SockRevNatKey>() == 16);
+const _: () = assert!(core::mem::size_of::<SockRevNatKey>() == 32);
 
 /// Value of `LB_SOCK_REVNAT`: the frontend the socket asked for.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct SockRevNatValue {
-    /// Virtual IPv4 address, network byte order.
-    pub address: u32,
+    /// Virtual IP address (IPv4-mapped for IPv4).
+    pub address: IpAddrBe,
     /// Service port, network byte order.
     pub port: u16,
     /// Explicit padding.
@@ -230,7 +317,7 @@ pub struct SockRevNatValue {
     /// `rev_nat_id` of the frontend at the time of the translation.
     pub rev_nat_id: u32,
 }
-const _: () = assert!(core::mem::size_of::<SockRevNatValue>() == 12);
+const _: () = assert!(core::mem::size_of::<SockRevNatValue>() == 24);
 
 /// Key of `LB_AFFINITY` (LRU). The client is identified by its network namespace
 /// cookie: before `connect` a socket has no source address yet, and two pods on one
@@ -240,17 +327,19 @@ const _: () = assert!(core::mem::size_of::<SockRevNatValue>() == 12);
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct AffinityKey {
     /// The client: `bpf_get_netns_cookie` of the socket for the socket hooks, or
-    /// `AFFINITY_CLIENT_IP | source address` for the per-packet path (netns cookies
-    /// are small counters and never set the top bit).
+    /// `AFFINITY_CLIENT_IP` for the per-packet path, whose client is `client_ip`
+    /// (netns cookies are small counters and never set the top bit).
     pub client: u64,
+    /// The per-packet path's client: the packet's source address. Zero for sockets.
+    pub client_ip: IpAddrBe,
     /// Frontend the affinity belongs to.
     pub rev_nat_id: u32,
     /// Explicit padding.
     pub _pad: u32,
 }
-const _: () = assert!(core::mem::size_of::<AffinityKey>() == 16);
+const _: () = assert!(core::mem::size_of::<AffinityKey>() == 32);
 
-/// Tag of `AffinityKey::client` values that are IPv4 addresses.
+/// `AffinityKey::client` of per-packet clients, which `client_ip` names.
 pub const AFFINITY_CLIENT_IP: u64 = 1 << 63;
 
 /// Value of `LB_AFFINITY`.
@@ -275,10 +364,10 @@ const _: () = assert!(core::mem::size_of::<AffinityValue>() == 16);
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct CtKey {
-    /// Source IPv4 address, network byte order.
-    pub src_addr: u32,
-    /// Destination IPv4 address, network byte order.
-    pub dst_addr: u32,
+    /// Source IP address (IPv4-mapped for IPv4).
+    pub src_addr: IpAddrBe,
+    /// Destination IP address (IPv4-mapped for IPv4).
+    pub dst_addr: IpAddrBe,
     /// Source port, network byte order.
     pub src_port: u16,
     /// Destination port, network byte order.
@@ -289,7 +378,7 @@ pub struct CtKey {
     /// which entry it belongs to, so every packet costs one lookup.
     pub _pad: [u8; 3],
 }
-const _: () = assert!(core::mem::size_of::<CtKey>() == 16);
+const _: () = assert!(core::mem::size_of::<CtKey>() == 40);
 
 pub const CT_DIR_FORWARD: u8 = 0;
 pub const CT_DIR_REPLY: u8 = 1;
@@ -301,10 +390,10 @@ pub const CT_DIR_REPLY: u8 = 1;
 pub struct CtValue {
     /// `bpf_ktime_get_ns` of the last packet in this direction.
     pub last_seen_ns: u64,
-    /// Rewritten source address, network byte order.
-    pub nat_src_addr: u32,
-    /// Rewritten destination address, network byte order.
-    pub nat_dst_addr: u32,
+    /// Rewritten source address (IPv4-mapped for IPv4).
+    pub nat_src_addr: IpAddrBe,
+    /// Rewritten destination address (IPv4-mapped for IPv4).
+    pub nat_dst_addr: IpAddrBe,
     /// Rewritten source port, network byte order.
     pub nat_src_port: u16,
     /// Rewritten destination port, network byte order.
@@ -320,7 +409,7 @@ pub struct CtValue {
     /// Explicit padding up to the 8-byte alignment of `last_seen_ns`.
     pub _pad2: u16,
 }
-const _: () = assert!(core::mem::size_of::<CtValue>() == 32);
+const _: () = assert!(core::mem::size_of::<CtValue>() == 56);
 
 /// `CtValue::state` bits; the agent's garbage collector derives timeouts from them.
 pub const CT_STATE_SYN: u8 = 1 << 0;
@@ -328,24 +417,25 @@ pub const CT_STATE_ESTABLISHED: u8 = 1 << 1;
 pub const CT_STATE_FIN: u8 = 1 << 2;
 pub const CT_STATE_RST: u8 = 1 << 3;
 
-/// Key of `LB_FRAG` (LRU): one IPv4 datagram, as RFC 791 identifies its fragments,
-/// exactly as its fragments carry it (before any translation).
+/// Key of `LB_FRAG` (LRU): one datagram, as RFC 791 / RFC 8200 identify its
+/// fragments, exactly as its fragments carry it (before any translation).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct FragKey {
-    /// Source IPv4 address, network byte order.
-    pub src_addr: u32,
-    /// Destination IPv4 address, network byte order.
-    pub dst_addr: u32,
-    /// The IPv4 identification field, network byte order.
-    pub id: u16,
+    /// Source IP address (IPv4-mapped for IPv4).
+    pub src_addr: IpAddrBe,
+    /// Destination IP address (IPv4-mapped for IPv4).
+    pub dst_addr: IpAddrBe,
+    /// The identification: IPv4's 16-bit field (zero-extended) or the IPv6
+    /// Fragment header's 32-bit one, network byte order as the packet carries it.
+    pub id: u32,
     /// `IPPROTO_TCP` or `IPPROTO_UDP`.
     pub proto: u8,
     /// Explicit padding; always zero so that hash lookups match.
-    pub _pad: u8,
+    pub _pad: [u8; 3],
 }
-const _: () = assert!(core::mem::size_of::<FragKey>() == 12);
+const _: () = assert!(core::mem::size_of::<FragKey>() == 40);
 
 /// Value of `LB_FRAG`: the addresses the datagram's first fragment was rewritten to,
 /// which its later fragments (no L4 header, so no ports to match) get as well.
@@ -356,12 +446,12 @@ pub struct FragValue {
     /// `bpf_ktime_get_ns` when the first fragment passed; the entry is ignored after
     /// `FRAG_TIMEOUT_NS` (the IP id may be reused by then).
     pub created_ns: u64,
-    /// Rewritten source address, network byte order.
-    pub nat_src_addr: u32,
-    /// Rewritten destination address, network byte order.
-    pub nat_dst_addr: u32,
+    /// Rewritten source address (IPv4-mapped for IPv4).
+    pub nat_src_addr: IpAddrBe,
+    /// Rewritten destination address (IPv4-mapped for IPv4).
+    pub nat_dst_addr: IpAddrBe,
 }
-const _: () = assert!(core::mem::size_of::<FragValue>() == 16);
+const _: () = assert!(core::mem::size_of::<FragValue>() == 40);
 
 /// Value of the per-CPU `LB_SVC_STATS` hash, keyed by a frontend's `rev_nat_id`.
 #[repr(C)]
@@ -380,9 +470,10 @@ const _: () = assert!(core::mem::size_of::<SvcStats>() == 24);
 
 /// Data part of an `LB_SOURCE_RANGES` key (an LPM trie: the kernel prepends a
 /// `u32` prefix length, host byte order, counted in bits from the start of this
-/// struct). An entry for source range `a.b.c.d/n` of a frontend has prefix length
+/// struct). An entry for an IPv6 source range `addr/n` of a frontend has prefix length
 /// `SOURCE_RANGE_PREFIX_BASE + n`, so `rev_nat_id` always matches whole and the
-/// address by its first `n` bits; a lookup uses the full 64 bits.
+/// address by its first `n` bits; an IPv4 range `a.b.c.d/n` is stored IPv4-mapped
+/// with `n + 96`. A lookup uses the full 160 bits.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -392,9 +483,9 @@ pub struct SourceRangeKey {
     pub rev_nat_id: u32,
     /// Range address (a lookup: the packet's source), network byte order, so the
     /// trie's most-significant-bit-first matching is a prefix match.
-    pub address: u32,
+    pub address: IpAddrBe,
 }
-const _: () = assert!(core::mem::size_of::<SourceRangeKey>() == 8);
+const _: () = assert!(core::mem::size_of::<SourceRangeKey>() == 20);
 
 /// Bits of `SourceRangeKey::rev_nat_id`, before the address in the prefix length.
 pub const SOURCE_RANGE_PREFIX_BASE: u32 = 32;
@@ -502,6 +593,7 @@ pub mod stat {
 mod user {
     use super::*;
     // SAFETY: all of these are #[repr(C)] with explicit padding and only integer fields.
+    unsafe impl aya::Pod for IpAddrBe {}
     unsafe impl aya::Pod for ServiceKey {}
     unsafe impl aya::Pod for ServiceValue {}
     unsafe impl aya::Pod for Backend {}

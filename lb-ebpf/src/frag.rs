@@ -10,7 +10,7 @@
 //! passes untranslated, and the receiver cannot reassemble that datagram.
 
 use aya_ebpf::programs::TcContext;
-use lb_common::{stat, FragKey, FragValue, FRAG_TIMEOUT_NS};
+use lb_common::{stat, FragKey, FragValue, IpAddrBe, FRAG_TIMEOUT_NS};
 
 use crate::{
     ct, fib,
@@ -24,11 +24,11 @@ use crate::{
 #[inline(always)]
 fn key(saddr: u32, daddr: u32, id: u16, proto: u8) -> FragKey {
     FragKey {
-        src_addr: saddr,
-        dst_addr: daddr,
-        id,
+        src_addr: IpAddrBe::from_v4(saddr),
+        dst_addr: IpAddrBe::from_v4(daddr),
+        id: id as u32,
         proto,
-        _pad: 0,
+        _pad: [0; 3],
     }
 }
 
@@ -49,8 +49,8 @@ pub fn remember(flow: &Flow, to: &Tuple) {
     if let Some(id) = flow.first_fragment_id {
         let value = FragValue {
             created_ns: ct::now(),
-            nat_src_addr: to.saddr,
-            nat_dst_addr: to.daddr,
+            nat_src_addr: IpAddrBe::from_v4(to.saddr),
+            nat_dst_addr: IpAddrBe::from_v4(to.daddr),
         };
         let _ = LB_FRAG.insert(key(flow.saddr, flow.daddr, id, flow.proto), value, 0);
     }
@@ -65,19 +65,14 @@ pub fn follow(ctx: &TcContext, frag: &Fragment) -> i32 {
         // SAFETY: valid for this program run; the value is copied out at once.
         .map(|entry| unsafe { *entry })
         .filter(|entry| ct::now().wrapping_sub(entry.created_ns) < FRAG_TIMEOUT_NS);
-    let Some(entry) = found else {
-        stats::bump(stat::TC_FRAGMENT);
-        return TC_ACT_OK;
+    let (to_saddr, to_daddr) = match found {
+        Some(entry) => (entry.nat_src_addr.v4(), entry.nat_dst_addr.v4()),
+        None => {
+            stats::bump(stat::TC_FRAGMENT);
+            return TC_ACT_OK;
+        }
     };
-    if nat::rewrite_l3(
-        ctx,
-        frag.saddr,
-        frag.daddr,
-        entry.nat_src_addr,
-        entry.nat_dst_addr,
-    )
-    .is_err()
-    {
+    if nat::rewrite_l3(ctx, frag.saddr, frag.daddr, to_saddr, to_daddr).is_err() {
         // A half-rewritten header would carry a wrong checksum: drop it.
         stats::bump(stat::TC_MALFORMED);
         return TC_ACT_SHOT;
@@ -85,8 +80,8 @@ pub fn follow(ctx: &TcContext, frag: &Fragment) -> i32 {
     stats::bump(stat::TC_CT_HIT);
     // As for the first fragment (`tc_lb::apply`): a source that is now the node's
     // own address must be routed by us, not refused by routing input.
-    if entry.nat_src_addr != frag.saddr {
-        if let Some(verdict) = fib::redirect(ctx, entry.nat_src_addr, entry.nat_dst_addr) {
+    if to_saddr != frag.saddr {
+        if let Some(verdict) = fib::redirect(ctx, to_saddr, to_daddr) {
             return verdict;
         }
     }

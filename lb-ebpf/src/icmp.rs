@@ -5,7 +5,7 @@
 //! would be, or the client's stack could not match the error to its socket.
 
 use aya_ebpf::programs::TcContext;
-use lb_common::{CtKey, CT_DIR_REPLY};
+use lb_common::{CtKey, IpAddrBe, CT_DIR_REPLY};
 
 use crate::{
     csum,
@@ -27,8 +27,8 @@ pub fn translate(ctx: &TcContext, e: &IcmpError) -> Result<Option<(u32, u32)>, i
     // The quoted packet went from our side towards the backend; its answers carry
     // the reverse tuple, which is the flow's reply-direction conntrack key.
     let key = CtKey {
-        src_addr: e.inner.daddr,
-        dst_addr: e.inner.saddr,
+        src_addr: IpAddrBe::from_v4(e.inner.daddr),
+        dst_addr: IpAddrBe::from_v4(e.inner.saddr),
         src_port: e.inner.dport,
         dst_port: e.inner.sport,
         proto: e.inner.proto,
@@ -43,8 +43,8 @@ pub fn translate(ctx: &TcContext, e: &IcmpError) -> Result<Option<(u32, u32)>, i
     }
     // The reply entry rewrites to (frontend -> client); the quoted packet becomes
     // (client -> frontend), what the client sent.
-    let (client, client_port) = (entry.nat_dst_addr, entry.nat_dst_port);
-    let (frontend, frontend_port) = (entry.nat_src_addr, entry.nat_src_port);
+    let (client, client_port) = (entry.nat_dst_addr.v4(), entry.nat_dst_port);
+    let (frontend, frontend_port) = (entry.nat_src_addr.v4(), entry.nat_src_port);
 
     let inner_ip_csum_off = e.inner_ip_off + IP_CSUM_IN_HDR;
     let inner_l4_csum_off = e.inner.l4_csum_off();

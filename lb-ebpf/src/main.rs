@@ -3,6 +3,8 @@
 //! per-packet path for traffic no socket hook sees (NodePort, LoadBalancer IPs,
 //! externalIPs, pods outside the hooked cgroup): DNAT, SNAT, conntrack, reverse NAT.
 //!
+//! Both families share the maps (IPv4 addresses stored IPv4-mapped, see `lb_common`).
+//!
 //! Entry points stay thin. Socket hooks: `sock` (context access), `sock_lb`
 //! (translation). Per-packet path: `packet` (parsing), `ct` (conntrack), `nat`
 //! (rewrite + checksums), `frag` (later fragments follow their first), `source_ranges` (loadBalancerSourceRanges), `tc_lb` (the
@@ -37,25 +39,52 @@ use lb_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
 /// `bpf_set_retval` (EPERM if none was set).
 const SYS_PROCEED: i32 = 1;
 
+const V4: bool = false;
+const V6: bool = true;
+
 #[cgroup_sock_addr(connect4)]
 pub fn lb_connect4(ctx: SockAddrContext) -> i32 {
-    sock_lb::translate_forward(&ctx, sock_lb::Hook::Connect)
+    sock_lb::translate_forward::<V4>(&ctx, sock_lb::Hook::Connect)
 }
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn lb_sendmsg4(ctx: SockAddrContext) -> i32 {
-    sock_lb::translate_forward(&ctx, sock_lb::Hook::SendMsg)
+    sock_lb::translate_forward::<V4>(&ctx, sock_lb::Hook::SendMsg)
 }
 
 #[cgroup_sock_addr(recvmsg4)]
 pub fn lb_recvmsg4(ctx: SockAddrContext) -> i32 {
-    sock_lb::translate_reverse(&ctx);
+    sock_lb::translate_reverse::<V4>(&ctx);
     SYS_PROCEED
 }
 
 #[cgroup_sock_addr(getpeername4)]
 pub fn lb_getpeername4(ctx: SockAddrContext) -> i32 {
-    sock_lb::translate_reverse(&ctx);
+    sock_lb::translate_reverse::<V4>(&ctx);
+    SYS_PROCEED
+}
+
+/// The IPv6 twins. An AF_INET6 socket naming an IPv4 peer (`::ffff:a.b.c.d`) comes
+/// here too, and finds the IPv4 Service: maps store IPv4 addresses in that form.
+#[cgroup_sock_addr(connect6)]
+pub fn lb_connect6(ctx: SockAddrContext) -> i32 {
+    sock_lb::translate_forward::<V6>(&ctx, sock_lb::Hook::Connect)
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn lb_sendmsg6(ctx: SockAddrContext) -> i32 {
+    sock_lb::translate_forward::<V6>(&ctx, sock_lb::Hook::SendMsg)
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn lb_recvmsg6(ctx: SockAddrContext) -> i32 {
+    sock_lb::translate_reverse::<V6>(&ctx);
+    SYS_PROCEED
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn lb_getpeername6(ctx: SockAddrContext) -> i32 {
+    sock_lb::translate_reverse::<V6>(&ctx);
     SYS_PROCEED
 }
 

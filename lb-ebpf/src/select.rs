@@ -2,7 +2,7 @@
 //! per-packet path: slot choice, session affinity, and the reject errno.
 
 use aya_ebpf::helpers::generated::bpf_ktime_get_ns;
-use lb_common::{stat, AffinityKey, AffinityValue, Backend, ServiceKey, ServiceValue};
+use lb_common::{stat, AffinityKey, AffinityValue, Backend, IpAddrBe, ServiceKey, ServiceValue};
 
 use crate::{
     maps::{LB_AFFINITY, LB_BACKENDS, LB_SERVICES},
@@ -19,7 +19,8 @@ pub fn frontend(key: &ServiceKey) -> Option<ServiceValue> {
 }
 
 /// A backend for a new connection to the frontend. `client` yields the affinity
-/// identity; it is only asked for when the Service has session affinity.
+/// identity (`AffinityKey::client` and `client_ip`); it is only asked for when the
+/// Service has session affinity.
 /// `entropy` picks the slot when no affinity applies. `None` when the slots stay
 /// missing even after a second look at the master: counted, and the caller refuses
 /// rather than letting the VIP through to nowhere.
@@ -27,7 +28,7 @@ pub fn frontend(key: &ServiceKey) -> Option<ServiceValue> {
 pub fn backend(
     master_key: &ServiceKey,
     master: &ServiceValue,
-    client: impl Fn() -> u64,
+    client: impl Fn() -> (u64, IpAddrBe),
     entropy: u32,
 ) -> Option<(u32, Backend)> {
     let mut picked = pick(master_key, master, &client, entropy);
@@ -47,7 +48,7 @@ pub fn backend(
 fn pick(
     master_key: &ServiceKey,
     master: &ServiceValue,
-    client: &impl Fn() -> u64,
+    client: &impl Fn() -> (u64, IpAddrBe),
     entropy: u32,
 ) -> Option<(u32, Backend)> {
     if !master.is_affinity() {
@@ -61,12 +62,13 @@ fn pick(
 fn with_affinity(
     master_key: &ServiceKey,
     master: &ServiceValue,
-    client: u64,
+    (client, client_ip): (u64, IpAddrBe),
     entropy: u32,
 ) -> Option<(u32, Backend)> {
     let now = unsafe { bpf_ktime_get_ns() };
     let key = AffinityKey {
         client,
+        client_ip,
         rev_nat_id: master.rev_nat_id,
         _pad: 0,
     };

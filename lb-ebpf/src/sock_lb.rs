@@ -6,7 +6,8 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use lb_common::{
-    stat, ServiceKey, SockRevNatKey, SockRevNatValue, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL,
+    stat, IpAddrBe, ServiceKey, SockRevNatKey, SockRevNatValue, IPPROTO_TCP, IPPROTO_UDP,
+    SCOPE_INTERNAL,
 };
 
 use crate::{maps::LB_SOCK_REVNAT, select, sock, stats};
@@ -23,10 +24,10 @@ pub enum Hook {
     SendMsg,
 }
 
-/// connect4/sendmsg4: rewrite a frontend address to one of its backends.
+/// connect/sendmsg (IPv4 hooks, or IPv6 ones with `V6`): rewrite a frontend address to one of its backends.
 #[inline(always)]
-pub fn translate_forward(ctx: &SockAddrContext, hook: Hook) -> i32 {
-    let Some(dst) = sock::read(ctx) else {
+pub fn translate_forward<const V6: bool>(ctx: &SockAddrContext, hook: Hook) -> i32 {
+    let Some(dst) = sock::read::<V6>(ctx) else {
         return SYS_PROCEED;
     };
     if dst.proto != IPPROTO_TCP && dst.proto != IPPROTO_UDP {
@@ -58,7 +59,7 @@ pub fn translate_forward(ctx: &SockAddrContext, hook: Hook) -> i32 {
         // spread them.
         Hook::SendMsg => ((cookie ^ (cookie >> 32)) as u32).wrapping_mul(0x9E37_79B1) >> 16,
     };
-    let client = || sock::netns_cookie(ctx);
+    let client = || (sock::netns_cookie(ctx), IpAddrBe::default());
     let Some((_, backend)) = select::backend(&master_key, &master, client, entropy) else {
         return refuse(master.rev_nat_id);
     };
@@ -68,6 +69,7 @@ pub fn translate_forward(ctx: &SockAddrContext, hook: Hook) -> i32 {
         address: backend.address,
         port: backend.port,
         _pad: 0,
+        _pad2: 0,
     };
     let revnat = SockRevNatValue {
         address: dst.ip,
@@ -79,16 +81,16 @@ pub fn translate_forward(ctx: &SockAddrContext, hook: Hook) -> i32 {
         stats::bump(stat::REVNAT_UPDATE_FAILED);
     }
 
-    sock::write(ctx, backend.address, backend.port);
+    sock::write::<V6>(ctx, &backend.address, backend.port);
     stats::bump(stat::TRANSLATED);
     stats::service(master.rev_nat_id, false);
     SYS_PROCEED
 }
 
-/// recvmsg4/getpeername4: show the frontend the socket asked for, not the pod.
+/// recvmsg/getpeername (either family): show the frontend the socket asked for, not the pod.
 #[inline(always)]
-pub fn translate_reverse(ctx: &SockAddrContext) {
-    let Some(peer) = sock::read(ctx) else {
+pub fn translate_reverse<const V6: bool>(ctx: &SockAddrContext) {
+    let Some(peer) = sock::read::<V6>(ctx) else {
         return;
     };
     let key = SockRevNatKey {
@@ -96,10 +98,11 @@ pub fn translate_reverse(ctx: &SockAddrContext) {
         address: peer.ip,
         port: peer.port,
         _pad: 0,
+        _pad2: 0,
     };
     // SAFETY: copied out at once.
     if let Some(frontend) = unsafe { LB_SOCK_REVNAT.get(key) }.copied() {
-        sock::write(ctx, frontend.address, frontend.port);
+        sock::write::<V6>(ctx, &frontend.address, frontend.port);
         stats::bump(stat::REVERSE_TRANSLATED);
     }
 }

@@ -5,7 +5,7 @@
 
 use aya_ebpf::{helpers::generated::bpf_get_prandom_u32, programs::TcContext};
 use lb_common::{
-    stat, Backend, CtValue, ServiceKey, ServiceValue, AFFINITY_CLIENT_IP, CT_DIR_FORWARD,
+    stat, Backend, CtValue, IpAddrBe, ServiceKey, ServiceValue, AFFINITY_CLIENT_IP, CT_DIR_FORWARD,
     CT_DIR_REPLY, IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL,
 };
 
@@ -28,6 +28,10 @@ const SNAT_RETRIES: u32 = 8;
 /// towards the backend (see [`snat_source`]).
 #[unsafe(no_mangle)]
 static LB_NODE_IPV4: u32 = 0;
+
+/// `LB_NODE_IPV4`'s IPv6 twin (`--node-ip` of that family); all zero: unset.
+#[unsafe(no_mangle)]
+static LB_NODE_IPV6: IpAddrBe = IpAddrBe { words: [0; 4] };
 
 #[inline(always)]
 fn node_ip() -> u32 {
@@ -118,14 +122,14 @@ fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
     );
     let mut forward = Tuple {
         saddr: flow.saddr,
-        daddr: backend.address,
+        daddr: backend.address.v4(),
         sport: flow.sport,
         dport: backend.port,
     };
     let node = if backend.is_local() {
         0
     } else {
-        snat_source(ctx, flow.saddr, backend.address)
+        snat_source(ctx, flow.saddr, backend.address.v4())
     };
     if let Err(verdict) = claim_reply(flow, &mut forward, &reply_entry, node) {
         return verdict;
@@ -152,7 +156,7 @@ fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
 #[inline(always)]
 fn lookup(ctx: &TcContext, flow: &Flow, scope: u8) -> Result<(ServiceKey, ServiceValue), i32> {
     let mut key = ServiceKey {
-        address: flow.daddr,
+        address: IpAddrBe::from_v4(flow.daddr),
         port: flow.dport,
         backend_slot: 0,
         proto: flow.proto,
@@ -164,7 +168,7 @@ fn lookup(ctx: &TcContext, flow: &Flow, scope: u8) -> Result<(ServiceKey, Servic
     };
     // Before the scope switch: the ranges hang off the internal master, and apply to
     // every client of a LoadBalancer IP, from outside or from pods, as in kube-proxy.
-    if !source_ranges::admits(&master, flow.saddr) {
+    if !source_ranges::admits(&master, IpAddrBe::from_v4(flow.saddr)) {
         stats::bump(stat::TC_SOURCE_RANGE_DROP);
         stats::source_range_drop(master.rev_nat_id);
         return Err(TC_ACT_SHOT);
@@ -193,7 +197,7 @@ fn lookup(ctx: &TcContext, flow: &Flow, scope: u8) -> Result<(ServiceKey, Servic
 /// The backend of a new flow (random, or the client's under ClientIP affinity).
 #[inline(always)]
 fn pick(flow: &Flow, key: &ServiceKey, master: &ServiceValue) -> Result<(u32, Backend), i32> {
-    let client = || AFFINITY_CLIENT_IP | flow.saddr as u64;
+    let client = || (AFFINITY_CLIENT_IP, IpAddrBe::from_v4(flow.saddr));
     // SAFETY: a plain helper without arguments.
     let entropy = unsafe { bpf_get_prandom_u32() };
     select::backend(key, master, client, entropy).ok_or_else(|| {

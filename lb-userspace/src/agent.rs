@@ -54,7 +54,7 @@ pub struct AgentConfig {
     /// `--node-ip`: NodePorts are served on these (unless `nodeport_addresses`
     /// selects otherwise), and the first one is the source address for traffic
     /// SNATed to backends on other nodes. Empty: found from the node's devices.
-    pub node_ips: Vec<std::net::Ipv4Addr>,
+    pub node_ips: Vec<std::net::IpAddr>,
     /// kube-proxy's `--nodeport-addresses`.
     pub nodeport_addresses: NodePortAddresses,
     /// NodePorts outside this range are refused.
@@ -161,12 +161,10 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     // upgrade to a new map layout (fresh maps in a new `v<N>` directory), never has a
     // moment where the new programs see an empty table.
     let retired = loader::other_layouts(&config.pin).unwrap_or_default();
-    // The first node address is the SNAT source towards backends on other nodes.
-    let snat_ip = config.node_ips.first().copied();
     let loading = Instant::now();
     pins::check_map_sizes(&config.pin, config.sizes)?;
     let mut created_pins = pins::CreatedPins::before_load(&config.pin);
-    let mut ebpf = loader::load(&object, &config.pin, config.sizes, snat_ip)?;
+    let mut ebpf = loader::load(&object, &config.pin, config.sizes, &config.node_ips)?;
     loader::verify(&mut ebpf, config.tc_mode)?;
     info!(
         load_ms = loading.elapsed().as_millis() as u64,
@@ -461,7 +459,7 @@ fn served_addresses(
     net: &NodeNet,
     config: &AgentConfig,
     objects: Option<&Objects>,
-) -> Vec<std::net::Ipv4Addr> {
+) -> Vec<std::net::IpAddr> {
     let from_node = objects
         .map(|o| node_addresses(&o.nodes, &config.node_name))
         .unwrap_or_default();
@@ -473,12 +471,12 @@ fn served_addresses(
     )
 }
 
-/// This node's IPv4 InternalIP/ExternalIP addresses from its Node object: its
-/// primary address when `--node-ip` does not say.
+/// This node's InternalIP/ExternalIP addresses (both families) from its Node
+/// object: its primary addresses when `--node-ip` does not say.
 fn node_addresses(
     nodes: &[Arc<k8s_openapi::api::core::v1::Node>],
     node_name: &str,
-) -> Vec<std::net::Ipv4Addr> {
+) -> Vec<std::net::IpAddr> {
     nodes
         .iter()
         .filter(|n| n.metadata.name.as_deref() == Some(node_name))

@@ -6,14 +6,15 @@
 //! `lb_common`'s `#[repr(C)]` types keep plain `u32`/`u16` fields because the kernel
 //! side shares them; on this side every such field goes through [`Be32`]/[`Be16`], so a
 //! value in network order and one in host order are different types rather than a
-//! comment apart.
+//! comment apart. Addresses of both families are `lb_common::IpAddrBe` (16 bytes,
+//! IPv4 stored IPv4-mapped), converted to and from `std::net::IpAddr` by lb-common.
 
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 use lb_common::{
-    Backend, ServiceKey, ServiceValue, SourceRangeKey, BACKEND_FLAG_LOCAL,
+    Backend, IpAddrBe, ServiceKey, ServiceValue, SourceRangeKey, BACKEND_FLAG_LOCAL,
     SOURCE_RANGE_PREFIX_BASE, SVC_FLAG_AFFINITY, SVC_FLAG_EXTERNAL_SCOPE, SVC_FLAG_SOURCE_RANGES,
 };
 
@@ -118,12 +119,11 @@ impl Scope {
     }
 }
 
-/// The map fields of an address and port (both network order) as a socket address.
-pub fn socket_addr(address: u32, port: u16) -> SocketAddrV4 {
-    SocketAddrV4::new(
-        Be32::from_map(address).into(),
-        Be16::from_map(port).to_host(),
-    )
+/// The map fields of an address and port (network order) as a socket address;
+/// IPv4-mapped addresses come back as IPv4, so they print `10.96.0.10:80` and IPv6
+/// ones `[fd00::1]:80`.
+pub fn socket_addr(address: IpAddrBe, port: u16) -> SocketAddr {
+    SocketAddr::new(address.into(), Be16::from_map(port).to_host())
 }
 
 /// The kernel's service table as read from the pinned maps.
@@ -190,7 +190,7 @@ pub enum MapOp {
 /// model does not know can still be grouped and removed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FrontendKey {
-    pub address: Be32,
+    pub address: IpAddrBe,
     pub port: Be16,
     pub proto: u8,
     pub scope: u8,
@@ -209,7 +209,7 @@ impl FrontendKey {
     /// The frontend part of a service key (any slot).
     pub fn of_key(key: &ServiceKey) -> Self {
         FrontendKey {
-            address: Be32::from_map(key.address),
+            address: key.address,
             port: Be16::from_map(key.port),
             proto: key.proto,
             scope: key.scope,
@@ -219,7 +219,7 @@ impl FrontendKey {
     /// The `LB_SERVICES` key of one slot (0 = master).
     pub fn slot(self, slot: u16) -> ServiceKey {
         ServiceKey {
-            address: self.address.to_map(),
+            address: self.address,
             port: self.port.to_map(),
             backend_slot: slot,
             proto: self.proto,
@@ -256,7 +256,7 @@ pub fn frontend_of(key: &ServiceKey) -> Option<Frontend> {
 /// The `LB_BACKENDS` value of one backend of a frontend speaking `protocol`.
 pub fn backend_value(backend: &BackendAddr, protocol: Protocol) -> Backend {
     Backend {
-        address: Be32::from(backend.ip).to_map(),
+        address: backend.ip.into(),
         port: Be16::from_host(backend.port).to_map(),
         proto: protocol.number(),
         flags: if backend.local { BACKEND_FLAG_LOCAL } else { 0 },
@@ -266,7 +266,7 @@ pub fn backend_value(backend: &BackendAddr, protocol: Protocol) -> Backend {
 /// The endpoint an `LB_BACKENDS` value names (its protocol is the frontend's).
 pub fn backend_addr(backend: &Backend) -> BackendAddr {
     BackendAddr {
-        ip: Be32::from_map(backend.address).into(),
+        ip: backend.address.into(),
         port: Be16::from_map(backend.port).to_host(),
         local: backend.flags & BACKEND_FLAG_LOCAL != 0,
     }
@@ -315,24 +315,35 @@ pub fn slot_value(backend_id: u32, rev_nat_id: u32) -> ServiceValue {
 }
 
 /// One `LB_SOURCE_RANGES` entry: a frontend id and one of its ranges.
-pub type SourceRange = (u32, Ipv4Net);
+pub type SourceRange = (u32, IpNet);
+
+/// Bits an IPv4 range's prefix is shifted by, stored IPv4-mapped (`::ffff:0:0/96`).
+const V4_MAPPED_PREFIX: u8 = 96;
 
 /// The trie key (prefix length, data) of an entry (see [`lb_common::SourceRangeKey`]).
 pub fn source_range_key(entry: &SourceRange) -> (u32, SourceRangeKey) {
     let (rev_nat_id, net) = entry;
+    let bits = match net {
+        IpNet::V4(v4) => V4_MAPPED_PREFIX + v4.prefix_len(),
+        IpNet::V6(v6) => v6.prefix_len(),
+    };
     (
-        SOURCE_RANGE_PREFIX_BASE + u32::from(net.prefix_len()),
+        SOURCE_RANGE_PREFIX_BASE + u32::from(bits),
         SourceRangeKey {
             rev_nat_id: *rev_nat_id,
-            address: Be32::from(net.network()).to_map(),
+            address: net.network().into(),
         },
     )
 }
 
 /// The entry a trie key stands for; `None` for a key no agent writes.
 pub fn source_range(prefix_len: u32, key: &SourceRangeKey) -> Option<SourceRange> {
-    let bits = prefix_len.checked_sub(SOURCE_RANGE_PREFIX_BASE)?;
-    let net = Ipv4Net::new(Be32::from_map(key.address).into(), u8::try_from(bits).ok()?).ok()?;
+    let bits = u8::try_from(prefix_len.checked_sub(SOURCE_RANGE_PREFIX_BASE)?).ok()?;
+    let net = match IpAddr::from(key.address) {
+        IpAddr::V4(v4) => IpNet::new(v4.into(), bits.checked_sub(V4_MAPPED_PREFIX)?),
+        v6 => IpNet::new(v6, bits),
+    }
+    .ok()?;
     Some((key.rev_nat_id, net))
 }
 
@@ -345,27 +356,27 @@ mod tests {
         // The oracle is the wire layout itself: the first octet first in memory.
         let b = backend_value(
             &BackendAddr {
-                ip: Ipv4Addr::new(10, 244, 1, 2),
+                ip: Ipv4Addr::new(10, 244, 1, 2).into(),
                 port: 8080,
                 local: true,
             },
             Protocol::Tcp,
         );
-        assert_eq!(b.address.to_ne_bytes(), [10, 244, 1, 2]);
+        assert_eq!(bytes(&b.address), v4_mapped([10, 244, 1, 2]));
         assert_eq!(b.port.to_ne_bytes(), 8080u16.to_be_bytes());
         assert_eq!(
             backend_addr(&b),
             BackendAddr {
-                ip: Ipv4Addr::new(10, 244, 1, 2),
+                ip: Ipv4Addr::new(10, 244, 1, 2).into(),
                 port: 8080,
                 local: true,
             }
         );
 
-        let web = Frontend::internal(Ipv4Addr::new(10, 96, 0, 10), 443, Protocol::Udp)
+        let web = Frontend::internal(Ipv4Addr::new(10, 96, 0, 10).into(), 443, Protocol::Udp)
             .with_scope(Scope::External);
         let k = service_key(&web, 3);
-        assert_eq!(k.address.to_ne_bytes(), [10, 96, 0, 10]);
+        assert_eq!(bytes(&k.address), v4_mapped([10, 96, 0, 10]));
         assert_eq!(k.port.to_ne_bytes(), 443u16.to_be_bytes());
         assert_eq!((k.backend_slot, k.scope), (3, lb_common::SCOPE_EXTERNAL));
         assert_eq!(frontend_of(&k), Some(web));
@@ -405,10 +416,50 @@ mod tests {
     fn source_range_keys_round_trip_and_carry_the_prefix_after_the_id() {
         let e: SourceRange = (7, "203.0.113.0/24".parse().unwrap());
         let (prefix_len, k) = source_range_key(&e);
-        assert_eq!(prefix_len, 32 + 24);
+        assert_eq!(prefix_len, 32 + 96 + 24);
         // Network byte order: the first octet is the first byte the trie matches.
-        assert_eq!(k.address.to_ne_bytes(), [203, 0, 113, 0]);
+        assert_eq!(bytes(&k.address), v4_mapped([203, 0, 113, 0]));
         assert_eq!(source_range(prefix_len, &k), Some(e));
         assert_eq!(source_range(16, &k), None);
+        // Shorter than the IPv4-mapped prefix: no IPv4 range.
+        assert_eq!(source_range(32 + 90, &k), None);
+
+        let e6: SourceRange = (7, "2001:db8:7::/48".parse().unwrap());
+        let (prefix_len, k) = source_range_key(&e6);
+        assert_eq!(prefix_len, 32 + 48);
+        assert_eq!(&bytes(&k.address)[..6], [0x20, 0x01, 0x0d, 0xb8, 0, 7]);
+        assert_eq!(source_range(prefix_len, &k), Some(e6));
+    }
+
+    /// The map address as the bytes it holds in memory.
+    fn bytes(a: &IpAddrBe) -> Vec<u8> {
+        a.words.iter().flat_map(|w| w.to_ne_bytes()).collect()
+    }
+
+    fn v4_mapped(v4: [u8; 4]) -> Vec<u8> {
+        let mut out = vec![0; 10];
+        out.extend([0xff, 0xff]);
+        out.extend(v4);
+        out
+    }
+
+    #[test]
+    fn ipv6_addresses_round_trip_and_print_bracketed() {
+        let ip: IpAddr = "fd00::1".parse().unwrap();
+        let b = backend_value(
+            &BackendAddr {
+                ip,
+                port: 80,
+                local: false,
+            },
+            Protocol::Tcp,
+        );
+        assert_eq!(bytes(&b.address)[..2], [0xfd, 0]);
+        assert!(!b.address.is_v4());
+        assert_eq!(backend_addr(&b).ip, ip);
+        assert_eq!(socket_addr(b.address, b.port).to_string(), "[fd00::1]:80");
+        let v4 = IpAddrBe::from(IpAddr::from(Ipv4Addr::new(10, 96, 0, 10)));
+        assert!(v4.is_v4());
+        assert_eq!(socket_addr(v4, 80u16.to_be()).to_string(), "10.96.0.10:80");
     }
 }

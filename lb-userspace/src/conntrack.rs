@@ -3,7 +3,7 @@
 //! collector and `lb conntrack` do the I/O.
 
 use std::collections::HashMap;
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use lb_common::{
@@ -42,12 +42,12 @@ impl Default for Timeouts {
 pub struct Flow {
     pub protocol: Protocol,
     /// The address the client sent from.
-    pub client: SocketAddrV4,
+    pub client: SocketAddr,
     /// The address the client sent to (VIP, node IP:nodePort, external IP).
-    pub frontend: SocketAddrV4,
-    pub backend: SocketAddrV4,
+    pub frontend: SocketAddr,
+    pub backend: SocketAddr,
     /// The source the backend sees when it is not the client (remote backend).
-    pub snat: Option<SocketAddrV4>,
+    pub snat: Option<SocketAddr>,
     /// `SYN`, `ESTABLISHED` or `CLOSING`.
     pub state: &'static str,
     pub idle_ms: u64,
@@ -192,8 +192,8 @@ mod tests {
 
     const SEC: u64 = 1_000_000_000;
 
-    fn ip(a: [u8; 4]) -> u32 {
-        u32::from_ne_bytes(a)
+    fn ip(a: [u8; 4]) -> lb_common::IpAddrBe {
+        std::net::IpAddr::from(a).into()
     }
 
     /// The two entries the TC program writes for client -> frontend, translated to

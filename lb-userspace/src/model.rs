@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use serde::Serialize;
 
@@ -40,7 +40,7 @@ pub enum Scope {
 /// which traffic the entry is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub struct Frontend {
-    pub ip: Ipv4Addr,
+    pub ip: IpAddr,
     pub port: u16,
     pub protocol: Protocol,
     pub scope: Scope,
@@ -48,7 +48,7 @@ pub struct Frontend {
 
 impl Frontend {
     /// The internal-scope entry of `ip:port/protocol`.
-    pub fn internal(ip: Ipv4Addr, port: u16, protocol: Protocol) -> Self {
+    pub fn internal(ip: IpAddr, port: u16, protocol: Protocol) -> Self {
         Frontend {
             ip,
             port,
@@ -64,7 +64,12 @@ impl Frontend {
 
 impl fmt::Display for Frontend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}/{}", self.ip, self.port, self.protocol)?;
+        write!(
+            f,
+            "{}/{}",
+            std::net::SocketAddr::new(self.ip, self.port),
+            self.protocol
+        )?;
         if self.scope == Scope::External {
             f.write_str(" (external)")?;
         }
@@ -75,7 +80,7 @@ impl fmt::Display for Frontend {
 /// One endpoint address a frontend forwards to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub struct BackendAddr {
-    pub ip: Ipv4Addr,
+    pub ip: IpAddr,
     pub port: u16,
     /// The endpoint runs on this node (its replies come back through us without SNAT).
     pub local: bool,
@@ -83,7 +88,7 @@ pub struct BackendAddr {
 
 impl fmt::Display for BackendAddr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}", self.ip, self.port)
+        std::net::SocketAddr::new(self.ip, self.port).fmt(f)
     }
 }
 
@@ -99,7 +104,7 @@ pub struct FrontendSpec {
     /// Set on the internal entry of a LoadBalancer ingress IP whose Service has
     /// `spec.loadBalancerSourceRanges`: the per-packet path admits new flows only from
     /// these sources (an empty set admits none). `None`: every source.
-    pub source_ranges: Option<BTreeSet<ipnet::Ipv4Net>>,
+    pub source_ranges: Option<BTreeSet<ipnet::IpNet>>,
 }
 
 /// The whole desired table.

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use futures::{StreamExt, TryStreamExt};
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 use netlink_packet_core::NetlinkPayload;
 use netlink_packet_route::address::{AddressAttribute, AddressMessage};
 use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkMessage};
@@ -39,7 +39,7 @@ pub enum NetlinkError {
 struct View {
     /// ifindex -> (name, loopback, veth/netkit).
     links: BTreeMap<u32, (String, bool, bool)>,
-    addresses: BTreeMap<u32, BTreeSet<Ipv4Net>>,
+    addresses: BTreeMap<u32, BTreeSet<IpNet>>,
 }
 
 impl View {
@@ -90,18 +90,18 @@ impl View {
         self.addresses.remove(&message.header.index);
     }
 
-    /// The IPv4 address of an address message: `IFA_LOCAL` (the node's side of a
-    /// point-to-point link), else `IFA_ADDRESS`.
-    fn address_of(message: &AddressMessage) -> Option<Ipv4Net> {
-        let mut found = None;
+    /// The address of an address message (either family): `IFA_LOCAL` (the node's
+    /// side of a point-to-point link), else `IFA_ADDRESS`.
+    fn address_of(message: &AddressMessage) -> Option<IpNet> {
+        let mut found: Option<IpAddr> = None;
         for attribute in &message.attributes {
             match attribute {
-                AddressAttribute::Local(IpAddr::V4(a)) => found = Some(*a),
-                AddressAttribute::Address(IpAddr::V4(a)) if found.is_none() => found = Some(*a),
+                AddressAttribute::Local(a) => found = Some(*a),
+                AddressAttribute::Address(a) if found.is_none() => found = Some(*a),
                 _ => {}
             }
         }
-        Ipv4Net::new(found?, message.header.prefix_len).ok()
+        IpNet::new(found?, message.header.prefix_len).ok()
     }
 
     fn new_address(&mut self, message: &AddressMessage) {
@@ -139,9 +139,12 @@ impl View {
 /// dropped. The subscription comes before the dump, so a change made while the
 /// dump runs is not lost: it is applied after it.
 pub async fn watch() -> Result<watch::Receiver<NodeNet>, NetlinkError> {
-    let (mut connection, handle, mut notifications) =
-        rtnetlink::new_multicast_connection(&[MulticastGroup::Link, MulticastGroup::Ipv4Ifaddr])
-            .map_err(NetlinkError::Socket)?;
+    let (mut connection, handle, mut notifications) = rtnetlink::new_multicast_connection(&[
+        MulticastGroup::Link,
+        MulticastGroup::Ipv4Ifaddr,
+        MulticastGroup::Ipv6Ifaddr,
+    ])
+    .map_err(NetlinkError::Socket)?;
     if let Err(e) = connection
         .socket_mut()
         .socket_mut()

@@ -14,9 +14,9 @@
 //! routed (Calico-style) CNIs alike and needs no name pattern.
 
 use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 
 /// One device of the node's network namespace.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -26,8 +26,8 @@ pub struct Link {
     pub loopback: bool,
     /// A veth or netkit pair end: what CNIs give a pod on the host side.
     pub pair: bool,
-    /// IPv4 addresses with their prefix length.
-    pub addresses: Vec<Ipv4Net>,
+    /// Addresses of both families with their prefix length.
+    pub addresses: Vec<IpNet>,
 }
 
 /// The devices by ifindex.
@@ -37,14 +37,16 @@ pub struct NodeNet {
 }
 
 impl NodeNet {
-    /// Every address of a non-loopback device, sorted and without repeats.
-    pub fn addresses(&self) -> Vec<Ipv4Addr> {
-        let mut all: Vec<Ipv4Addr> = self
+    /// Every address of a non-loopback device that a client elsewhere can reach,
+    /// sorted (IPv4 first) and without repeats. IPv6 link-local addresses are left
+    /// out: every device has one, and they mean nothing beyond their link.
+    pub fn addresses(&self) -> Vec<IpAddr> {
+        let mut all: Vec<IpAddr> = self
             .links
             .values()
             .filter(|l| !l.loopback)
             .flat_map(|l| l.addresses.iter().map(|a| a.addr()))
-            .filter(|a| !a.is_loopback())
+            .filter(is_node_address)
             .collect();
         all.sort();
         all.dedup();
@@ -61,13 +63,13 @@ pub enum NodePortAddresses {
     /// `primary`: the node's primary address(es) only.
     Primary,
     /// The node's addresses inside any of these ranges.
-    Cidrs(Vec<Ipv4Net>),
+    Cidrs(Vec<IpNet>),
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error(
-    "--nodeport-addresses: {value:?} is neither `primary` nor an IPv4 CIDR such as \
-     192.168.0.0/16 (give a comma-separated list of CIDRs, or `primary`)"
+    "--nodeport-addresses: {value:?} is neither `primary` nor a CIDR such as \
+     192.168.0.0/16 or fd00::/64 (give a comma-separated list of CIDRs, or `primary`)"
 )]
 pub struct NodePortAddressesError {
     pub value: String,
@@ -87,7 +89,7 @@ impl std::str::FromStr for NodePortAddresses {
         text.split(',')
             .map(|part| {
                 let part = part.trim();
-                part.parse::<Ipv4Net>()
+                part.parse::<IpNet>()
                     .map(|net| net.trunc())
                     .map_err(|_| NodePortAddressesError { value: part.into() })
             })
@@ -97,21 +99,21 @@ impl std::str::FromStr for NodePortAddresses {
 }
 
 /// Where NodePorts are served. `explicit` (`--node-ip`) wins when no selection was
-/// asked for, as before this existed; `primary` is the node's primary address
-/// (`--node-ip`, else the Node object's, else the first address found).
+/// asked for, as before this existed; `primary` is the node's primary address of
+/// each family (`--node-ip`, else the Node object's, else the first address found).
 pub fn nodeport_addresses(
     net: &NodeNet,
     selection: &NodePortAddresses,
-    explicit: &[Ipv4Addr],
-    from_node_object: &[Ipv4Addr],
-) -> Vec<Ipv4Addr> {
+    explicit: &[IpAddr],
+    from_node_object: &[IpAddr],
+) -> Vec<IpAddr> {
     match selection {
         NodePortAddresses::All if !explicit.is_empty() => explicit.to_vec(),
         NodePortAddresses::All => net.addresses(),
         NodePortAddresses::Primary => primary(net, explicit, from_node_object),
         NodePortAddresses::Cidrs(ranges) => {
             // Loopback addresses count here when a range names them, as in kube-proxy.
-            let mut found: Vec<Ipv4Addr> = net
+            let mut found: Vec<IpAddr> = net
                 .links
                 .values()
                 .flat_map(|l| l.addresses.iter().map(|a| a.addr()))
@@ -124,14 +126,26 @@ pub fn nodeport_addresses(
     }
 }
 
-fn primary(net: &NodeNet, explicit: &[Ipv4Addr], from_node_object: &[Ipv4Addr]) -> Vec<Ipv4Addr> {
-    if !explicit.is_empty() {
-        return explicit[..1].to_vec();
+/// The first address of each family, from the first source that has one of it.
+fn primary(net: &NodeNet, explicit: &[IpAddr], from_node_object: &[IpAddr]) -> Vec<IpAddr> {
+    let found = net.addresses();
+    [false, true]
+        .into_iter()
+        .filter_map(|v6| {
+            [explicit, from_node_object, &found]
+                .into_iter()
+                .find_map(|list| list.iter().find(|a| a.is_ipv6() == v6))
+                .copied()
+        })
+        .collect()
+}
+
+/// An address NodePorts can be served on: not loopback, not IPv6 link-local.
+pub fn is_node_address(ip: &IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => !v4.is_loopback(),
+        IpAddr::V6(v6) => !v6.is_loopback() && !v6.is_unicast_link_local(),
     }
-    if let Some(first) = from_node_object.first() {
-        return vec![*first];
-    }
-    net.addresses().into_iter().take(1).collect()
 }
 
 /// Which program a device gets.
@@ -190,8 +204,8 @@ pub fn missing_override<'a>(
 }
 
 /// Every device but loopback gets a program: by the flags when they name it, else
-/// pod-facing when it is a veth/netkit end without an IPv4 address, node-facing
-/// otherwise.
+/// pod-facing when it is a veth/netkit end without a node address (an IPv6
+/// link-local one every veth gets does not count), node-facing otherwise.
 pub fn attachments(net: &NodeNet, overrides: &Overrides) -> BTreeMap<u32, Attachment> {
     if overrides.off {
         return BTreeMap::new();
@@ -205,7 +219,7 @@ pub fn attachments(net: &NodeNet, overrides: &Overrides) -> BTreeMap<u32, Attach
                 (Role::NodeFacing, Reason::Flag)
             } else if named(&overrides.pod_facing) {
                 (Role::PodFacing, Reason::Flag)
-            } else if link.pair && link.addresses.iter().all(|a| a.addr().is_loopback()) {
+            } else if link.pair && !link.addresses.iter().any(|a| is_node_address(&a.addr())) {
                 (Role::PodFacing, Reason::Auto)
             } else {
                 (Role::NodeFacing, Reason::Auto)
@@ -250,7 +264,7 @@ mod tests {
         }
     }
 
-    fn ip(s: &str) -> Ipv4Addr {
+    fn ip(s: &str) -> IpAddr {
         s.parse().unwrap()
     }
 

@@ -430,7 +430,7 @@ mod tests {
     };
 
     fn fe(last: u8, port: u16, protocol: Protocol) -> Frontend {
-        Frontend::internal(Ipv4Addr::new(10, 96, 0, last), port, protocol)
+        Frontend::internal(Ipv4Addr::new(10, 96, 0, last).into(), port, protocol)
     }
 
     fn tcp(last: u8) -> Frontend {
@@ -439,7 +439,7 @@ mod tests {
 
     fn be(last: u8, port: u16) -> BackendAddr {
         BackendAddr {
-            ip: Ipv4Addr::new(10, 244, 0, last),
+            ip: Ipv4Addr::new(10, 244, 0, last).into(),
             port,
             local: false,
         }
@@ -923,7 +923,7 @@ mod tests {
         let spec = d.frontends.get_mut(&a).unwrap();
         spec.backends = (0..=MAX_BACKENDS_PER_FRONTEND as u32)
             .map(|i| BackendAddr {
-                ip: Ipv4Addr::from(0x0a00_0000 + i),
+                ip: Ipv4Addr::from(0x0a00_0000 + i).into(),
                 port: 80,
                 local: false,
             })
@@ -953,7 +953,7 @@ mod tests {
         let mut s = MapSnapshot::default();
         for rev in 1..=MAX {
             let f = Frontend::internal(
-                Ipv4Addr::new(10, 97, (rev >> 8) as u8, rev as u8),
+                Ipv4Addr::new(10, 97, (rev >> 8) as u8, rev as u8).into(),
                 80,
                 Protocol::Tcp,
             );
@@ -980,7 +980,7 @@ mod tests {
         let mut desired = DesiredState::default();
         for i in 0..70_000u32 {
             let f = Frontend::internal(
-                Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 0)) + i),
+                Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 0)) + i).into(),
                 80,
                 Protocol::Tcp,
             );

@@ -32,7 +32,7 @@ pub fn wanted(desired: &DesiredState, table: &MapSnapshot) -> BTreeSet<SourceRan
 mod tests {
     use super::*;
     use crate::model::{Frontend, FrontendSpec, Protocol};
-    use ipnet::Ipv4Net;
+    use ipnet::IpNet;
     use lb_common::ServiceValue;
 
     #[test]
@@ -40,8 +40,8 @@ mod tests {
         let lb = Frontend::internal("198.51.100.7".parse().unwrap(), 80, Protocol::Tcp);
         let open = Frontend::internal("198.51.100.8".parse().unwrap(), 80, Protocol::Tcp);
         let new = Frontend::internal("198.51.100.9".parse().unwrap(), 80, Protocol::Tcp);
-        let ranges: BTreeSet<Ipv4Net> = ["10.0.0.0/8".parse().unwrap()].into();
-        let spec = |source_ranges: Option<BTreeSet<Ipv4Net>>| FrontendSpec {
+        let ranges: BTreeSet<IpNet> = ["10.0.0.0/8".parse().unwrap()].into();
+        let spec = |source_ranges: Option<BTreeSet<IpNet>>| FrontendSpec {
             service: "default/web".into(),
             backends: BTreeSet::new(),
             affinity_timeout_sec: None,

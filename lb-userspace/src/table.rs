@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use lb_common::ServiceValue;
 use serde::Serialize;
@@ -29,7 +29,7 @@ pub struct ProgrammedFrontend {
 pub struct ProgrammedBackend {
     pub slot: u16,
     pub id: u32,
-    pub ip: Ipv4Addr,
+    pub ip: IpAddr,
     pub port: u16,
     /// The endpoint runs on this node.
     pub local: bool,
@@ -260,12 +260,12 @@ mod tests {
     use lb_common::{Backend, SVC_FLAG_AFFINITY};
 
     fn frontend(ip: [u8; 4], port: u16, protocol: Protocol) -> Frontend {
-        Frontend::internal(Ipv4Addr::from(ip), port, protocol)
+        Frontend::internal(std::net::Ipv4Addr::from(ip).into(), port, protocol)
     }
 
     fn backend(ip: [u8; 4], port: u16) -> Backend {
         Backend {
-            address: u32::from_ne_bytes(ip),
+            address: std::net::IpAddr::from(ip).into(),
             port: port.to_be(),
             proto: lb_common::IPPROTO_TCP,
             flags: 0,
@@ -337,14 +337,14 @@ mod tests {
                 ProgrammedBackend {
                     slot: 1,
                     id: 10,
-                    ip: Ipv4Addr::new(10, 0, 0, 1),
+                    ip: std::net::Ipv4Addr::new(10, 0, 0, 1).into(),
                     port: 8080,
                     local: false,
                 },
                 ProgrammedBackend {
                     slot: 2,
                     id: 11,
-                    ip: Ipv4Addr::new(10, 0, 0, 2),
+                    ip: std::net::Ipv4Addr::new(10, 0, 0, 2).into(),
                     port: 8080,
                     local: false,
                 },

@@ -68,7 +68,7 @@ impl Fixture {
             conntrack: 1024,
             ..MapSizes::default()
         };
-        let mut ebpf = loader::load(&object, &layout, sizes, Some(Ipv4Addr::from(NODE)))
+        let mut ebpf = loader::load(&object, &layout, sizes, &[Ipv4Addr::from(NODE).into()])
             .expect("load kernel object");
         for program in [program_names::TC_EXTERNAL, program_names::TC_INTERNAL] {
             let prog: &mut SchedClassifier = ebpf.program_mut(program).unwrap().try_into().unwrap();
@@ -126,7 +126,7 @@ impl Drop for Fixture {
 
 fn backend(ip: [u8; 4], port: u16, local: bool) -> BackendAddr {
     BackendAddr {
-        ip: Ipv4Addr::from(ip),
+        ip: Ipv4Addr::from(ip).into(),
         port,
         local,
     }
@@ -140,7 +140,7 @@ fn node_port(
     external_local: Option<&[BackendAddr]>,
 ) -> DesiredState {
     let mut desired = DesiredState::default();
-    let frontend = Frontend::internal(Ipv4Addr::from(NODE), NODE_PORT, protocol);
+    let frontend = Frontend::internal(Ipv4Addr::from(NODE).into(), NODE_PORT, protocol);
     let spec = |backends: &[BackendAddr]| FrontendSpec {
         service: "default/web:http".into(),
         backends: backends.iter().copied().collect::<BTreeSet<_>>(),
@@ -1003,13 +1003,13 @@ fn a_large_table_is_written_in_batches_exactly_as_planned() {
             let vip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 0)) + i);
             let backends = (0..10)
                 .map(|j| BackendAddr {
-                    ip: Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 0)) + i * 10 + j),
+                    ip: Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 0)) + i * 10 + j).into(),
                     port: 8080,
                     local: j % 2 == 0,
                 })
                 .collect();
             desired.frontends.insert(
-                Frontend::internal(vip, 80, Protocol::Tcp),
+                Frontend::internal(vip.into(), 80, Protocol::Tcp),
                 FrontendSpec {
                     service: format!("default/svc-{i}:http"),
                     backends,
@@ -1114,7 +1114,7 @@ fn restricted_load_balancer(ranges: Option<&[&str]>) -> DesiredState {
         affinity_timeout_sec: None,
         source_ranges: ranges.map(|r| r.iter().map(|c| c.parse().unwrap()).collect()),
     };
-    let lb = Frontend::internal(Ipv4Addr::from(LB_IP), 80, Protocol::Tcp);
+    let lb = Frontend::internal(Ipv4Addr::from(LB_IP).into(), 80, Protocol::Tcp);
     desired.frontends.insert(lb, spec);
     desired
 }

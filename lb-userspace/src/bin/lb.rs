@@ -1,6 +1,6 @@
 //! `lb`: the agent and its inspection tools.
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -92,13 +92,14 @@ struct AgentArgs {
     /// or in the --services-file manifests) has no topology.kubernetes.io/zone label.
     #[arg(long)]
     zone: Option<String>,
-    /// This node's IPv4 address: NodePorts are served on it, and it is the source of
-    /// traffic SNATed to backends on other nodes. Repeat for several addresses; the
-    /// first is the SNAT source. Default: NodePorts on every address of the node
+    /// This node's address (IPv4 or IPv6): NodePorts are served on it, and it is the
+    /// source of traffic SNATed to backends on other nodes. Repeat for several
+    /// addresses (dual-stack: one of each family); the first of each family is that
+    /// family's SNAT source. Default: NodePorts on every address of the node
     /// (see --nodeport-addresses), SNAT from the address the node's routing uses
     /// towards the backend.
     #[arg(long = "node-ip")]
-    node_ips: Vec<Ipv4Addr>,
+    node_ips: Vec<IpAddr>,
     /// kube-proxy's --nodeport-addresses: a comma-separated list of CIDRs (NodePorts
     /// are served on the node's addresses inside them), or `primary` (the node's
     /// primary address only). Default: every address of the node.

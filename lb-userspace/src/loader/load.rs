@@ -2,7 +2,7 @@
 //! check the programs.
 
 use std::fs;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
 use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier};
@@ -10,7 +10,7 @@ use aya::{Ebpf, EbpfLoader};
 use lb_common::{map_names, program_names};
 
 use super::{program_error, LoadError, PinLayout, TcAttach};
-use crate::codec::Be32;
+use lb_common::IpAddrBe;
 
 /// `max_entries` of the maps the agent sizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,13 +115,13 @@ pub(super) fn tc_program<'a>(
 
 /// Creates (or reopens, keeping their contents across restarts) the pinned maps and
 /// prepares the programs without loading them into the kernel or attaching them;
-/// `node_ip` is the SNAT source of the per-packet path. Tests use this to run
+/// `node_ips` name the SNAT sources of the per-packet path. Tests use this to run
 /// programs through BPF_PROG_TEST_RUN.
 pub fn load(
     object: &[u8],
     layout: &PinLayout,
     sizes: MapSizes,
-    node_ip: Option<Ipv4Addr>,
+    node_ips: &[IpAddr],
 ) -> Result<Ebpf, LoadError> {
     for dir in [layout.maps_dir(), layout.links_dir()] {
         fs::create_dir_all(&dir).map_err(|source| LoadError::PinDir { path: dir, source })?;
@@ -142,8 +142,17 @@ pub fn load(
         .map_max_entries(map_names::CT, sizes.conntrack)
         // One counter entry per frontend at most.
         .map_max_entries(map_names::SVC_STATS, sizes.services);
-    let node_ip = node_ip.map_or(0, |ip| Be32::from(ip).to_map());
-    loader.override_global("LB_NODE_IPV4", &node_ip, true);
+    // The first address of each family; none (zero): the kernel's FIB picks one.
+    let first = |v6: bool| {
+        node_ips
+            .iter()
+            .find(|ip| ip.is_ipv6() == v6)
+            .map_or(IpAddrBe::default(), |ip| IpAddrBe::from(*ip))
+    };
+    let node_ipv4 = first(false).v4();
+    loader.override_global("LB_NODE_IPV4", &node_ipv4, true);
+    let node_ipv6 = first(true);
+    loader.override_global("LB_NODE_IPV6", &node_ipv6, true);
     loader.load(object).map_err(|source| LoadError::Load {
         maps_dir: layout.maps_dir(),
         source: Box::new(source),

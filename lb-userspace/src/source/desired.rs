@@ -1,12 +1,17 @@
 //! kube-proxy's reading of Services and EndpointSlices: the ClusterIP frontends the
 //! socket hooks translate, and the NodePort, externalIP and LoadBalancer frontends
 //! the per-packet path serves.
+//!
+//! Both families, as kube-proxy's per-family proxiers see them: every address of a
+//! Service (cluster IPs, external and load-balancer IPs, node addresses) is a
+//! frontend, and gets the endpoints of its own family only; the endpoint rules
+//! (readiness, traffic policies, topology) apply to each family on its own.
 
 use std::borrow::Borrow;
 use std::collections::{BTreeSet, HashMap, HashSet};
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 
-use ipnet::{IpNet, Ipv4Net};
+use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Service, ServicePort};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
@@ -24,8 +29,8 @@ pub struct SourceOptions {
     /// This node's name as EndpointSlices spell it in `endpoints[].nodeName`, for
     /// `internalTrafficPolicy: Local`.
     pub node_name: String,
-    /// This node's addresses: NodePorts are served on each of them.
-    pub node_ips: Vec<Ipv4Addr>,
+    /// This node's addresses, both families: NodePorts are served on each of them.
+    pub node_ips: Vec<IpAddr>,
     /// The cluster's `--service-node-port-range`; NodePorts outside it are refused
     /// so a Service cannot take over a port the node itself uses.
     pub node_port_range: NodePortRange,
@@ -116,15 +121,15 @@ struct PortPlan<'a> {
 struct ServicePlan<'a> {
     id: ObjectId<'a>,
     ports: Vec<PortPlan<'a>>,
-    cluster_ips: Vec<Ipv4Addr>,
-    /// `spec.externalIPs` (IPv4 ones).
-    external_ips: Vec<Ipv4Addr>,
-    /// `status.loadBalancer.ingress[].ip` (IPv4 ones, not also an external IP, and
-    /// not `ipMode: Proxy`: that load balancer delivers to the node ports itself).
-    load_balancer_ips: Vec<Ipv4Addr>,
-    /// `spec.loadBalancerSourceRanges` (IPv4 ones) when the Service has any: only
-    /// they may reach the load-balancer IPs.
-    source_ranges: Option<BTreeSet<Ipv4Net>>,
+    /// `spec.clusterIPs`, the primary (first) family first.
+    cluster_ips: Vec<IpAddr>,
+    /// `spec.externalIPs`.
+    external_ips: Vec<IpAddr>,
+    /// `status.loadBalancer.ingress[].ip` (not also an external IP, and not
+    /// `ipMode: Proxy`: that load balancer delivers to the node ports itself).
+    load_balancer_ips: Vec<IpAddr>,
+    /// `spec.loadBalancerSourceRanges`: only they may reach the load-balancer IPs.
+    source_ranges: SourceRanges,
     affinity_timeout_sec: Option<u32>,
     /// `internalTrafficPolicy: Local`.
     internal_local: bool,
@@ -139,11 +144,14 @@ impl ServicePlan<'_> {
     /// ports), what a health check reports. Terminating endpoints still get traffic
     /// when nothing else is left, but are not counted, as kube-proxy counts them:
     /// a node that is only draining must tell its load balancer to stop sending.
+    /// Dual-stack: the primary family's, the one a client of the Service's first
+    /// cluster IP reaches (a dual-stack pod has one endpoint in each).
     fn local_endpoints(&self, slices: &[SliceInfo]) -> usize {
+        let primary_v6 = self.cluster_ips.first().is_some_and(IpAddr::is_ipv6);
         self.ports
             .iter()
             .flat_map(|port| port_endpoints(port, slices))
-            .filter(|(_, e)| e.local && e.ready)
+            .filter(|(_, e)| e.local && e.ready && e.ip.is_ipv6() == primary_v6)
             .map(|(backend, _)| backend.ip)
             .collect::<BTreeSet<_>>()
             .len()
@@ -158,20 +166,29 @@ impl ServicePlan<'_> {
         port: &PortPlan,
         slices: &[SliceInfo],
         opts: &SourceOptions,
-    ) -> Vec<(Frontend, BTreeSet<BackendAddr>, Option<BTreeSet<Ipv4Net>>)> {
+    ) -> Vec<(Frontend, BTreeSet<BackendAddr>, Option<BTreeSet<IpNet>>)> {
         let node_ips = &opts.node_ips;
         let mut out = Vec::new();
-        let all = select_backends(port, false, slices, opts);
-        let local = if self.internal_local || self.external_local {
-            select_backends(port, true, slices, opts)
-        } else {
-            BTreeSet::new()
+        // Per family, computed only for a family some frontend has: [v4, v6].
+        let mut all: [Option<BTreeSet<BackendAddr>>; 2] = [None, None];
+        let mut local: [Option<BTreeSet<BackendAddr>>; 2] = [None, None];
+        let mut backends = |ip: &IpAddr, local_only: bool| {
+            let family = usize::from(ip.is_ipv6());
+            let cache = if local_only {
+                &mut local[family]
+            } else {
+                &mut all[family]
+            };
+            cache
+                .get_or_insert_with(|| {
+                    select_backends(port, local_only, ip.is_ipv6(), slices, opts)
+                })
+                .clone()
         };
-        let clustered = if self.internal_local { &local } else { &all };
-        for &ip in &self.cluster_ips {
+        for ip in &self.cluster_ips {
             out.push((
-                Frontend::internal(ip, port.port, port.protocol),
-                clustered.clone(),
+                Frontend::internal(*ip, port.port, port.protocol),
+                backends(ip, self.internal_local),
                 None,
             ));
         }
@@ -184,7 +201,7 @@ impl ServicePlan<'_> {
             .chain(
                 self.load_balancer_ips
                     .iter()
-                    .map(|&ip| (ip, port.port, self.source_ranges.as_ref())),
+                    .map(|&ip| (ip, port.port, self.source_ranges.for_family(ip))),
             )
             .chain(
                 port.node_port
@@ -193,9 +210,13 @@ impl ServicePlan<'_> {
             );
         for (ip, p, ranges) in external {
             let frontend = Frontend::internal(ip, p, port.protocol);
-            out.push((frontend, all.clone(), ranges.cloned()));
+            out.push((frontend, backends(&ip, false), ranges));
             if self.external_local {
-                out.push((frontend.with_scope(Scope::External), local.clone(), None));
+                out.push((
+                    frontend.with_scope(Scope::External),
+                    backends(&ip, true),
+                    None,
+                ));
             }
         }
         out
@@ -204,7 +225,7 @@ impl ServicePlan<'_> {
 
 /// One endpoint of one slice, with its conditions resolved as kube-proxy does.
 struct EndpointInfo {
-    ip: Ipv4Addr,
+    ip: IpAddr,
     ready: bool,
     serving: bool,
     terminating: bool,
@@ -212,7 +233,7 @@ struct EndpointInfo {
     hints: topology::Hints,
 }
 
-/// An IPv4 EndpointSlice that passed validation.
+/// An IPv4 or IPv6 EndpointSlice that passed validation.
 struct SliceInfo<'a> {
     /// (port name, protocol as written or `TCP`, port).
     ports: Vec<(&'a str, &'a str, u16)>,
@@ -264,10 +285,16 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         }
         // Slices of Services this agent does not proxy (headless, another proxy's,
         // or invalid and already reported) need no checking.
-        if !proxied.contains(&svc_id) || slice.address_type != "IPv4" {
+        if !proxied.contains(&svc_id) {
             continue;
         }
-        let info = read_slice(slice, opts, &mut |p| errors.push(slice_error(p)));
+        // FQDN slices name no address to translate to; kube-proxy skips them too.
+        let v6 = match slice.address_type.as_str() {
+            "IPv4" => false,
+            "IPv6" => true,
+            _ => continue,
+        };
+        let info = read_slice(slice, v6, opts, &mut |p| errors.push(slice_error(p)));
         slices_of.entry(svc_id).or_default().push(info);
     }
 
@@ -364,10 +391,10 @@ fn plan_service<'a>(
     if cluster_ips[0] == "None" || spec.cluster_ip.as_deref() == Some("None") {
         return None; // headless: clients resolve pod IPs through DNS
     }
-    let mut v4 = Vec::new();
+    let mut ips: Vec<IpAddr> = Vec::new();
     for value in cluster_ips {
         match value.parse::<IpAddr>() {
-            Ok(IpAddr::V4(ip)) if !v4.contains(&ip) => v4.push(ip),
+            Ok(ip) if !ips.contains(&ip) => ips.push(ip),
             Ok(_) => {}
             Err(_) => {
                 errors.push(error(Problem::InvalidClusterIp {
@@ -377,11 +404,7 @@ fn plan_service<'a>(
             }
         }
     }
-    if v4.is_empty() {
-        let addresses = cluster_ips.join(", ");
-        errors.push(error(Problem::UnsupportedAddressFamily { addresses }));
-        return None;
-    }
+    let cluster_ips = cluster_families(spec, ips, &mut |p| errors.push(error(p)))?;
 
     let affinity_timeout_sec = if spec.session_affinity.as_deref() == Some("ClientIP") {
         let seconds = spec
@@ -408,10 +431,8 @@ fn plan_service<'a>(
         }
     }
 
-    let mut ipv4 = |field, value: &str| match value.parse::<IpAddr>() {
-        Ok(IpAddr::V4(ip)) => Some(ip),
-        // Another family's address: not ours to proxy, like the IPv6 cluster IPs.
-        Ok(IpAddr::V6(_)) => None,
+    let mut address = |field, value: &str| match value.parse::<IpAddr>() {
+        Ok(ip) => Some(ip),
         Err(_) => {
             errors.push(error(Problem::InvalidExternalAddress {
                 field,
@@ -420,13 +441,13 @@ fn plan_service<'a>(
             None
         }
     };
-    let external_ips: BTreeSet<Ipv4Addr> = spec
+    let external_ips: BTreeSet<IpAddr> = spec
         .external_ips
         .iter()
         .flatten()
-        .filter_map(|ip| ipv4("spec.externalIPs", ip))
+        .filter_map(|ip| address("spec.externalIPs", ip))
         .collect();
-    let load_balancer_ips: BTreeSet<Ipv4Addr> = svc
+    let load_balancer_ips: BTreeSet<IpAddr> = svc
         .status
         .as_ref()
         .and_then(|s| s.load_balancer.as_ref())
@@ -437,10 +458,10 @@ fn plan_service<'a>(
         // sends it on to the node ports; the node must not claim its address.
         .filter(|ingress| ingress.ip_mode.as_deref() != Some("Proxy"))
         .filter_map(|ingress| ingress.ip.as_deref())
-        .filter_map(|ip| ipv4("status.loadBalancer.ingress.ip", ip))
+        .filter_map(|ip| address("status.loadBalancer.ingress.ip", ip))
         .filter(|ip| !external_ips.contains(ip))
         .collect();
-    let source_ranges = source_ranges(spec.load_balancer_source_ranges.as_deref(), &mut |p| {
+    let source_ranges = SourceRanges::read(spec.load_balancer_source_ranges.as_deref(), &mut |p| {
         errors.push(error(p))
     });
 
@@ -459,7 +480,7 @@ fn plan_service<'a>(
     Some(ServicePlan {
         id,
         ports,
-        cluster_ips: v4,
+        cluster_ips,
         external_ips: external_ips.into_iter().collect(),
         load_balancer_ips: load_balancer_ips.into_iter().collect(),
         source_ranges,
@@ -519,32 +540,109 @@ fn plan_port<'a>(
     })
 }
 
-/// `spec.loadBalancerSourceRanges` as kube-proxy reads them: trimmed, IPv6 ranges
-/// left to an IPv6 proxy, host bits ignored; `None` when no IPv4 range is given. A
-/// value that is no CIDR is reported and admits nobody: the Service asked for a
-/// restriction, and dropping the value must not open its load balancer to all.
-fn source_ranges(
-    values: Option<&[String]>,
-    report: &mut dyn FnMut(Problem),
-) -> Option<BTreeSet<Ipv4Net>> {
-    let mut restricted = false;
-    let mut ranges = BTreeSet::new();
-    for value in values.into_iter().flatten() {
-        match value.trim().parse::<IpNet>() {
-            Ok(IpNet::V4(net)) => {
-                restricted = true;
-                ranges.insert(net.trunc());
-            }
-            Ok(IpNet::V6(_)) => {}
-            Err(_) => {
-                restricted = true;
-                report(Problem::InvalidSourceRange {
-                    value: value.clone(),
-                });
+/// `spec.loadBalancerSourceRanges` as kube-proxy reads them: trimmed, host bits
+/// ignored, each family's ranges for that family's load-balancer IPs.
+#[derive(Debug, Default)]
+struct SourceRanges {
+    ranges: BTreeSet<IpNet>,
+    /// A value was no CIDR: reported, and it admits nobody, in either family. The
+    /// Service asked for a restriction; dropping the value must not open its load
+    /// balancer to all.
+    invalid: bool,
+}
+
+impl SourceRanges {
+    fn read(values: Option<&[String]>, report: &mut dyn FnMut(Problem)) -> Self {
+        let mut out = SourceRanges::default();
+        for value in values.into_iter().flatten() {
+            match value.trim().parse::<IpNet>() {
+                Ok(net) => {
+                    out.ranges.insert(net.trunc());
+                }
+                Err(_) => {
+                    out.invalid = true;
+                    report(Problem::InvalidSourceRange {
+                        value: value.clone(),
+                    });
+                }
             }
         }
+        out
     }
-    restricted.then_some(ranges)
+
+    /// The ranges that guard a load-balancer IP `ip`; `None`: every source. As in
+    /// kube-proxy's per-family proxiers, a family without a range of its own is
+    /// unrestricted (unless a value was invalid).
+    fn for_family(&self, ip: IpAddr) -> Option<BTreeSet<IpNet>> {
+        let own: BTreeSet<IpNet> = self
+            .ranges
+            .iter()
+            .filter(|net| matches!(net, IpNet::V6(_)) == ip.is_ipv6())
+            .copied()
+            .collect();
+        (!own.is_empty() || self.invalid).then_some(own)
+    }
+}
+
+/// `spec.clusterIPs` checked against `spec.ipFamilies` and `spec.ipFamilyPolicy`,
+/// which the API server keeps consistent but a hand-written manifest may not:
+/// families that contradict the addresses make the Service unusable (which one is
+/// meant?); a policy the addresses do not meet is reported, and the addresses given
+/// are served (`SingleStack`: the primary one only).
+fn cluster_families(
+    spec: &k8s_openapi::api::core::v1::ServiceSpec,
+    ips: Vec<IpAddr>,
+    report: &mut dyn FnMut(Problem),
+) -> Option<Vec<IpAddr>> {
+    let family = |ip: &IpAddr| if ip.is_ipv6() { "IPv6" } else { "IPv4" };
+    let families: Vec<&str> = ips.iter().map(family).collect();
+    if let Some(declared) = spec.ip_families.as_ref().filter(|f| !f.is_empty()) {
+        let consistent = declared.len() >= families.len()
+            && families.iter().zip(declared).all(|(a, b)| *a == b.as_str());
+        if !consistent {
+            report(Problem::IpFamiliesMismatch {
+                families: declared.join(", "),
+                addresses: ips
+                    .iter()
+                    .map(IpAddr::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            });
+            return None;
+        }
+    }
+    let dual = families.len() == 2 && families[0] != families[1];
+    if families.len() > 2 || (families.len() == 2 && !dual) {
+        report(Problem::ClusterIpsNotOnePerFamily {
+            addresses: ips
+                .iter()
+                .map(IpAddr::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+        });
+        return None;
+    }
+    match spec.ip_family_policy.as_deref() {
+        Some("SingleStack") if dual => {
+            report(Problem::IpFamilyPolicyNotMet {
+                policy: "SingleStack",
+                served: ips[0].to_string(),
+            });
+            Some(vec![ips[0]])
+        }
+        Some("RequireDualStack") if !dual => {
+            report(Problem::IpFamilyPolicyNotMet {
+                policy: "RequireDualStack",
+                served: ips
+                    .iter()
+                    .map(IpAddr::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            });
+            Some(ips)
+        }
+        _ => Some(ips),
+    }
 }
 
 fn valid_port(port: i32) -> Option<u16> {
@@ -553,6 +651,7 @@ fn valid_port(port: i32) -> Option<u16> {
 
 fn read_slice<'a>(
     slice: &'a EndpointSlice,
+    v6: bool,
     opts: &SourceOptions,
     report: &mut dyn FnMut(Problem),
 ) -> SliceInfo<'a> {
@@ -580,8 +679,12 @@ fn read_slice<'a>(
             report(Problem::EndpointWithoutAddress { index });
             continue;
         };
-        let Ok(ip) = address.parse::<Ipv4Addr>() else {
+        // An address of the other family than the slice's `addressType` is as
+        // unusable as one that does not parse.
+        let parsed = address.parse::<IpAddr>().ok();
+        let Some(ip) = parsed.filter(|ip| ip.is_ipv6() == v6) else {
             report(Problem::InvalidEndpointAddress {
+                family: if v6 { "IPv6" } else { "IPv4" },
                 index,
                 address: address.clone(),
             });
@@ -644,12 +747,13 @@ fn port_endpoints<'s>(
 fn select_backends(
     port: &PortPlan,
     local_only: bool,
+    v6: bool,
     slices: &[SliceInfo],
     opts: &SourceOptions,
 ) -> BTreeSet<BackendAddr> {
     let candidates: Vec<(BackendAddr, &EndpointInfo)> = port_endpoints(port, slices)
         .into_iter()
-        .filter(|(_, e)| e.local || !local_only)
+        .filter(|(_, e)| (e.local || !local_only) && e.ip.is_ipv6() == v6)
         .collect();
     let mode = if local_only {
         topology::Mode::Any
@@ -1038,15 +1142,49 @@ mod tests {
 
     #[test]
     fn address_families() {
+        let v6_slice = |name: &str, svc: &str, ip: &str| {
+            slice(
+                name,
+                svc,
+                &format!("addressType: IPv6\nendpoints: [{{addresses: [\"{ip}\"]}}]\nports: [{{port: 8080}}]"),
+            )
+        };
+        let v4_slice = |name: &str, svc: &str, ip: &str| {
+            slice(
+                name,
+                svc,
+                &format!("addressType: IPv4\nendpoints: [{{addresses: [{ip}]}}]\nports: [{{port: 8080}}]"),
+            )
+        };
         let yaml = [
             service("v6", "  clusterIP: fd00::10\n  clusterIPs: [fd00::10]\n  ports: [{port: 80}]"),
+            v6_slice("v6-1", "v6", "fd00:1::1"),
+            // An IPv4 slice of an IPv6-only Service serves nothing.
+            v4_slice("v6-2", "v6", "10.0.0.9"),
             service(
                 "dual",
-                "  clusterIP: fd00::11\n  clusterIPs: [fd00::11, 10.96.0.11]\n  ports: [{port: 80}]",
+                "  clusterIP: fd00::11\n  clusterIPs: [fd00::11, 10.96.0.11]\n  \
+                 ipFamilies: [IPv6, IPv4]\n  ipFamilyPolicy: RequireDualStack\n  ports: [{port: 80}]",
             ),
+            v6_slice("dual-1", "dual", "fd00:1::2"),
+            v4_slice("dual-2", "dual", "10.0.0.2"),
+            // An address of the other family in a slice is refused like a bad one.
+            v6_slice("dual-3", "dual", "10.0.0.3"),
+            service(
+                "mismatch",
+                "  clusterIPs: [10.96.0.12]\n  ipFamilies: [IPv6]\n  ports: [{port: 80}]",
+            ),
+            service(
+                "single",
+                "  clusterIPs: [10.96.0.13, fd00::13]\n  ipFamilyPolicy: SingleStack\n  ports: [{port: 80}]",
+            ),
+            service(
+                "require",
+                "  clusterIPs: [10.96.0.14]\n  ipFamilyPolicy: RequireDualStack\n  ports: [{port: 80}]",
+            ),
+            service("twov4", "  clusterIPs: [10.96.0.15, 10.96.0.16]\n  ports: [{port: 80}]"),
             service("noip", "  ports: [{port: 80}]"),
             service("badip", "  clusterIP: 10.96.0.300\n  ports: [{port: 80}]"),
-            slice("v6-1", "dual", "addressType: IPv6\nendpoints: [{addresses: [\"fd00::1\"]}]\nports: [{port: 80}]"),
         ]
         .concat();
         let (d, errors) = build(&yaml);
@@ -1054,19 +1192,126 @@ mod tests {
             messages(&errors),
             [
                 "Service default/badip: cluster IP \"10.96.0.300\" is not an IP address",
+                "Service default/mismatch: spec.ipFamilies [IPv6] contradicts spec.clusterIPs \
+                 [10.96.0.12]; the Service is not proxied until they name the same families in \
+                 the same order",
                 "Service default/noip: has no spec.clusterIP; set one, or `clusterIP: None` for a headless Service",
-                "Service default/v6: unsupported address family: cluster IPs fd00::10 have no IPv4 \
-                 address; only IPv4 Services are proxied",
+                "Service default/require: spec.ipFamilyPolicy RequireDualStack is not met by \
+                 spec.clusterIPs; serving 10.96.0.14",
+                "Service default/single: spec.ipFamilyPolicy SingleStack is not met by \
+                 spec.clusterIPs; serving 10.96.0.13",
+                "Service default/twov4: spec.clusterIPs [10.96.0.15, 10.96.0.16] must hold one \
+                 address, or one of each family; the Service is not proxied",
+                "EndpointSlice default/dual-3: endpoints[0]: address \"10.0.0.3\" is not an IPv6 \
+                 address (the slice's addressType); that endpoint is skipped",
             ]
         );
         assert_eq!(
             d.frontends.keys().copied().collect::<Vec<_>>(),
-            [fe("10.96.0.11", 80, Protocol::Tcp)]
+            [
+                fe("10.96.0.11", 80, Protocol::Tcp),
+                fe("10.96.0.13", 80, Protocol::Tcp),
+                fe("10.96.0.14", 80, Protocol::Tcp),
+                fe("fd00::10", 80, Protocol::Tcp),
+                fe("fd00::11", 80, Protocol::Tcp),
+            ]
+        );
+        // Each family's frontend gets its own family's endpoints only.
+        assert_eq!(
+            backends(&d, fe("fd00::10", 80, Protocol::Tcp)),
+            [be("fd00:1::1", 8080)]
         );
         assert_eq!(
-            d.frontends[&fe("10.96.0.11", 80, Protocol::Tcp)].service,
+            backends(&d, fe("fd00::11", 80, Protocol::Tcp)),
+            [be("fd00:1::2", 8080)]
+        );
+        assert_eq!(
+            backends(&d, fe("10.96.0.11", 80, Protocol::Tcp)),
+            [be("10.0.0.2", 8080)]
+        );
+        assert_eq!(
+            d.frontends[&fe("fd00::11", 80, Protocol::Tcp)].service,
             "default/dual"
         );
+    }
+
+    /// NodePorts on the node's addresses of both families, external and
+    /// load-balancer IPs of either, each with its family's endpoints (local ones for
+    /// `externalTrafficPolicy: Local`) and its family's source ranges.
+    #[test]
+    fn dual_stack_external_frontends() {
+        let yaml = [
+            service(
+                "web",
+                "  type: LoadBalancer\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n  \
+                 clusterIPs: [10.96.0.20, fd00::20]\n  externalIPs: [198.51.100.20, 2001:db8::20]\n  \
+                 loadBalancerSourceRanges: [203.0.113.0/24]\n  ports: [{port: 80, nodePort: 30080}]\n\
+                 status:\n  loadBalancer:\n    ingress: [{ip: 198.51.100.21}, {ip: \"2001:db8::21\"}]",
+            ),
+            slice(
+                "web-4",
+                "web",
+                "addressType: IPv4\nports: [{port: 8080}]\nendpoints:\n\
+                 - {addresses: [10.0.0.1], nodeName: node-a}\n- {addresses: [10.0.0.2], nodeName: node-b}",
+            ),
+            slice(
+                "web-6",
+                "web",
+                "addressType: IPv6\nports: [{port: 8080}]\nendpoints:\n\
+                 - {addresses: [\"fd00:1::1\"], nodeName: node-a}\n- {addresses: [\"fd00:1::2\"], nodeName: node-b}",
+            ),
+        ]
+        .concat();
+        let objects = parse_str(Path::new("t.yaml"), &yaml);
+        assert!(objects.errors.is_empty(), "{:?}", objects.errors);
+        let opts = SourceOptions {
+            node_name: "node-a".into(),
+            node_ips: vec![
+                "192.168.50.2".parse().unwrap(),
+                "2001:db8:50::2".parse().unwrap(),
+            ],
+            ..SourceOptions::default()
+        };
+        let (d, errors) = build_desired(&objects.services, &objects.slices, &opts);
+        assert!(errors.is_empty(), "{:?}", messages(&errors));
+        let local = |ip: &str| BackendAddr {
+            local: true,
+            ..be(ip, 8080)
+        };
+        for (v4, v6) in [
+            ("10.96.0.20", "fd00::20"),
+            ("198.51.100.20", "2001:db8::20"),
+            ("198.51.100.21", "2001:db8::21"),
+            ("192.168.50.2", "2001:db8:50::2"),
+        ] {
+            let port = if v4.starts_with("192.") { 30080 } else { 80 };
+            let f4 = fe(v4, port, Protocol::Tcp);
+            let f6 = fe(v6, port, Protocol::Tcp);
+            assert_eq!(
+                backends(&d, f4),
+                [local("10.0.0.1"), be("10.0.0.2", 8080)],
+                "{f4}"
+            );
+            assert_eq!(
+                backends(&d, f6),
+                [local("fd00:1::1"), be("fd00:1::2", 8080)],
+                "{f6}"
+            );
+            if !v4.starts_with("10.96") {
+                let external = |f: Frontend| backends(&d, f.with_scope(Scope::External));
+                assert_eq!(external(f4), [local("10.0.0.1")], "{f4}");
+                assert_eq!(external(f6), [local("fd00:1::1")], "{f6}");
+            }
+        }
+        // Only IPv4 ranges are given: the IPv4 LB IP is guarded, the IPv6 one is open,
+        // as kube-proxy's IPv6 proxier sees no range of its own family.
+        assert_eq!(
+            ranges(&d, fe("198.51.100.21", 80, Protocol::Tcp)),
+            Some(vec!["203.0.113.0/24".to_owned()])
+        );
+        assert_eq!(ranges(&d, fe("2001:db8::21", 80, Protocol::Tcp)), None);
+        // One ready local endpoint of the primary family, not one per family.
+        assert_eq!(d.health_checks[&32000].local_endpoints, 1);
     }
 
     #[test]
@@ -1284,8 +1529,8 @@ mod tests {
                 "EndpointSlice default/web-1: port \"x\" has no port number; its endpoints are not used for that port",
                 "EndpointSlice default/web-1: port \"y\": port 0 is out of range (1-65535); its endpoints \
                  are not used for that port",
-                "EndpointSlice default/web-1: endpoints[1]: address \"not-an-ip\" is not an IPv4 address; \
-                 that endpoint is skipped",
+                "EndpointSlice default/web-1: endpoints[1]: address \"not-an-ip\" is not an IPv4 address \
+                 (the slice's addressType); that endpoint is skipped",
                 "EndpointSlice default/web-1: endpoints[2] has no address; that endpoint is skipped",
             ]
         );

@@ -167,11 +167,26 @@ pub enum Problem {
     #[error("cluster IP {:?} is not an IP address", Capped(.value))]
     InvalidClusterIp { value: String },
     #[error(
-        "unsupported address family: cluster IPs {} have no IPv4 address; \
-         only IPv4 Services are proxied",
+        "spec.ipFamilies [{}] contradicts spec.clusterIPs [{}]; the Service is not \
+         proxied until they name the same families in the same order",
+        Capped(.families),
         Capped(.addresses)
     )]
-    UnsupportedAddressFamily { addresses: String },
+    IpFamiliesMismatch { families: String, addresses: String },
+    #[error(
+        "spec.clusterIPs [{}] must hold one address, or one of each family; \
+         the Service is not proxied",
+        Capped(.addresses)
+    )]
+    ClusterIpsNotOnePerFamily { addresses: String },
+    #[error(
+        "spec.ipFamilyPolicy {policy} is not met by spec.clusterIPs; serving {}",
+        Capped(.served)
+    )]
+    IpFamilyPolicyNotMet {
+        policy: &'static str,
+        served: String,
+    },
     #[error("port {port} is out of range (1-65535)")]
     PortOutOfRange { port: i32 },
     #[error("port {port}/{}: protocol {} is not supported (only TCP and UDP); that port is not proxied", Capped(.protocol), Capped(.protocol))]
@@ -215,10 +230,15 @@ pub enum Problem {
     #[error("endpoints[{index}] has no address; that endpoint is skipped")]
     EndpointWithoutAddress { index: usize },
     #[error(
-        "endpoints[{index}]: address {:?} is not an IPv4 address; that endpoint is skipped",
+        "endpoints[{index}]: address {:?} is not an {family} address (the slice's \
+         addressType); that endpoint is skipped",
         Capped(.address)
     )]
-    InvalidEndpointAddress { index: usize, address: String },
+    InvalidEndpointAddress {
+        index: usize,
+        address: String,
+        family: &'static str,
+    },
 }
 
 #[cfg(test)]

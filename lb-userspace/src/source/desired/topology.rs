@@ -230,7 +230,10 @@ mod tests {
             desired.frontends[&f]
                 .backends
                 .iter()
-                .map(|b| b.ip.octets()[3])
+                .map(|b| match b.ip {
+                    std::net::IpAddr::V4(v4) => v4.octets()[3],
+                    std::net::IpAddr::V6(v6) => v6.octets()[15],
+                })
                 .collect()
         };
         let node_port = Frontend::internal("192.168.50.2".parse().unwrap(), 30080, Protocol::Tcp);
