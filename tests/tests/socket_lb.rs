@@ -363,10 +363,11 @@ fn bad_manifests_are_reported_and_skipped() -> Result<()> {
         vec![ServicePort::tcp("http", 70000, 8080)],
     );
     bed.manifests.write("bad-port.yaml", &bad_port.to_yaml())?;
-    let mut v6_only = web_service("v6-only", Ipv4Addr::UNSPECIFIED);
-    v6_only.cluster_ip = "fd00:10:96::10".into();
-    v6_only.ip_families = vec!["IPv6"];
-    bed.manifests.write("v6-only.yaml", &v6_only.to_yaml())?;
+    // spec.ipFamilies contradicting the cluster IP: which family was meant?
+    let mut mismatch = web_service("family-mismatch", Ipv4Addr::UNSPECIFIED);
+    mismatch.cluster_ip = "fd00:10:96::10".into();
+    mismatch.ip_families = vec!["IPv4"];
+    bed.manifests.write("family-mismatch.yaml", &mismatch.to_yaml())?;
     let orphan = EndpointSlice::for_service(
         &web_service("no-such-service", Ipv4Addr::UNSPECIFIED),
         endpoints(bed.topo.pods(), Conditions::READY),
@@ -379,7 +380,7 @@ fn bad_manifests_are_reported_and_skipped() -> Result<()> {
     for name in [
         "broken.yaml",
         "demo/bad-port",
-        "demo/v6-only",
+        "demo/family-mismatch",
         &format!("demo/{}", orphan.name),
     ] {
         agent.wait_for_log(&format!("a WARN naming {name}"), SYNC_TIMEOUT, |l| {
