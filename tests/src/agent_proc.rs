@@ -121,15 +121,20 @@ pub fn cgroup_programs(cgroup: &Cgroup) -> Result<Vec<CgroupProg>> {
         .with_context(|| format!("bpftool cgroup show printed unexpected output:\n{out}"))
 }
 
-/// The attach types of the four socket hooks, as bpftool names them.
-pub const HOOK_ATTACH_TYPES: [&str; 4] = [
+/// The attach types of the eight socket hooks (both families), as bpftool names
+/// them.
+pub const HOOK_ATTACH_TYPES: [&str; 8] = [
     "cgroup_inet4_connect",
     "cgroup_udp4_sendmsg",
     "cgroup_udp4_recvmsg",
     "cgroup_inet4_getpeername",
+    "cgroup_inet6_connect",
+    "cgroup_udp6_sendmsg",
+    "cgroup_udp6_recvmsg",
+    "cgroup_inet6_getpeername",
 ];
 
-/// The four socket hooks are attached to `cgroup` exactly once each, they are the
+/// The eight socket hooks are attached to `cgroup` exactly once each, they are the
 /// programs of the links pinned under `<pin-dir>/links`, and nothing else is pinned
 /// there (`hook_pins`: the expected pin names). Returns the pinned links.
 pub fn check_hooks_once(

@@ -149,7 +149,7 @@ impl Bed {
         Ok(run)
     }
 
-    /// The four hooks are attached to the test cgroup once each, by the links pinned
+    /// The eight hooks are attached to the test cgroup once each, by the links pinned
     /// under the pin dir (see [`check_hooks_once`]).
     fn check_single_attachment(&self) -> Result<BTreeMap<String, LinkInfo>> {
         check_hooks_once(&self.pins, &self.bed.cgroup, &program_names::ALL)

@@ -367,7 +367,8 @@ fn bad_manifests_are_reported_and_skipped() -> Result<()> {
     let mut mismatch = web_service("family-mismatch", Ipv4Addr::UNSPECIFIED);
     mismatch.cluster_ip = "fd00:10:96::10".into();
     mismatch.ip_families = vec!["IPv4"];
-    bed.manifests.write("family-mismatch.yaml", &mismatch.to_yaml())?;
+    bed.manifests
+        .write("family-mismatch.yaml", &mismatch.to_yaml())?;
     let orphan = EndpointSlice::for_service(
         &web_service("no-such-service", Ipv4Addr::UNSPECIFIED),
         endpoints(bed.topo.pods(), Conditions::READY),

@@ -1,7 +1,8 @@
 //! kube-proxy's `healthCheckNodePort` servers: one listener per port of an
 //! `externalTrafficPolicy: Local` Service, answering 200 while this node has usable
 //! endpoints of it and 503 otherwise, so external load balancers skip the node.
-//! They listen on all addresses of the agent's network namespace, as kube-proxy's do.
+//! They listen on all addresses of the agent's network namespace, of both families,
+//! as kube-proxy's do (its per-family proxiers each serve the port).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -42,10 +43,9 @@ impl HealthCheckServers {
                 *lock(shared) = check.clone();
                 continue;
             }
-            let addr = SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), port);
-            let listener = match TcpListener::bind(addr).await {
+            let listener = match bind_any(port) {
                 Ok(listener) => listener,
-                Err(source) => {
+                Err((addr, source)) => {
                     errors.push(OpsError::Bind { addr, source });
                     continue;
                 }
@@ -73,6 +73,36 @@ impl Drop for HealthCheckServers {
 }
 
 /// kube-proxy's body: the Service and its local endpoint count.
+/// A listener on every address of both families: `[::]` with IPV6_V6ONLY off
+/// (whatever `net.ipv6.bindv6only` says), or `0.0.0.0` on a node without IPv6.
+fn bind_any(port: u16) -> Result<TcpListener, (SocketAddr, std::io::Error)> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let v6 = SocketAddr::new(std::net::Ipv6Addr::UNSPECIFIED.into(), port);
+    let v4 = SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), port);
+    let socket = |addr: SocketAddr| -> std::io::Result<TcpListener> {
+        let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+        if addr.is_ipv6() {
+            socket.set_only_v6(false)?;
+        }
+        socket.set_reuse_address(true)?;
+        socket.set_nonblocking(true)?;
+        socket.bind(&addr.into())?;
+        socket.listen(1024)?;
+        TcpListener::from_std(socket.into())
+    };
+    match socket(v6) {
+        Ok(listener) => Ok(listener),
+        // No IPv6 in this namespace (disabled, or no kernel support).
+        Err(e)
+            if e.raw_os_error() == Some(libc::EAFNOSUPPORT)
+                || e.raw_os_error() == Some(libc::EADDRNOTAVAIL) =>
+        {
+            socket(v4).map_err(|source| (v4, source))
+        }
+        Err(source) => Err((v6, source)),
+    }
+}
+
 fn answer(check: &HealthCheck) -> Reply {
     let body = serde_json::json!({
         "service": {"namespace": check.namespace, "name": check.name},
