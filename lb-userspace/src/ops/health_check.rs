@@ -117,3 +117,30 @@ fn answer(check: &HealthCheck) -> Reply {
     };
     Reply::new(code, "application/json", body)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One listener takes clients of both families (loopback only).
+    #[tokio::test]
+    async fn the_listener_serves_both_families() {
+        let listener = bind_any(0).expect("bind");
+        let port = listener.local_addr().unwrap().port();
+        let accept = tokio::spawn(async move {
+            for _ in 0..2 {
+                listener.accept().await.expect("accept");
+            }
+        });
+        for client in ["127.0.0.1", "::1"] {
+            let addr = SocketAddr::new(client.parse().unwrap(), port);
+            tokio::net::TcpStream::connect(addr)
+                .await
+                .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+        }
+        tokio::time::timeout(std::time::Duration::from_secs(5), accept)
+            .await
+            .expect("both accepted")
+            .unwrap();
+    }
+}
