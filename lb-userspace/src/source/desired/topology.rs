@@ -119,7 +119,8 @@ mod tests {
     use crate::source::yaml::parse_str;
     use crate::source::{build_desired, NodePortRange, SourceOptions};
 
-    /// One endpoint: its address's last octet (10.1.2.N), and what the slice says.
+    /// One endpoint: its address's last octet (10.1.2.N, and fd00:1:2::N in the
+    /// IPv6 slice), and what the slice says.
     #[derive(Clone, Copy, Default)]
     struct Ep {
         n: u8,
@@ -163,7 +164,7 @@ mod tests {
             Ep { nodes, ..self }
         }
 
-        fn yaml(&self) -> String {
+        fn yaml(&self, v6: bool) -> String {
             let names = |list: &[&str]| {
                 list.iter()
                     .map(|z| format!("{{name: {z}}}"))
@@ -177,10 +178,14 @@ mod tests {
             } else {
                 "{ready: true}"
             };
+            let address = if v6 {
+                format!("\"fd00:1:2::{}\"", self.n)
+            } else {
+                format!("10.1.2.{}", self.n)
+            };
             format!(
-                "- addresses: [10.1.2.{}]\n  nodeName: {}\n  conditions: {conditions}\n  \
+                "- addresses: [{address}]\n  nodeName: {}\n  conditions: {conditions}\n  \
                  hints: {{forZones: [{}], forNodes: [{}]}}\n",
-                self.n,
                 if self.local { "node-a" } else { "node-x" },
                 names(self.zones),
                 names(self.nodes),
@@ -200,27 +205,56 @@ mod tests {
     };
 
     /// (cluster endpoints, local endpoints when a policy is Local) as last octets,
-    /// for node-a in `zone`.
+    /// for node-a in `zone`. Every case runs for both families at once: a
+    /// dual-stack Service whose IPv4 and IPv6 slices list the same endpoints must
+    /// categorize them alike in each family.
     fn categorize(zone: &str, policy: Policy, endpoints: &[Ep]) -> (Vec<u8>, Option<Vec<u8>>) {
+        let v4 = categorize_family(zone, policy, endpoints, endpoints, false);
+        let v6 = categorize_family(zone, policy, endpoints, endpoints, true);
+        assert_eq!(v4, v6, "IPv4 and IPv6 categorized alike");
+        v4
+    }
+
+    /// `categorize` for one family of a dual-stack Service whose IPv4 slice lists
+    /// `v4_endpoints` and whose IPv6 slice lists `v6_endpoints`.
+    fn categorize_family(
+        zone: &str,
+        policy: Policy,
+        v4_endpoints: &[Ep],
+        v6_endpoints: &[Ep],
+        v6: bool,
+    ) -> (Vec<u8>, Option<Vec<u8>>) {
         let policy_yaml = format!(
             "  internalTrafficPolicy: {}\n  externalTrafficPolicy: {}\n",
             if policy.itp_local { "Local" } else { "Cluster" },
             if policy.etp_local { "Local" } else { "Cluster" },
         );
+        let slice = |name: &str, family: &str, endpoints: &[Ep]| {
+            format!(
+                "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+                 metadata: {{name: {name}, namespace: default, labels: {{kubernetes.io/service-name: web}}}}\n\
+                 addressType: {family}\nports: [{{port: 80}}]\nendpoints:\n{}",
+                endpoints
+                    .iter()
+                    .map(|e| e.yaml(family == "IPv6"))
+                    .collect::<String>()
+            )
+        };
         let yaml = format!(
             "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: default}}\n\
-             spec:\n  type: NodePort\n  clusterIP: 10.96.0.10\n{policy_yaml}  \
-             ports: [{{port: 80, nodePort: 30080}}]\n---\n\
-             apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
-             metadata: {{name: web-1, namespace: default, labels: {{kubernetes.io/service-name: web}}}}\n\
-             addressType: IPv4\nports: [{{port: 80}}]\nendpoints:\n{}",
-            endpoints.iter().map(Ep::yaml).collect::<String>()
+             spec:\n  type: NodePort\n  clusterIPs: [10.96.0.10, \"fd00::10\"]\n{policy_yaml}  \
+             ports: [{{port: 80, nodePort: 30080}}]\n{}{}",
+            slice("web-4", "IPv4", v4_endpoints),
+            slice("web-6", "IPv6", v6_endpoints),
         );
         let objects = parse_str(Path::new("t.yaml"), &yaml);
         assert!(objects.errors.is_empty(), "{:?}", objects.errors);
         let opts = SourceOptions {
             node_name: "node-a".to_owned(),
-            node_ips: vec!["192.168.50.2".parse().unwrap()],
+            node_ips: vec![
+                "192.168.50.2".parse().unwrap(),
+                "2001:db8:50::2".parse().unwrap(),
+            ],
             node_port_range: NodePortRange::default(),
             zone: zone.to_owned(),
         };
@@ -231,13 +265,24 @@ mod tests {
                 .backends
                 .iter()
                 .map(|b| match b.ip {
-                    std::net::IpAddr::V4(v4) => v4.octets()[3],
-                    std::net::IpAddr::V6(v6) => v6.octets()[15],
+                    std::net::IpAddr::V4(ip) => {
+                        assert!(!v6, "{ip} behind an IPv6 frontend");
+                        ip.octets()[3]
+                    }
+                    std::net::IpAddr::V6(ip) => {
+                        assert!(v6, "{ip} behind an IPv4 frontend");
+                        ip.octets()[15]
+                    }
                 })
                 .collect()
         };
-        let node_port = Frontend::internal("192.168.50.2".parse().unwrap(), 30080, Protocol::Tcp);
-        let cluster_ip = Frontend::internal("10.96.0.10".parse().unwrap(), 80, Protocol::Tcp);
+        let (node_ip, vip) = if v6 {
+            ("2001:db8:50::2", "fd00::10")
+        } else {
+            ("192.168.50.2", "10.96.0.10")
+        };
+        let node_port = Frontend::internal(node_ip.parse().unwrap(), 30080, Protocol::Tcp);
+        let cluster_ip = Frontend::internal(vip.parse().unwrap(), 80, Protocol::Tcp);
         let local = if policy.etp_local {
             let local = octets(node_port.with_scope(Scope::External));
             if policy.itp_local {
@@ -255,6 +300,18 @@ mod tests {
             None
         };
         (octets(node_port), local)
+    }
+
+    /// kube-proxy's proxiers categorize each family on its own: hints missing in
+    /// the IPv6 slice turn topology off for IPv6 only.
+    #[test]
+    fn each_family_is_categorized_on_its_own() {
+        let hinted = [ep(3, A), ep(4, B)];
+        let unhinted = [ep(3, NONE), ep(4, NONE)];
+        let v4 = categorize_family("zone-a", CLUSTER, &hinted, &unhinted, false);
+        let v6 = categorize_family("zone-a", CLUSTER, &hinted, &unhinted, true);
+        assert_eq!(v4.0, [3]);
+        assert_eq!(v6.0, [3, 4]);
     }
 
     fn cluster_only(zone: &str, endpoints: &[Ep]) -> Vec<u8> {
