@@ -452,22 +452,28 @@ fn nft_base(out: &mut String, cfg: &ProxyConfig) {
 }
 
 /// Chains and rules of one Service port (service, external, endpoints).
+/// One endpoint's chain: masquerade hairpin traffic, DNAT to the endpoint.
+fn nft_endpoint(out: &mut String, svc: &SvcPort, ip: Ipv4Addr) {
+    let t = NFT_TABLE;
+    let ep = nft_endpoint_chain(svc, ip);
+    let _ = writeln!(out, "add chain {t} {ep}");
+    let _ = writeln!(
+        out,
+        "add rule {t} {ep} ip saddr {ip} jump mark-for-masquerade"
+    );
+    let _ = writeln!(
+        out,
+        "add rule {t} {ep} meta l4proto tcp dnat to {}",
+        svc.endpoint(ip)
+    );
+}
+
 fn nft_service(out: &mut String, svc: &SvcPort, cfg: &ProxyConfig) {
     let t = NFT_TABLE;
     let chain = nft_service_chain(svc);
     let _ = writeln!(out, "add chain {t} {chain}");
     for ip in &svc.endpoints {
-        let ep = nft_endpoint_chain(svc, *ip);
-        let _ = writeln!(out, "add chain {t} {ep}");
-        let _ = writeln!(
-            out,
-            "add rule {t} {ep} ip saddr {ip} jump mark-for-masquerade"
-        );
-        let _ = writeln!(
-            out,
-            "add rule {t} {ep} meta l4proto tcp dnat to {}",
-            svc.endpoint(*ip)
-        );
+        nft_endpoint(out, svc, *ip);
     }
     nft_service_rules(out, svc, cfg);
     if svc.node_port.is_some() {
@@ -543,17 +549,7 @@ pub fn nft_partial(changed: &SvcPort, old: &[Ipv4Addr], cfg: &ProxyConfig) -> St
     let t = NFT_TABLE;
     let mut out = String::new();
     for ip in changed.endpoints.iter().filter(|ip| !old.contains(ip)) {
-        let ep = nft_endpoint_chain(changed, *ip);
-        let _ = writeln!(out, "add chain {t} {ep}");
-        let _ = writeln!(
-            out,
-            "add rule {t} {ep} ip saddr {ip} jump mark-for-masquerade"
-        );
-        let _ = writeln!(
-            out,
-            "add rule {t} {ep} meta l4proto tcp dnat to {}",
-            changed.endpoint(*ip)
-        );
+        nft_endpoint(&mut out, changed, *ip);
     }
     let _ = writeln!(out, "flush chain {t} {}", nft_service_chain(changed));
     nft_service_rules(&mut out, changed, cfg);
