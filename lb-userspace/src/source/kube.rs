@@ -35,6 +35,7 @@ use tokio::time::{Instant, Sleep};
 use tracing::{debug, info, warn};
 
 use super::yaml::Objects;
+use super::Lean;
 
 /// kube-proxy's selector for Services: those claimed by another proxy
 /// (`service.kubernetes.io/service-proxy-name`) and headless ones are not proxied.
@@ -173,8 +174,8 @@ fn default_kubeconfig_location() -> String {
 /// Spawns the watchers. The receiver holds `None` until Services, EndpointSlices and
 /// Nodes have each been listed once; after that, changes publish a fresh snapshot
 /// (coalesced only under bursts, see [`Coalescer`]). A relist that finds nothing new
-/// publishes nothing. Objects come sorted by namespace and name, with
-/// `metadata.managedFields` dropped; `errors` stays empty. Call it inside a Tokio
+/// publishes nothing. Objects come sorted by namespace and name, trimmed to what
+/// the agent reads (see [`Lean`]); `errors` stays empty. Call it inside a Tokio
 /// runtime; the tasks stop when the receiver is dropped.
 pub fn watch(client: Client, options: KubeWatchOptions) -> watch::Receiver<Option<Arc<Objects>>> {
     let (tx, rx) = watch::channel(None);
@@ -258,10 +259,10 @@ fn cache<K>(
 ) -> Events
 where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync,
-    K: 'static,
+    K: Lean + 'static,
 {
     watcher(api, config)
-        .modify(|object: &mut K| object.meta_mut().managed_fields = None)
+        .modify(|object: &mut K| object.lean())
         .backoff(RecoveryBackoff::default())
         .reflect(writer)
         .map(move |event| {

@@ -14,9 +14,11 @@ use crate::model::Frontend;
 mod desired;
 pub mod files;
 pub mod kube;
+mod lean;
 pub mod yaml;
 
 pub use desired::{build_desired, NodePortRange, SourceOptions, LABEL_ZONE};
+pub use lean::Lean;
 
 /// Where a loaded document came from; only set for errors found while loading.
 #[derive(Clone, Debug, PartialEq, Eq)]
