@@ -142,12 +142,19 @@ mod tests {
             node_ips: vec!["192.168.50.2".parse().unwrap()],
             ..SourceOptions::default()
         };
-        let before = build_desired(&[service.clone()], &[slice.clone()], &opts);
+        let before = build_desired(
+            std::slice::from_ref(&service),
+            std::slice::from_ref(&slice),
+            &opts,
+        );
         let (mut s, mut e, mut n) = (service, slice, node);
         s.lean();
         e.lean();
         n.lean();
-        assert_eq!(build_desired(&[s.clone()], &[e.clone()], &opts), before);
+        assert_eq!(
+            build_desired(std::slice::from_ref(&s), std::slice::from_ref(&e), &opts),
+            before
+        );
 
         assert!(s.metadata.annotations.is_none() && s.metadata.labels.is_none());
         assert!(s.metadata.managed_fields.is_none() && s.metadata.owner_references.is_none());
