@@ -1,4 +1,4 @@
-//! Follows the devices and IPv4 addresses of the agent's network namespace through
+//! Follows the devices and addresses (both families) of the agent's network namespace through
 //! rtnetlink: one dump at start, then the kernel's link and address notifications,
 //! so a device or address that appears or goes is seen at once, without polling.
 

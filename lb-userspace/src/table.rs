@@ -209,7 +209,7 @@ pub fn render_text(frontends: &[ProgrammedFrontend]) -> String {
             } else {
                 f.backends
                     .iter()
-                    .map(|b| format!("{}:{}", b.ip, b.port))
+                    .map(|b| std::net::SocketAddr::new(b.ip, b.port).to_string())
                     .collect::<Vec<_>>()
                     .join(", ")
             };
@@ -383,6 +383,28 @@ mod tests {
             format!("{}! slot 2 of 3 is missing", " ".repeat(34))
         );
         assert_eq!(lines.len(), 1 + 4 + 3 + 1);
+    }
+
+    /// IPv6 frontends and backends print bracketed, as `[fd00::1]:80`.
+    #[test]
+    fn ipv6_addresses_print_bracketed() {
+        let web = Frontend::internal("fd00:96::10".parse().unwrap(), 80, Protocol::Tcp);
+        let mut s = MapSnapshot::default();
+        s.services.insert(key_of(&web, 0), master(1, 4));
+        s.services.insert(key_of(&web, 1), slot(10, 4));
+        s.backends.insert(
+            10,
+            Backend {
+                address: "fd00:244::11".parse::<std::net::IpAddr>().unwrap().into(),
+                ..backend([0; 4], 8080)
+            },
+        );
+        let text = render_text(&decode(&s));
+        assert_eq!(
+            text.lines().nth(1),
+            Some("[fd00:96::10]:80/TCP  4   -         [fd00:244::11]:8080")
+        );
+        assert_eq!(frontend_names(&s)[&4], "[fd00:96::10]:80/TCP");
     }
 
     #[test]

@@ -109,13 +109,13 @@ struct AgentArgs {
     #[arg(long, default_value = "30000-32767")]
     nodeport_range: NodePortRange,
     /// Treat this device as node-facing (NodePort, LoadBalancer, externalIPs, traffic
-    /// from other nodes). Repeatable. Not needed: by default every device holding an
-    /// IPv4 address is node-facing, and devices are followed as they come and go.
+    /// from other nodes). Repeatable. Not needed: by default every device but a pod's
+    /// veth is node-facing, and devices are followed as they come and go.
     #[arg(long = "iface")]
     ifaces: Vec<String>,
     /// Treat this device as pod-facing (pods outside --cgroup, replies of local
-    /// backends). Repeatable. Not needed: by default every device without an IPv4
-    /// address (a pod's veth, whatever the CNI names it) is pod-facing.
+    /// backends). Repeatable. Not needed: by default a veth or netkit end without a
+    /// node address (a pod's veth, whatever the CNI names it) is pod-facing.
     #[arg(long = "pod-iface")]
     pod_ifaces: Vec<String>,
     /// How the per-packet programs attach: TCX links (kernel >= 6.6) or netlink
