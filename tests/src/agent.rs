@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::SocketAddrV4;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -82,7 +82,7 @@ pub struct ServiceEntry {
 
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 pub struct FrontendJson {
-    pub ip: Ipv4Addr,
+    pub ip: std::net::IpAddr,
     pub port: u16,
     pub protocol: String,
     /// `internal` or `external` (the entry for traffic from outside the cluster
@@ -95,7 +95,7 @@ pub struct FrontendJson {
 pub struct BackendJson {
     pub slot: u32,
     pub id: u32,
-    pub ip: Ipv4Addr,
+    pub ip: std::net::IpAddr,
     pub port: u16,
     /// The endpoint runs on the agent's node.
     #[serde(default)]
@@ -103,16 +103,16 @@ pub struct BackendJson {
 }
 
 impl ServiceEntry {
-    pub fn is(&self, vip: Ipv4Addr, port: u16, protocol: &str) -> bool {
-        self.frontend.ip == vip
+    pub fn is(&self, vip: impl Into<std::net::IpAddr>, port: u16, protocol: &str) -> bool {
+        self.frontend.ip == vip.into()
             && self.frontend.port == port
             && self.frontend.protocol.eq_ignore_ascii_case(protocol)
     }
 
-    pub fn backend_addrs(&self) -> BTreeSet<SocketAddrV4> {
+    pub fn backend_addrs(&self) -> BTreeSet<std::net::SocketAddr> {
         self.backends
             .iter()
-            .map(|b| SocketAddrV4::new(b.ip, b.port))
+            .map(|b| std::net::SocketAddr::new(b.ip, b.port))
             .collect()
     }
 }
@@ -120,10 +120,11 @@ impl ServiceEntry {
 /// Find a frontend in a `lb services` listing.
 pub fn find_frontend<'a>(
     entries: &'a [ServiceEntry],
-    vip: Ipv4Addr,
+    vip: impl Into<std::net::IpAddr>,
     port: u16,
     protocol: &str,
 ) -> Option<&'a ServiceEntry> {
+    let vip = vip.into();
     entries.iter().find(|e| e.is(vip, port, protocol))
 }
 

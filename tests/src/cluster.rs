@@ -570,7 +570,8 @@ impl Cluster {
         scope: &str,
         want: &[SocketAddrV4],
     ) -> Result<ServiceEntry> {
-        let want: std::collections::BTreeSet<SocketAddrV4> = want.iter().copied().collect();
+        let want: std::collections::BTreeSet<std::net::SocketAddr> =
+            want.iter().map(|&a| a.into()).collect();
         let matches = |e: &ServiceEntry| {
             e.is(*frontend.ip(), frontend.port(), protocol)
                 && (e.frontend.scope.is_empty() || e.frontend.scope == scope)

@@ -56,6 +56,8 @@ impl ServicePort {
 pub struct Service {
     pub name: String,
     pub cluster_ip: String,
+    /// `spec.clusterIPs` after `cluster_ip` (dual-stack: the other family's).
+    pub more_cluster_ips: Vec<String>,
     /// `spec.ipFamilies`, e.g. `["IPv4"]`.
     pub ip_families: Vec<&'static str>,
     pub ports: Vec<ServicePort>,
@@ -84,6 +86,7 @@ impl Service {
         Service {
             name: name.into(),
             cluster_ip: cluster_ip.to_string(),
+            more_cluster_ips: Vec::new(),
             ip_families: vec!["IPv4"],
             ports,
             affinity_timeout_sec: None,
@@ -102,6 +105,20 @@ impl Service {
     /// zone hints; see [`Endpoint::in_zone`]).
     pub fn with_traffic_distribution(mut self, value: &'static str) -> Self {
         self.traffic_distribution = Some(value);
+        self
+    }
+
+    /// Dual-stack (`ipFamilyPolicy: RequireDualStack`): `ip` is the second cluster IP.
+    pub fn dual_stack(mut self, ip: std::net::Ipv6Addr) -> Self {
+        self.more_cluster_ips.push(ip.to_string());
+        self.ip_families.push("IPv6");
+        self
+    }
+
+    /// IPv6 only: `ip` is the cluster IP.
+    pub fn ipv6_only(mut self, ip: std::net::Ipv6Addr) -> Self {
+        self.cluster_ip = ip.to_string();
+        self.ip_families = vec!["IPv6"];
         self
     }
 
@@ -161,6 +178,10 @@ impl Service {
         y += "spec:\n";
         let _ = writeln!(y, "  clusterIP: {}", self.cluster_ip);
         let _ = writeln!(y, "  clusterIPs:\n  - {}", self.cluster_ip);
+        for ip in &self.more_cluster_ips {
+            let _ = writeln!(y, "  - {ip}");
+        }
+
         y += "  internalTrafficPolicy: Cluster\n  ipFamilies:\n";
         for family in &self.ip_families {
             let _ = writeln!(y, "  - {family}");
@@ -188,7 +209,12 @@ impl Service {
                 let _ = writeln!(y, "  - {cidr}");
             }
         }
-        y += "  ipFamilyPolicy: SingleStack\n  ports:\n";
+        let policy = if self.more_cluster_ips.is_empty() {
+            "SingleStack"
+        } else {
+            "RequireDualStack"
+        };
+        let _ = writeln!(y, "  ipFamilyPolicy: {policy}\n  ports:");
         for p in &self.ports {
             let _ = writeln!(y, "  - name: {}", p.name);
             if let Some(node_port) = p.node_port {
@@ -253,7 +279,7 @@ impl Conditions {
 /// One endpoint of an EndpointSlice: a pod address.
 #[derive(Clone, Debug)]
 pub struct Endpoint {
-    pub ip: Ipv4Addr,
+    pub ip: std::net::IpAddr,
     pub pod: String,
     pub node: String,
     pub conditions: Conditions,
@@ -263,9 +289,9 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
-    pub fn ready(pod: &str, ip: Ipv4Addr) -> Self {
+    pub fn ready(pod: &str, ip: impl Into<std::net::IpAddr>) -> Self {
         Endpoint {
-            ip,
+            ip: ip.into(),
             pod: pod.into(),
             node: NODE_NAME.into(),
             conditions: Conditions::READY,
@@ -320,6 +346,8 @@ pub struct EndpointSlice {
     pub service: String,
     pub endpoints: Vec<Endpoint>,
     pub ports: Vec<SlicePort>,
+    /// `addressType: IPv6` (else IPv4).
+    pub ipv6: bool,
 }
 
 impl EndpointSlice {
@@ -331,12 +359,23 @@ impl EndpointSlice {
             service: svc.name.clone(),
             endpoints,
             ports: svc.ports.iter().map(SlicePort::for_service_port).collect(),
+            ipv6: false,
+        }
+    }
+
+    /// The IPv6 slice of a dual-stack Service: `<svc>-v6xyz`, `addressType: IPv6`.
+    pub fn ipv6_for_service(svc: &Service, endpoints: Vec<Endpoint>) -> Self {
+        EndpointSlice {
+            name: format!("{}-v6xyz", svc.name),
+            ipv6: true,
+            ..EndpointSlice::for_service(svc, endpoints)
         }
     }
 
     pub fn to_yaml(&self) -> String {
         let mut y = String::new();
-        y += "addressType: IPv4\napiVersion: discovery.k8s.io/v1\n";
+        let family = if self.ipv6 { "IPv6" } else { "IPv4" };
+        let _ = writeln!(y, "addressType: {family}\napiVersion: discovery.k8s.io/v1");
         if self.endpoints.is_empty() {
             // kubectl prints `endpoints: null` for a slice without endpoints.
             y += "endpoints: null\n";
@@ -345,7 +384,12 @@ impl EndpointSlice {
         }
         for e in &self.endpoints {
             let c = e.conditions;
-            let _ = writeln!(y, "- addresses:\n  - {}", e.ip);
+            // IPv6 addresses quoted, as kubectl prints them.
+            if e.ip.is_ipv6() {
+                let _ = writeln!(y, "- addresses:\n  - \"{}\"", e.ip);
+            } else {
+                let _ = writeln!(y, "- addresses:\n  - {}", e.ip);
+            }
             let _ = writeln!(
                 y,
                 "  conditions:\n    ready: {}\n    serving: {}\n    terminating: {}",

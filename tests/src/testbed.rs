@@ -1,7 +1,7 @@
 //! Everything one test needs, owned by one value: the network, the cgroup, the
 //! manifest dir, the echo servers and the agent. Field order is teardown order.
 
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -151,44 +151,48 @@ impl Testbed {
     }
 
     /// `count` TCP connections to `to` from client `client`.
-    pub fn tcp(&self, client: usize, to: SocketAddrV4, count: u32) -> Result<TcpReport> {
-        self.probe(client, &probe_args("tcp", to, count, &[]), count)
+    pub fn tcp(&self, client: usize, to: impl Into<SocketAddr>, count: u32) -> Result<TcpReport> {
+        self.probe(client, &probe_args("tcp", to.into(), count, &[]), count)
     }
 
     /// `count` unconnected UDP requests, a new socket every `per_socket` datagrams.
     pub fn udp(
         &self,
         client: usize,
-        to: SocketAddrV4,
+        to: impl Into<SocketAddr>,
         count: u32,
         per_socket: u32,
     ) -> Result<UdpReport> {
         let extra = ["--per-socket".to_string(), per_socket.to_string()];
-        self.probe(client, &probe_args("udp", to, count, &extra), count)
+        self.probe(client, &probe_args("udp", to.into(), count, &extra), count)
     }
 
     /// `count` connected UDP requests, one socket each.
     pub fn udp_connected(
         &self,
         client: usize,
-        to: SocketAddrV4,
+        to: impl Into<SocketAddr>,
         count: u32,
     ) -> Result<UdpConnectedReport> {
-        self.probe(client, &probe_args("udp-connected", to, count, &[]), count)
+        self.probe(
+            client,
+            &probe_args("udp-connected", to.into(), count, &[]),
+            count,
+        )
     }
 
     /// Open a long-lived TCP connection to `to` from client `client`.
-    pub fn hold(&self, client: usize, to: SocketAddrV4) -> Result<Hold> {
+    pub fn hold(&self, client: usize, to: impl Into<SocketAddr>) -> Result<Hold> {
         let child = self
             .probe_cmd(client)?
-            .args(["hold", "--to", &to.to_string()])
+            .args(["hold", "--to", &to.into().to_string()])
             .stdin_piped()
             .spawn()?;
         Hold::new(child)
     }
 }
 
-fn probe_args(mode: &str, to: SocketAddrV4, count: u32, extra: &[String]) -> Vec<String> {
+fn probe_args(mode: &str, to: SocketAddr, count: u32, extra: &[String]) -> Vec<String> {
     let mut args = vec![
         mode.to_string(),
         "--to".into(),

@@ -7,9 +7,13 @@
 //!   pod ns:      eth0 10.244.1.11  10.244.1.12  ...     eth0 10.244.1.20 (client)
 //! ```
 //!
+//! Dual-stack: the bridge and every pod also have an IPv6 address
+//! (`fd00:244:1::1/64`, pods `fd00:244:1::11`..., clients `fd00:244:1::20`...),
+//! added without duplicate address detection so they are usable at once.
+//!
 //! Nothing is connected to the host's own namespace: test traffic cannot leave.
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::path::Path;
 use std::time::Duration;
 
@@ -23,6 +27,36 @@ use crate::util::unique_name;
 pub const GATEWAY: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 1);
 /// Service CIDR of the test cluster; every VIP the tests use is inside it.
 pub const SERVICE_CIDR: &str = "10.96.0.0/12";
+/// IPv6 gateway of the pod network (the bridge).
+pub const GATEWAY6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x244, 1, 0, 0, 0, 0, 1);
+/// IPv6 Service CIDR of the test cluster.
+pub const SERVICE_CIDR6: &str = "fd00:96::/108";
+/// IPv6 address of backend pod `i`: pod-a is fd00:244:1::11, pod-b ::12, ...
+pub fn pod_ip6(i: usize) -> Ipv6Addr {
+    Ipv6Addr::new(
+        0xfd00,
+        0x244,
+        1,
+        0,
+        0,
+        0,
+        0,
+        0x11 + u16::try_from(i).expect("few pods"),
+    )
+}
+/// IPv6 address of client pod `i`: the first client is fd00:244:1::20.
+pub fn client_ip6(i: usize) -> Ipv6Addr {
+    Ipv6Addr::new(
+        0xfd00,
+        0x244,
+        1,
+        0,
+        0,
+        0,
+        0,
+        0x20 + u16::try_from(i).expect("few clients"),
+    )
+}
 /// Address of backend pod `i` (0-based): pod-a is 10.244.1.11, pod-b .12, ...
 pub fn pod_ip(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 244, 1, 11 + u8::try_from(i).expect("at most 9 pods"))
@@ -56,6 +90,7 @@ pub struct Pod {
     server: Option<Child>,
     name: String,
     ip: Ipv4Addr,
+    ip6: Option<Ipv6Addr>,
     ns: NetNs,
 }
 
@@ -70,6 +105,29 @@ impl Pod {
 
     pub fn netns(&self) -> &NetNs {
         &self.ns
+    }
+
+    /// The pod's IPv6 address, when it has one (see [`Pod::add_ipv6`]).
+    pub fn ip6(&self) -> Option<Ipv6Addr> {
+        self.ip6
+    }
+
+    /// Gives eth0 `ip`/64 too, without duplicate address detection (usable at once),
+    /// with a default IPv6 route via `gateway`.
+    pub fn add_ipv6(&mut self, ip: Ipv6Addr, gateway: Ipv6Addr) -> Result<()> {
+        self.ns.ip(&[
+            "-6",
+            "addr",
+            "add",
+            &format!("{ip}/64"),
+            "dev",
+            "eth0",
+            "nodad",
+        ])?;
+        self.ns
+            .ip(&["-6", "route", "add", "default", "via", &gateway.to_string()])?;
+        self.ip6 = Some(ip);
+        Ok(())
     }
 
     /// Create namespace `ns_name` holding pod `name`: its eth0 (`ip`/24, default
@@ -98,6 +156,7 @@ impl Pod {
             server: None,
             name: name.to_string(),
             ip,
+            ip6: None,
             ns,
         })
     }
@@ -147,6 +206,15 @@ impl Topology {
         let node = NetNs::create(&format!("{base}-node"))?;
         node.ip(&["link", "add", "br0", "type", "bridge"])?;
         node.ip(&["addr", "add", &format!("{GATEWAY}/24"), "dev", "br0"])?;
+        node.ip(&[
+            "-6",
+            "addr",
+            "add",
+            &format!("{GATEWAY6}/64"),
+            "dev",
+            "br0",
+            "nodad",
+        ])?;
         node.ip(&["link", "set", "br0", "up"])?;
         // Filled as we go: if a step fails, what exists so far is dropped (cleaned up).
         let mut topo = Topology {
@@ -156,11 +224,13 @@ impl Topology {
             base,
         };
         for i in 0..pods {
-            let pod = topo.add_pod(&pod_name(i), pod_ip(i))?;
+            let mut pod = topo.add_pod(&pod_name(i), pod_ip(i))?;
+            pod.add_ipv6(pod_ip6(i), GATEWAY6)?;
             topo.pods.push(pod);
         }
         for i in 0..clients {
-            let client = topo.add_pod(&client_name(i), client_ip(i))?;
+            let mut client = topo.add_pod(&client_name(i), client_ip(i))?;
+            client.add_ipv6(client_ip6(i), GATEWAY6)?;
             // Untranslated VIP traffic must fail at once and stay in the namespace:
             // without this route a packet to a VIP the hooks did not rewrite would leave
             // through the default route to the node namespace, whose answer (an ICMP
@@ -172,6 +242,9 @@ impl Topology {
             client
                 .ns
                 .ip(&["route", "add", "unreachable", SERVICE_CIDR])?;
+            client
+                .ns
+                .ip(&["-6", "route", "add", "unreachable", SERVICE_CIDR6])?;
             topo.clients.push(client);
         }
         Ok(topo)

@@ -198,7 +198,15 @@ fn error_line(out: &Output, code: i32) -> Result<String> {
 
 fn backends_of(entries: &[ServiceEntry]) -> Vec<SocketAddrV4> {
     find_frontend(entries, VIP, 80, "TCP")
-        .map(|e| e.backend_addrs().into_iter().collect())
+        .map(|e| {
+            e.backend_addrs()
+                .into_iter()
+                .filter_map(|a| match a {
+                    std::net::SocketAddr::V4(v4) => Some(v4),
+                    std::net::SocketAddr::V6(_) => None,
+                })
+                .collect()
+        })
         .unwrap_or_default()
 }
 

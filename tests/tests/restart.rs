@@ -113,7 +113,7 @@ impl Bed {
     fn wait_backends(&self, names: &[&str]) -> Result<ServiceEntry> {
         let want = names
             .iter()
-            .map(|n| Ok(SocketAddrV4::new(self.pod(n)?.ip(), ECHO_TCP_PORT)))
+            .map(|n| Ok(SocketAddrV4::new(self.pod(n)?.ip(), ECHO_TCP_PORT).into()))
             .collect::<Result<BTreeSet<_>>>()?;
         let entries = self.pins.wait_services(
             &format!("the VIP to have backends {names:?}"),

@@ -105,9 +105,9 @@ fn wait_backends<'a>(
     fe: Frontend,
     pods: impl IntoIterator<Item = &'a Pod>,
 ) -> Result<ServiceEntry> {
-    let want: BTreeSet<SocketAddrV4> = pods
+    let want: BTreeSet<std::net::SocketAddr> = pods
         .into_iter()
-        .map(|p| SocketAddrV4::new(p.ip(), fe.target_port))
+        .map(|p| SocketAddrV4::new(p.ip(), fe.target_port).into())
         .collect();
     let entries = bed.agent().wait_services(
         &format!("{fe:?} to have backends {want:?}"),

@@ -8,7 +8,6 @@
 //! also on error or Ctrl-C. Needs root.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddrV4;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -117,7 +116,7 @@ fn run(args: &Args) -> Result<()> {
     let mut rows = Vec::new();
     for entry in &entries {
         let fe = &entry.frontend;
-        let to = SocketAddrV4::new(fe.ip, fe.port);
+        let to = std::net::SocketAddr::new(fe.ip, fe.port);
         let label = format!("{to}/{}", fe.protocol);
         let (tally, seen) = match fe.protocol.as_str() {
             "TCP" => {

@@ -1,7 +1,9 @@
 //! lb-echo: the backend "pod" server of the testbed.
 //!
 //! `lb-echo --name pod-a --port 8080 [--port 5353 ...]` listens on TCP and UDP
-//! 0.0.0.0:PORT for each port and prints `listening` once every socket is bound.
+//! 0.0.0.0:PORT and [::]:PORT (IPv6 only, so IPv4 peers keep their own address) for
+//! each port and prints `listening` once every socket is bound. Without IPv6 in the
+//! namespace only the IPv4 sockets are bound.
 //! - TCP: on accept, writes `<name>\n`, then answers each line with `<name> <line>\n`.
 //! - UDP: answers each datagram with `<name>`.
 //!
@@ -19,7 +21,7 @@
 //! std only: it has to start fast and never be the thing under test.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{Ipv4Addr, Shutdown, TcpListener, TcpStream, UdpSocket};
+use std::net::{Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::thread;
@@ -130,6 +132,24 @@ enum Kind {
     Bulk,
 }
 
+/// A bound socket (TCP listening, or UDP); IPv6 ones take IPv6 peers only.
+fn bind(addr: SocketAddr, udp: bool) -> std::io::Result<socket2::Socket> {
+    use socket2::{Domain, Socket, Type};
+    let kind = if udp { Type::DGRAM } else { Type::STREAM };
+    let socket = Socket::new(Domain::for_address(addr), kind, None)?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(true)?;
+    }
+    if !udp {
+        socket.set_reuse_address(true)?;
+    }
+    socket.bind(&addr.into())?;
+    if !udp {
+        socket.listen(1024)?;
+    }
+    Ok(socket)
+}
+
 fn main() -> ExitCode {
     let args = match parse_args() {
         Ok(a) => a,
@@ -149,31 +169,35 @@ fn main() -> ExitCode {
         .map(|&p| (p, Kind::Echo))
         .chain(args.whoami_ports.iter().map(|&p| (p, Kind::Whoami)))
         .chain(args.bulk_ports.iter().map(|&p| (p, Kind::Bulk)));
+    let families = [
+        SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)),
+        SocketAddr::from((Ipv6Addr::UNSPECIFIED, 0)),
+    ];
     for (port, kind) in ports {
-        let addr = (Ipv4Addr::UNSPECIFIED, port);
-        let tcp = match TcpListener::bind(addr) {
-            Ok(t) => t,
-            Err(e) => {
-                eprintln!("lb-echo: cannot bind TCP port {port}: {e}");
-                return ExitCode::FAILURE;
-            }
-        };
-        let handler: ConnHandler = match kind {
-            Kind::Echo => serve_tcp_conn,
-            Kind::Whoami => serve_whoami_conn,
-            Kind::Bulk => serve_bulk_conn,
-        };
-        let n = Arc::clone(&name);
-        handles.push(thread::spawn(move || serve_tcp(n, tcp, handler)));
-        let udp = match UdpSocket::bind(addr) {
-            Ok(u) => u,
-            Err(e) => {
-                eprintln!("lb-echo: cannot bind UDP port {port}: {e}");
-                return ExitCode::FAILURE;
-            }
-        };
-        let n = Arc::clone(&name);
-        handles.push(thread::spawn(move || serve_udp(n, udp, kind)));
+        for any in families {
+            let addr = SocketAddr::new(any.ip(), port);
+            let (tcp, udp) = match (bind(addr, false), bind(addr, true)) {
+                (Ok(tcp), Ok(udp)) => (TcpListener::from(tcp), UdpSocket::from(udp)),
+                (Err(e), _) | (_, Err(e))
+                    if addr.is_ipv6() && e.raw_os_error() == Some(libc::EAFNOSUPPORT) =>
+                {
+                    continue;
+                }
+                (Err(e), _) | (_, Err(e)) => {
+                    eprintln!("lb-echo: cannot bind {addr}: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            let handler: ConnHandler = match kind {
+                Kind::Echo => serve_tcp_conn,
+                Kind::Whoami => serve_whoami_conn,
+                Kind::Bulk => serve_bulk_conn,
+            };
+            let n = Arc::clone(&name);
+            handles.push(thread::spawn(move || serve_tcp(n, tcp, handler)));
+            let n = Arc::clone(&name);
+            handles.push(thread::spawn(move || serve_udp(n, udp, kind)));
+        }
     }
     // Everything is bound: the testbed waits for this line before using the pod.
     println!("listening");

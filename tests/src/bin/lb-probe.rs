@@ -6,7 +6,7 @@
 
 use std::collections::BTreeSet;
 use std::io::{self, BufRead, BufReader, Read, Write};
-use std::net::{Shutdown, SocketAddr, SocketAddrV4, TcpStream, UdpSocket};
+use std::net::{Shutdown, SocketAddr, TcpStream, UdpSocket};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -40,7 +40,7 @@ enum Mode {
     /// N sequential TCP connections, each on a new socket.
     Tcp {
         #[arg(long)]
-        to: SocketAddrV4,
+        to: SocketAddr,
         #[arg(long, default_value_t = 1)]
         count: u32,
         /// Give up a connect after this long (counted as ETIMEDOUT).
@@ -50,7 +50,7 @@ enum Mode {
     /// N unconnected UDP requests (sendto/recvfrom).
     Udp {
         #[arg(long)]
-        to: SocketAddrV4,
+        to: SocketAddr,
         #[arg(long, default_value_t = 1)]
         count: u32,
         /// Datagrams sent from one socket before the next socket is opened.
@@ -60,7 +60,7 @@ enum Mode {
     /// N connected UDP requests (connect/send/recv), each on a new socket.
     UdpConnected {
         #[arg(long)]
-        to: SocketAddrV4,
+        to: SocketAddr,
         #[arg(long, default_value_t = 1)]
         count: u32,
     },
@@ -68,14 +68,14 @@ enum Mode {
     /// and prints the reply line; exits on stdin EOF.
     Hold {
         #[arg(long)]
-        to: SocketAddrV4,
+        to: SocketAddr,
     },
     /// N requests to an lb-echo `--whoami-port`: each a new TCP connection, or with
     /// --udp a datagram from a new unconnected socket. Reports who answered and the
     /// client address each backend saw.
     Whoami {
         #[arg(long)]
-        to: SocketAddrV4,
+        to: SocketAddr,
         #[arg(long, default_value_t = 1)]
         count: u32,
         #[arg(long)]
@@ -89,7 +89,7 @@ enum Mode {
     /// datagram byte for byte.
     UdpEcho {
         #[arg(long)]
-        to: SocketAddrV4,
+        to: SocketAddr,
         #[arg(long, default_value_t = 1)]
         count: u32,
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65_000))]
@@ -99,7 +99,7 @@ enum Mode {
     /// stream while reading the echo back, and compares every byte.
     Bulk {
         #[arg(long)]
-        to: SocketAddrV4,
+        to: SocketAddr,
         #[arg(long)]
         bytes: u64,
         #[arg(long, default_value_t = 1)]
@@ -190,14 +190,14 @@ fn read_line(reader: &mut impl BufRead) -> io::Result<String> {
 /// One counted connect attempt: the stream, or the error recorded in `tally`; the
 /// connect time goes into `max_ms`.
 fn timed_connect(
-    to: SocketAddrV4,
+    to: SocketAddr,
     timeout: Duration,
     tally: &mut Tally,
     max_ms: &mut f64,
 ) -> Option<TcpStream> {
     tally.attempts += 1;
     let start = Instant::now();
-    let conn = TcpStream::connect_timeout(&SocketAddr::V4(to), timeout);
+    let conn = TcpStream::connect_timeout(&to, timeout);
     *max_ms = max_ms.max(start.elapsed().as_secs_f64() * 1000.0);
     match conn {
         Ok(stream) => Some(stream),
@@ -208,7 +208,7 @@ fn timed_connect(
     }
 }
 
-fn tcp(to: SocketAddrV4, count: u32, connect_timeout: Duration) -> TcpReport {
+fn tcp(to: SocketAddr, count: u32, connect_timeout: Duration) -> TcpReport {
     let mut report = TcpReport::default();
     for _ in 0..count {
         let Some(stream) = timed_connect(
@@ -236,19 +236,26 @@ fn tcp(to: SocketAddrV4, count: u32, connect_timeout: Duration) -> TcpReport {
     report
 }
 
-fn new_udp_socket() -> Result<UdpSocket> {
-    let socket = UdpSocket::bind("0.0.0.0:0").context("binding a UDP socket")?;
+fn new_udp_socket(to: SocketAddr) -> Result<UdpSocket> {
+    // The target's family: an IPv6 address (IPv4-mapped ones too) takes an AF_INET6
+    // socket, as a dual-stack application's would.
+    let any: SocketAddr = if to.is_ipv6() {
+        "[::]:0".parse()?
+    } else {
+        "0.0.0.0:0".parse()?
+    };
+    let socket = UdpSocket::bind(any).context("binding a UDP socket")?;
     socket.set_read_timeout(Some(UDP_RECV_TIMEOUT))?;
     Ok(socket)
 }
 
-fn udp(to: SocketAddrV4, count: u32, per_socket: u32) -> Result<UdpReport> {
+fn udp(to: SocketAddr, count: u32, per_socket: u32) -> Result<UdpReport> {
     let mut report = UdpReport::default();
     let mut buf = [0u8; 2048];
     let mut socket = None;
     for i in 0..count {
         if i % per_socket == 0 {
-            socket = Some(new_udp_socket()?);
+            socket = Some(new_udp_socket(to)?);
             report.per_socket.push(BTreeSet::new());
         }
         let socket = socket.as_ref().expect("opened above");
@@ -270,7 +277,7 @@ fn udp(to: SocketAddrV4, count: u32, per_socket: u32) -> Result<UdpReport> {
     Ok(report)
 }
 
-fn udp_echo(to: SocketAddrV4, count: u32, size: usize) -> Result<UdpEchoReport> {
+fn udp_echo(to: SocketAddr, count: u32, size: usize) -> Result<UdpEchoReport> {
     let mut report = UdpEchoReport {
         size,
         ..UdpEchoReport::default()
@@ -280,7 +287,7 @@ fn udp_echo(to: SocketAddrV4, count: u32, size: usize) -> Result<UdpEchoReport> 
         report.tally.attempts += 1;
         let mut datagram = vec![0u8; size];
         PatternStream::new(u64::from(i)).fill(&mut datagram);
-        let socket = new_udp_socket()?;
+        let socket = new_udp_socket(to)?;
         if let Err(e) = socket.send_to(&datagram, to) {
             record(&mut report.tally, "sendto", &e);
             continue;
@@ -308,12 +315,12 @@ fn udp_echo(to: SocketAddrV4, count: u32, size: usize) -> Result<UdpEchoReport> 
     Ok(report)
 }
 
-fn udp_connected(to: SocketAddrV4, count: u32) -> Result<UdpConnectedReport> {
+fn udp_connected(to: SocketAddr, count: u32) -> Result<UdpConnectedReport> {
     let mut report = UdpConnectedReport::default();
     let mut buf = [0u8; 2048];
     for _ in 0..count {
         report.tally.attempts += 1;
-        let socket = new_udp_socket()?;
+        let socket = new_udp_socket(to)?;
         if let Err(e) = socket.connect(to) {
             record(&mut report.tally, "connect", &e);
             continue;
@@ -339,8 +346,8 @@ fn udp_connected(to: SocketAddrV4, count: u32) -> Result<UdpConnectedReport> {
     Ok(report)
 }
 
-fn hold(to: SocketAddrV4) -> Result<()> {
-    let stream = TcpStream::connect_timeout(&SocketAddr::V4(to), CONNECT_TIMEOUT)
+fn hold(to: SocketAddr) -> Result<()> {
+    let stream = TcpStream::connect_timeout(&to, CONNECT_TIMEOUT)
         .with_context(|| format!("connect {to}"))?;
     stream.set_read_timeout(Some(TCP_READ_TIMEOUT))?;
     let mut reader = BufReader::new(&stream);
@@ -365,7 +372,7 @@ fn parse_whoami(text: &str) -> Option<(String, String)> {
     Some((name.to_string(), seen.to_string()))
 }
 
-fn whoami_tcp(to: SocketAddrV4, count: u32, connect_timeout: Duration) -> WhoamiReport {
+fn whoami_tcp(to: SocketAddr, count: u32, connect_timeout: Duration) -> WhoamiReport {
     let mut report = WhoamiReport::default();
     for _ in 0..count {
         let Some(stream) = timed_connect(
@@ -410,12 +417,12 @@ fn whoami_tcp(to: SocketAddrV4, count: u32, connect_timeout: Duration) -> Whoami
     report
 }
 
-fn whoami_udp(to: SocketAddrV4, count: u32) -> Result<WhoamiReport> {
+fn whoami_udp(to: SocketAddr, count: u32) -> Result<WhoamiReport> {
     let mut report = WhoamiReport::default();
     let mut buf = [0u8; 2048];
     for _ in 0..count {
         report.tally.attempts += 1;
-        let socket = new_udp_socket()?;
+        let socket = new_udp_socket(to)?;
         if let Err(e) = socket.send_to(b"whoami", to) {
             record(&mut report.tally, "sendto", &e);
             continue;
@@ -449,7 +456,7 @@ fn whoami_udp(to: SocketAddrV4, count: u32) -> Result<WhoamiReport> {
 
 /// Send `bytes` of the pattern on a writer thread while this thread reads the echo
 /// back and compares it; both directions at once, so neither side's buffers fill up.
-fn bulk(to: SocketAddrV4, bytes: u64, seed: u64, stall: Duration) -> BulkReport {
+fn bulk(to: SocketAddr, bytes: u64, seed: u64, stall: Duration) -> BulkReport {
     let mut report = BulkReport::default();
     let start = Instant::now();
     let result = bulk_transfer(to, bytes, seed, stall, &mut report);
@@ -461,13 +468,13 @@ fn bulk(to: SocketAddrV4, bytes: u64, seed: u64, stall: Duration) -> BulkReport 
 }
 
 fn bulk_transfer(
-    to: SocketAddrV4,
+    to: SocketAddr,
     bytes: u64,
     seed: u64,
     stall: Duration,
     report: &mut BulkReport,
 ) -> Result<()> {
-    let stream = TcpStream::connect_timeout(&SocketAddr::V4(to), CONNECT_TIMEOUT)
+    let stream = TcpStream::connect_timeout(&to, CONNECT_TIMEOUT)
         .with_context(|| format!("connect {to}"))?;
     report.local = stream.local_addr()?.to_string();
     report.peer = stream.peer_addr()?.to_string();
