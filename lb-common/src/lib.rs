@@ -568,8 +568,12 @@ pub mod stat {
     /// TC: new flow to a LoadBalancer IP from outside its `loadBalancerSourceRanges`;
     /// dropped.
     pub const TC_SOURCE_RANGE_DROP: u32 = 13;
+    /// TC: an IPv6 packet whose extension headers were not followed to a TCP/UDP
+    /// header (ESP, an unknown header, or more than the program walks); passed on
+    /// untouched.
+    pub const TC_IPV6_EXT_UNHANDLED: u32 = 14;
     /// Number of counters.
-    pub const COUNT: u32 = 14;
+    pub const COUNT: u32 = 15;
     /// Human names, indexed like the constants.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -586,6 +590,7 @@ pub mod stat {
         "tc_malformed",
         "tc_fragment",
         "tc_source_range_drop",
+        "tc_ipv6_ext_unhandled",
     ];
 }
 

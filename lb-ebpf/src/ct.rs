@@ -3,8 +3,7 @@
 
 use aya_ebpf::helpers::generated::bpf_ktime_get_ns;
 use lb_common::{
-    CtKey, CtValue, IpAddrBe, CT_STATE_ESTABLISHED, CT_STATE_FIN, CT_STATE_RST, CT_STATE_SYN,
-    IPPROTO_TCP,
+    CtKey, CtValue, CT_STATE_ESTABLISHED, CT_STATE_FIN, CT_STATE_RST, CT_STATE_SYN, IPPROTO_TCP,
 };
 
 use crate::{
@@ -18,8 +17,8 @@ const BPF_NOEXIST: u64 = 1;
 #[inline(always)]
 pub fn key_of(flow: &Flow) -> CtKey {
     CtKey {
-        src_addr: IpAddrBe::from_v4(flow.saddr),
-        dst_addr: IpAddrBe::from_v4(flow.daddr),
+        src_addr: flow.saddr,
+        dst_addr: flow.daddr,
         src_port: flow.sport,
         dst_port: flow.dport,
         proto: flow.proto,
@@ -30,8 +29,8 @@ pub fn key_of(flow: &Flow) -> CtKey {
 #[inline(always)]
 pub fn key_of_tuple(t: &Tuple, proto: u8) -> CtKey {
     CtKey {
-        src_addr: IpAddrBe::from_v4(t.saddr),
-        dst_addr: IpAddrBe::from_v4(t.daddr),
+        src_addr: t.saddr,
+        dst_addr: t.daddr,
         src_port: t.sport,
         dst_port: t.dport,
         proto,
@@ -98,8 +97,8 @@ pub fn follow(flow: &Flow) -> Option<Tuple> {
         entry.state |= state;
     }
     Some(Tuple {
-        saddr: entry.nat_src_addr.v4(),
-        daddr: entry.nat_dst_addr.v4(),
+        saddr: entry.nat_src_addr,
+        daddr: entry.nat_dst_addr,
         sport: entry.nat_src_port,
         dport: entry.nat_dst_port,
     })
@@ -109,8 +108,8 @@ pub fn follow(flow: &Flow) -> Option<Tuple> {
 pub fn entry(to: &Tuple, backend_id: u32, rev_nat_id: u32, state: u8, dir: u8) -> CtValue {
     CtValue {
         last_seen_ns: now(),
-        nat_src_addr: IpAddrBe::from_v4(to.saddr),
-        nat_dst_addr: IpAddrBe::from_v4(to.daddr),
+        nat_src_addr: to.saddr,
+        nat_dst_addr: to.daddr,
         nat_src_port: to.sport,
         nat_dst_port: to.dport,
         backend_id,

@@ -13,23 +13,38 @@ use aya_ebpf::{
     EbpfContext,
 };
 
-use crate::packet::{ETH_HLEN, IP_CSUM_OFF};
+use lb_common::IpAddrBe;
+
+use crate::packet::{ETH_HLEN, IP6_HOP_LIMIT_OFF, IP_CSUM_OFF};
 
 const AF_INET: u8 = 2;
+const AF_INET6: u8 = 10;
 const IP_TTL_OFF: usize = ETH_HLEN + 8;
 
 /// An input route lookup from the device the packet arrived on, as forwarding
 /// would do (an output lookup would pin the egress to that same device; at TC
 /// ingress the skb's device is the ingress device). `None` without a route.
 #[inline(always)]
-fn lookup(ctx: &TcContext, saddr: u32, daddr: u32, flags: u32) -> Option<bpf_fib_lookup> {
+fn lookup(
+    ctx: &TcContext,
+    saddr: &IpAddrBe,
+    daddr: &IpAddrBe,
+    v6: bool,
+    flags: u32,
+) -> Option<bpf_fib_lookup> {
     // SAFETY: an all-zero bpf_fib_lookup is a valid request to fill in.
     let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
-    params.family = AF_INET;
     // SAFETY: reading the program's own context.
     params.ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    params.__bindgen_anon_3.ipv4_src = saddr;
-    params.__bindgen_anon_4.ipv4_dst = daddr;
+    if v6 {
+        params.family = AF_INET6;
+        params.__bindgen_anon_3.ipv6_src = saddr.words;
+        params.__bindgen_anon_4.ipv6_dst = daddr.words;
+    } else {
+        params.family = AF_INET;
+        params.__bindgen_anon_3.ipv4_src = saddr.v4();
+        params.__bindgen_anon_4.ipv4_dst = daddr.v4();
+    }
     // SAFETY: params lives on this stack frame for the call.
     let rc = unsafe {
         fib_lookup(
@@ -46,9 +61,13 @@ fn lookup(ctx: &TcContext, saddr: u32, daddr: u32, flags: u32) -> Option<bpf_fib
 /// `Some(verdict)` when the packet was redirected; `None` leaves it to the stack
 /// (no route, TTL exhausted: the stack then answers as it does).
 #[inline(always)]
-pub fn redirect(ctx: &TcContext, saddr: u32, daddr: u32) -> Option<i32> {
-    let route = lookup(ctx, saddr, daddr, 0)?;
-    decrement_ttl(ctx)?;
+pub fn redirect(ctx: &TcContext, saddr: &IpAddrBe, daddr: &IpAddrBe, v6: bool) -> Option<i32> {
+    let route = lookup(ctx, saddr, daddr, v6, 0)?;
+    if v6 {
+        decrement_hop_limit(ctx)?;
+    } else {
+        decrement_ttl(ctx)?;
+    }
     // SAFETY: plain helper; a null nexthop lets the kernel resolve the neighbour of
     // the route it looks up on the egress device.
     let verdict = unsafe { bpf_redirect_neigh(route.ifindex, core::ptr::null_mut(), 0, 0) };
@@ -59,11 +78,31 @@ pub fn redirect(ctx: &TcContext, saddr: u32, daddr: u32) -> Option<i32> {
 /// the route's preferred source, else the egress device's address. `None` when
 /// there is no route, or the kernel predates `BPF_FIB_LOOKUP_SRC` (6.7).
 #[inline(always)]
-pub fn source_towards(ctx: &TcContext, saddr: u32, daddr: u32) -> Option<u32> {
-    let route = lookup(ctx, saddr, daddr, BPF_FIB_LOOKUP_SRC)?;
-    // SAFETY: the kernel filled the IPv4 member of the union it was asked about.
+pub fn source_towards(
+    ctx: &TcContext,
+    saddr: &IpAddrBe,
+    daddr: &IpAddrBe,
+    v6: bool,
+) -> Option<IpAddrBe> {
+    let route = lookup(ctx, saddr, daddr, v6, BPF_FIB_LOOKUP_SRC)?;
+    if v6 {
+        // SAFETY: the kernel filled the member of the union it was asked about.
+        let source = IpAddrBe::from_v6(unsafe { route.__bindgen_anon_3.ipv6_src });
+        return (source != IpAddrBe::default()).then_some(source);
+    }
+    // SAFETY: as above.
     let source = unsafe { route.__bindgen_anon_3.ipv4_src };
-    (source != 0).then_some(source)
+    (source != 0).then_some(IpAddrBe::from_v4(source))
+}
+
+/// IPv6's hop limit has no header checksum to follow.
+#[inline(always)]
+fn decrement_hop_limit(ctx: &TcContext) -> Option<()> {
+    let hops: u8 = ctx.load(IP6_HOP_LIMIT_OFF).ok()?;
+    if hops <= 1 {
+        return None;
+    }
+    ctx.store(IP6_HOP_LIMIT_OFF, &(hops - 1), 0).ok()
 }
 
 #[inline(always)]

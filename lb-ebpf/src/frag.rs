@@ -1,4 +1,4 @@
-//! IPv4 fragments of translated flows. Only a datagram's first fragment carries the
+//! IP fragments (IPv4, and IPv6 Fragment headers) of translated flows. Only a datagram's first fragment carries the
 //! L4 header, so only it can be matched to a frontend or a conntrack entry. The
 //! addresses it was rewritten to are remembered under the datagram's identity
 //! (addresses, IP id, protocol; Cilium's IPV4_FRAG_DATAGRAMS does the same) and
@@ -22,11 +22,11 @@ use crate::{
 };
 
 #[inline(always)]
-fn key(saddr: u32, daddr: u32, id: u16, proto: u8) -> FragKey {
+fn key(saddr: IpAddrBe, daddr: IpAddrBe, id: u32, proto: u8) -> FragKey {
     FragKey {
-        src_addr: IpAddrBe::from_v4(saddr),
-        dst_addr: IpAddrBe::from_v4(daddr),
-        id: id as u32,
+        src_addr: saddr,
+        dst_addr: daddr,
+        id,
         proto,
         _pad: [0; 3],
     }
@@ -49,8 +49,8 @@ pub fn remember(flow: &Flow, to: &Tuple) {
     if let Some(id) = flow.first_fragment_id {
         let value = FragValue {
             created_ns: ct::now(),
-            nat_src_addr: IpAddrBe::from_v4(to.saddr),
-            nat_dst_addr: IpAddrBe::from_v4(to.daddr),
+            nat_src_addr: to.saddr,
+            nat_dst_addr: to.daddr,
         };
         let _ = LB_FRAG.insert(key(flow.saddr, flow.daddr, id, flow.proto), value, 0);
     }
@@ -66,13 +66,20 @@ pub fn follow(ctx: &TcContext, frag: &Fragment) -> i32 {
         .map(|entry| unsafe { *entry })
         .filter(|entry| ct::now().wrapping_sub(entry.created_ns) < FRAG_TIMEOUT_NS);
     let (to_saddr, to_daddr) = match found {
-        Some(entry) => (entry.nat_src_addr.v4(), entry.nat_dst_addr.v4()),
+        Some(entry) => (entry.nat_src_addr, entry.nat_dst_addr),
         None => {
             stats::bump(stat::TC_FRAGMENT);
             return TC_ACT_OK;
         }
     };
-    if nat::rewrite_l3(ctx, frag.saddr, frag.daddr, to_saddr, to_daddr).is_err() {
+    if nat::rewrite_l3(
+        ctx,
+        frag.v6,
+        (&frag.saddr, &frag.daddr),
+        (&to_saddr, &to_daddr),
+    )
+    .is_err()
+    {
         // A half-rewritten header would carry a wrong checksum: drop it.
         stats::bump(stat::TC_MALFORMED);
         return TC_ACT_SHOT;
@@ -81,7 +88,7 @@ pub fn follow(ctx: &TcContext, frag: &Fragment) -> i32 {
     // As for the first fragment (`tc_lb::apply`): a source that is now the node's
     // own address must be routed by us, not refused by routing input.
     if to_saddr != frag.saddr {
-        if let Some(verdict) = fib::redirect(ctx, to_saddr, to_daddr) {
+        if let Some(verdict) = fib::redirect(ctx, &to_saddr, &to_daddr, frag.v6) {
             return verdict;
         }
     }

@@ -5,7 +5,7 @@
 //! would be, or the client's stack could not match the error to its socket.
 
 use aya_ebpf::programs::TcContext;
-use lb_common::{CtKey, IpAddrBe, CT_DIR_REPLY};
+use lb_common::{CtKey, CT_DIR_REPLY};
 
 use crate::{
     csum,
@@ -27,8 +27,8 @@ pub fn translate(ctx: &TcContext, e: &IcmpError) -> Result<Option<(u32, u32)>, i
     // The quoted packet went from our side towards the backend; its answers carry
     // the reverse tuple, which is the flow's reply-direction conntrack key.
     let key = CtKey {
-        src_addr: IpAddrBe::from_v4(e.inner.daddr),
-        dst_addr: IpAddrBe::from_v4(e.inner.saddr),
+        src_addr: e.inner.daddr,
+        dst_addr: e.inner.saddr,
         src_port: e.inner.dport,
         dst_port: e.inner.sport,
         proto: e.inner.proto,
@@ -64,8 +64,8 @@ pub fn translate(ctx: &TcContext, e: &IcmpError) -> Result<Option<(u32, u32)>, i
     // Quoted addresses: covered by the quoted IP header checksum and the quoted
     // L4 checksum's pseudo header; the bytes themselves by the ICMP checksum.
     for (off, old, new) in [
-        (e.inner_ip_off + IP_SRC_IN_HDR, e.inner.saddr, client),
-        (e.inner_ip_off + IP_DST_IN_HDR, e.inner.daddr, frontend),
+        (e.inner_ip_off + IP_SRC_IN_HDR, e.inner.saddr.v4(), client),
+        (e.inner_ip_off + IP_DST_IN_HDR, e.inner.daddr.v4(), frontend),
     ] {
         if old == new {
             continue;
@@ -109,7 +109,7 @@ pub fn translate(ctx: &TcContext, e: &IcmpError) -> Result<Option<(u32, u32)>, i
         ctx.store(IP_DST_OFF, &client, BPF_F_RECOMPUTE_CSUM)?;
     }
     let mut source = e.saddr;
-    if e.saddr == e.inner.daddr && e.saddr != frontend {
+    if e.saddr == e.inner.daddr.v4() && e.saddr != frontend {
         ctx.l3_csum_replace(IP_CSUM_OFF, e.saddr as u64, frontend as u64, 4)?;
         ctx.store(IP_SRC_OFF, &frontend, BPF_F_RECOMPUTE_CSUM)?;
         source = frontend;

@@ -1,12 +1,27 @@
-//! Parsing Ethernet + IPv4 + TCP/UDP headers through `bpf_skb_load_bytes`, which
-//! bounds-checks every read against the packet: a truncated header is an error, never
-//! a read past the end.
+//! Parsing Ethernet + IPv4 or IPv6 (with its extension headers) + TCP/UDP headers
+//! through `bpf_skb_load_bytes`, which bounds-checks every read against the packet: a
+//! truncated header is an error, never a read past the end.
 
 use aya_ebpf::programs::TcContext;
-use lb_common::{IPPROTO_TCP, IPPROTO_UDP};
+use lb_common::{IpAddrBe, IPPROTO_TCP, IPPROTO_UDP};
 
 pub const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86DD;
+const IPV6_HLEN: usize = 40;
+/// Offsets of the IPv6 hop limit and addresses in the frame.
+pub const IP6_HOP_LIMIT_OFF: usize = ETH_HLEN + 7;
+pub const IP6_SRC_OFF: usize = ETH_HLEN + 8;
+pub const IP6_DST_OFF: usize = ETH_HLEN + 24;
+/// IPv6 extension headers the parser walks over (RFC 8200 section 4).
+const NEXTHDR_HOP: u8 = 0;
+const NEXTHDR_ROUTING: u8 = 43;
+const NEXTHDR_FRAGMENT: u8 = 44;
+const NEXTHDR_AUTH: u8 = 51;
+const NEXTHDR_DEST: u8 = 60;
+const NEXTHDR_ICMPV6: u8 = 58;
+/// Most extension headers walked before giving up (and counting the packet).
+const IPV6_MAX_EXT: usize = 6;
 const IPV4_MIN_HLEN: usize = 20;
 const TCP_MIN_HLEN: usize = 20;
 const UDP_HLEN: usize = 8;
@@ -29,11 +44,12 @@ pub const TCP_FLAG_SYN: u8 = 0x02;
 pub const TCP_FLAG_RST: u8 = 0x04;
 pub const TCP_FLAG_ACK: u8 = 0x10;
 
-/// The addresses of one packet, all in network byte order as on the wire.
+/// The addresses of one packet, all in network byte order as on the wire; IPv4
+/// addresses IPv4-mapped, as the maps hold them.
 #[derive(Clone, Copy)]
 pub struct Flow {
-    pub saddr: u32,
-    pub daddr: u32,
+    pub saddr: IpAddrBe,
+    pub daddr: IpAddrBe,
     pub sport: u16,
     pub dport: u16,
     pub proto: u8,
@@ -41,9 +57,12 @@ pub struct Flow {
     pub tcp_flags: u8,
     /// Offset of the L4 header from the start of the frame.
     pub l4_off: usize,
-    /// The IPv4 identification (network byte order) when the packet is the first
-    /// fragment of a datagram: its translation must be remembered for the rest.
-    pub first_fragment_id: Option<u16>,
+    /// The identification (IPv4's 16 bits, zero-extended, or the IPv6 Fragment
+    /// header's 32, network byte order) when the packet is the first fragment of a
+    /// datagram: its translation must be remembered for the rest.
+    pub first_fragment_id: Option<u32>,
+    /// An IPv6 packet.
+    pub v6: bool,
 }
 
 impl Flow {
@@ -76,12 +95,13 @@ pub struct IcmpError {
 /// A later fragment: the datagram it belongs to.
 #[derive(Clone, Copy)]
 pub struct Fragment {
-    /// Network byte order, as on the wire.
-    pub saddr: u32,
-    pub daddr: u32,
-    /// The IPv4 identification, network byte order.
-    pub id: u16,
+    /// As on the wire (IPv4-mapped for IPv4).
+    pub saddr: IpAddrBe,
+    pub daddr: IpAddrBe,
+    /// The identification, as in [`Flow::first_fragment_id`].
+    pub id: u32,
     pub proto: u8,
+    pub v6: bool,
 }
 
 pub enum Parsed {
@@ -95,6 +115,9 @@ pub enum Parsed {
     Fragment(Fragment),
     /// Header lengths that do not add up; left to the stack to discard.
     Malformed,
+    /// IPv6 whose extension headers were not followed to TCP/UDP: passed on
+    /// untouched, and counted.
+    Unhandled,
     Flow(Flow),
 }
 
@@ -109,6 +132,9 @@ pub fn parse(ctx: &TcContext) -> Parsed {
 #[inline(always)]
 fn try_parse(ctx: &TcContext) -> Result<Parsed, ()> {
     let ethertype = u16::from_be(ctx.load::<u16>(12).map_err(|_| ())?);
+    if ethertype == ETH_P_IPV6 {
+        return try_parse6(ctx);
+    }
     if ethertype != ETH_P_IP {
         return Ok(Parsed::Ignored);
     }
@@ -125,10 +151,10 @@ fn try_parse(ctx: &TcContext) -> Result<Parsed, ()> {
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP && proto != IPPROTO_ICMP {
         return Ok(Parsed::Ignored);
     }
-    let saddr = u32::from_ne_bytes([ip[12], ip[13], ip[14], ip[15]]);
-    let daddr = u32::from_ne_bytes([ip[16], ip[17], ip[18], ip[19]]);
+    let saddr = IpAddrBe::from_v4(u32::from_ne_bytes([ip[12], ip[13], ip[14], ip[15]]));
+    let daddr = IpAddrBe::from_v4(u32::from_ne_bytes([ip[16], ip[17], ip[18], ip[19]]));
     let frag_off = u16::from_be_bytes([ip[6], ip[7]]);
-    let id = u16::from_ne_bytes([ip[4], ip[5]]);
+    let id = u16::from_ne_bytes([ip[4], ip[5]]) as u32;
     let fragmented = frag_off & IP_MF_OFFSET_MASK != 0;
     if fragmented && frag_off & IP_OFFSET_MASK != 0 {
         return Ok(Parsed::Fragment(Fragment {
@@ -136,6 +162,7 @@ fn try_parse(ctx: &TcContext) -> Result<Parsed, ()> {
             daddr,
             id,
             proto,
+            v6: false,
         }));
     }
     let l4_len = total_len - ihl;
@@ -147,6 +174,153 @@ fn try_parse(ctx: &TcContext) -> Result<Parsed, ()> {
         }
         return parse_icmp_error(ctx, &ip, l4_off, ETH_HLEN + total_len);
     }
+    let (sport, dport, tcp_flags) = parse_l4(ctx, proto, l4_off, l4_len, fragmented)?;
+    Ok(Parsed::Flow(Flow {
+        saddr,
+        daddr,
+        sport,
+        dport,
+        proto,
+        tcp_flags,
+        l4_off,
+        first_fragment_id: fragmented.then_some(id),
+        v6: false,
+    }))
+}
+
+/// IPv6: the extension header chain is followed to TCP/UDP (hop-by-hop, routing,
+/// destination options, authentication, fragment). ICMPv6 (neighbour discovery,
+/// router traffic, echo, errors) is left alone, as is everything else.
+#[inline(always)]
+fn try_parse6(ctx: &TcContext) -> Result<Parsed, ()> {
+    let ip: [u8; IPV6_HLEN] = ctx.load(ETH_HLEN).map_err(|_| ())?;
+    if ip[0] >> 4 != 6 {
+        return Err(());
+    }
+    let payload_len = u16::from_be_bytes([ip[4], ip[5]]) as usize;
+    let end = ETH_HLEN + IPV6_HLEN + payload_len;
+    // A zero payload length is a jumbogram (hop-by-hop option); not ours.
+    if payload_len == 0 || end > ctx.len() as usize {
+        return Err(());
+    }
+    let saddr = IpAddrBe::from_v6(words(&ip, 8));
+    let daddr = IpAddrBe::from_v6(words(&ip, 24));
+    let mut next = ip[6];
+    let mut off = ETH_HLEN + IPV6_HLEN;
+    // (identification, more fragments, offset) of a Fragment header.
+    let mut fragment: Option<(u32, bool, u16)> = None;
+    let mut followed = false;
+    for _ in 0..IPV6_MAX_EXT {
+        match next {
+            NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST => {
+                let h: [u8; 2] = ctx.load(off).map_err(|_| ())?;
+                next = h[0];
+                off += (h[1] as usize + 1) * 8;
+            }
+            NEXTHDR_AUTH => {
+                let h: [u8; 2] = ctx.load(off).map_err(|_| ())?;
+                next = h[0];
+                off += (h[1] as usize + 2) * 4;
+            }
+            NEXTHDR_FRAGMENT => {
+                let h: [u8; 8] = ctx.load(off).map_err(|_| ())?;
+                next = h[0];
+                let offset_flags = u16::from_be_bytes([h[2], h[3]]);
+                let id = u32::from_ne_bytes([h[4], h[5], h[6], h[7]]);
+                fragment = Some((id, offset_flags & 1 != 0, offset_flags >> 3));
+                off += 8;
+            }
+            _ => {
+                followed = true;
+                break;
+            }
+        }
+        if off > end {
+            return Err(());
+        }
+    }
+    if let Some((id, _, offset)) = fragment {
+        if offset != 0 {
+            return Ok(Parsed::Fragment(Fragment {
+                saddr,
+                daddr,
+                id,
+                proto: next,
+                v6: true,
+            }));
+        }
+    }
+    if next == NEXTHDR_ICMPV6 {
+        return Ok(Parsed::Ignored);
+    }
+    if !followed || (next != IPPROTO_TCP && next != IPPROTO_UDP) {
+        // More headers than we walk, ESP, or anything else before TCP/UDP: a
+        // header we cannot see past must not be rewritten behind.
+        return Ok(if followed && !is_extension(next) {
+            Parsed::Ignored
+        } else {
+            Parsed::Unhandled
+        });
+    }
+    let fragmented = fragment.is_some_and(|(_, more, _)| more);
+    let (sport, dport, tcp_flags) = parse_l4(ctx, next, off, end - off, fragmented)?;
+    Ok(Parsed::Flow(Flow {
+        saddr,
+        daddr,
+        sport,
+        dport,
+        proto: next,
+        tcp_flags,
+        l4_off: off,
+        first_fragment_id: fragment.filter(|f| f.1).map(|f| f.0),
+        v6: true,
+    }))
+}
+
+/// IPv6 next-header values that are extension headers rather than an upper layer
+/// (RFC 8200, RFC 7045): ESP, mobility, HIP, shim6, experiments.
+#[inline(always)]
+fn is_extension(next: u8) -> bool {
+    matches!(
+        next,
+        NEXTHDR_HOP
+            | NEXTHDR_ROUTING
+            | NEXTHDR_FRAGMENT
+            | NEXTHDR_AUTH
+            | NEXTHDR_DEST
+            | 50
+            | 135
+            | 139
+            | 140
+            | 253
+            | 254
+    )
+}
+
+/// Four network-order words of an address at `at` in `bytes`.
+#[inline(always)]
+fn words(bytes: &[u8; IPV6_HLEN], at: usize) -> [u32; 4] {
+    let w = |i: usize| {
+        u32::from_ne_bytes([
+            bytes[at + i],
+            bytes[at + i + 1],
+            bytes[at + i + 2],
+            bytes[at + i + 3],
+        ])
+    };
+    [w(0), w(4), w(8), w(12)]
+}
+
+/// The ports and TCP flags of a TCP/UDP header of `l4_len` bytes at `l4_off`, its
+/// lengths checked; `fragmented`: a first fragment (UDP's length covers more).
+#[inline(always)]
+fn parse_l4(
+    ctx: &TcContext,
+    proto: u8,
+    l4_off: usize,
+    l4_len: usize,
+    fragmented: bool,
+) -> Result<(u16, u16, u8), ()> {
     let tcp_flags = if proto == IPPROTO_TCP {
         if l4_len < TCP_MIN_HLEN {
             return Err(());
@@ -174,16 +348,7 @@ fn try_parse(ctx: &TcContext) -> Result<Parsed, ()> {
         0
     };
     let ports: [u16; 2] = ctx.load(l4_off).map_err(|_| ())?;
-    Ok(Parsed::Flow(Flow {
-        saddr,
-        daddr,
-        sport: ports[0],
-        dport: ports[1],
-        proto,
-        tcp_flags,
-        l4_off,
-        first_fragment_id: fragmented.then_some(id),
-    }))
+    Ok((ports[0], ports[1], tcp_flags))
 }
 
 #[inline(always)]
@@ -217,14 +382,19 @@ fn parse_icmp_error(
     }
     let ports: [u16; 2] = ctx.load(inner_l4_off).map_err(|_| ())?;
     let inner_flow = Flow {
-        saddr: u32::from_ne_bytes([inner[12], inner[13], inner[14], inner[15]]),
-        daddr: u32::from_ne_bytes([inner[16], inner[17], inner[18], inner[19]]),
+        saddr: IpAddrBe::from_v4(u32::from_ne_bytes([
+            inner[12], inner[13], inner[14], inner[15],
+        ])),
+        daddr: IpAddrBe::from_v4(u32::from_ne_bytes([
+            inner[16], inner[17], inner[18], inner[19],
+        ])),
         sport: ports[0],
         dport: ports[1],
         proto: inner_proto,
         tcp_flags: 0,
         l4_off: inner_l4_off,
         first_fragment_id: None,
+        v6: false,
     };
     Ok(Parsed::IcmpError(IcmpError {
         saddr: u32::from_ne_bytes([ip[12], ip[13], ip[14], ip[15]]),

@@ -12,25 +12,24 @@ use crate::csum::{fold, sum};
 use crate::packet::{Flow, ETH_HLEN, TCP_FLAG_ACK, TCP_FLAG_FIN, TCP_FLAG_RST, TCP_FLAG_SYN};
 
 const IP_HLEN: usize = 20;
+const IP6_HLEN: usize = 40;
 const TCP_HLEN: usize = 20;
 use aya_ebpf::bindings::TC_ACT_REDIRECT;
 
-/// Rewrites the packet into a RST answering it and redirects it back. `Err` when
-/// the packet cannot be answered (it is a RST itself, or a helper failed); the
-/// caller drops it then.
+/// What the RST answering a TCP segment carries: (seq, ack, flags), and the
+/// swapped MAC addresses. `Err` for a RST (never answered) or a failed load.
+/// `ip_end`: where the IP packet ends in the frame.
 #[inline(always)]
-pub fn tcp_reset(ctx: &TcContext, flow: &Flow) -> Result<i32, ()> {
+fn answer(ctx: &TcContext, flow: &Flow, ip_end: usize) -> Result<(u32, u32, u8, [u8; 12]), ()> {
     if flow.tcp_flags & TCP_FLAG_RST != 0 {
         return Err(()); // never answer a RST with a RST
     }
     let eth: [u8; 12] = ctx.load(0).map_err(|_| ())?;
-    let ip_total = u16::from_be(ctx.load::<u16>(ETH_HLEN + 2).map_err(|_| ())?) as usize;
     let tcp: [u8; 16] = ctx.load(flow.l4_off).map_err(|_| ())?;
     let seq = u32::from_be_bytes([tcp[4], tcp[5], tcp[6], tcp[7]]);
     let ack = u32::from_be_bytes([tcp[8], tcp[9], tcp[10], tcp[11]]);
     let data_off = ((tcp[12] >> 4) as usize) * 4;
-    let ip_hlen = flow.l4_off - ETH_HLEN;
-    let payload = ip_total.saturating_sub(ip_hlen + data_off) as u32;
+    let payload = ip_end.saturating_sub(flow.l4_off + data_off) as u32;
 
     // RFC 793: answer an ACK with seq = its ack; otherwise ACK what it occupied.
     let (rst_seq, rst_ack, rst_flags) = if flow.tcp_flags & TCP_FLAG_ACK != 0 {
@@ -49,6 +48,75 @@ pub fn tcp_reset(ctx: &TcContext, flow: &Flow) -> Result<i32, ()> {
     let mut mac = [0u8; 12];
     mac[..6].copy_from_slice(&eth[6..12]);
     mac[6..].copy_from_slice(&eth[..6]);
+    Ok((rst_seq, rst_ack, rst_flags, mac))
+}
+
+/// The RST's TCP header, its checksum over `pseudo` (the pseudo header's sum).
+#[inline(always)]
+fn rst_header(flow: &Flow, seq: u32, ack: u32, flags: u8, pseudo: u32) -> [u8; TCP_HLEN] {
+    let mut th = [0u8; TCP_HLEN];
+    th[0..2].copy_from_slice(&flow.dport.to_ne_bytes());
+    th[2..4].copy_from_slice(&flow.sport.to_ne_bytes());
+    th[4..8].copy_from_slice(&seq.to_be_bytes());
+    th[8..12].copy_from_slice(&ack.to_be_bytes());
+    th[12] = ((TCP_HLEN / 4) as u8) << 4;
+    th[13] = flags;
+    let tcp_csum = !fold(pseudo + sum(&th));
+    th[16..18].copy_from_slice(&tcp_csum.to_be_bytes());
+    th
+}
+
+/// Shrinks the frame to `new_len` bytes and swaps its MAC addresses; the caller
+/// writes the headers behind them.
+#[inline(always)]
+fn send_back(ctx: &TcContext, mac: &[u8; 12], new_len: usize) -> Result<i32, ()> {
+    // SAFETY: the context pointer is the program's skb.
+    if unsafe { bpf_skb_change_tail(ctx.skb.skb.cast(), new_len as u32, 0) } != 0 {
+        return Err(());
+    }
+    ctx.store(0, mac, 0).map_err(|_| ())?;
+    Ok(0)
+}
+
+#[inline(always)]
+fn redirect_back(ctx: &TcContext) -> i32 {
+    // SAFETY: reading the ingress device index from the program's own context.
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    // SAFETY: plain helper; redirecting to the egress of the device we came in on.
+    let _ = unsafe { bpf_redirect(ifindex, 0) };
+    TC_ACT_REDIRECT
+}
+
+/// The IPv6 twin of [`tcp_reset`]: a 40-byte header without extension headers,
+/// hop limit 64, the TCP checksum over the IPv6 pseudo header (RFC 8200 8.1).
+#[inline(always)]
+pub fn tcp_reset6(ctx: &TcContext, flow: &Flow) -> Result<i32, ()> {
+    let payload_len = u16::from_be(ctx.load::<u16>(ETH_HLEN + 4).map_err(|_| ())?) as usize;
+    let (seq, ack, flags, mac) = answer(ctx, flow, ETH_HLEN + IP6_HLEN + payload_len)?;
+    let mut ip = [0u8; IP6_HLEN];
+    ip[0] = 0x60;
+    ip[4..6].copy_from_slice(&(TCP_HLEN as u16).to_be_bytes());
+    ip[6] = flow.proto;
+    ip[7] = 64;
+    for i in 0..4 {
+        ip[8 + i * 4..12 + i * 4].copy_from_slice(&flow.daddr.words[i].to_ne_bytes());
+        ip[24 + i * 4..28 + i * 4].copy_from_slice(&flow.saddr.words[i].to_ne_bytes());
+    }
+    let pseudo = sum(&ip[8..40]) + flow.proto as u32 + TCP_HLEN as u32;
+    let th = rst_header(flow, seq, ack, flags, pseudo);
+    send_back(ctx, &mac, ETH_HLEN + IP6_HLEN + TCP_HLEN)?;
+    ctx.store(ETH_HLEN, &ip, 0).map_err(|_| ())?;
+    ctx.store(ETH_HLEN + IP6_HLEN, &th, 0).map_err(|_| ())?;
+    Ok(redirect_back(ctx))
+}
+
+/// Rewrites the packet into a RST answering it and redirects it back. `Err` when
+/// the packet cannot be answered (it is a RST itself, or a helper failed); the
+/// caller drops it then.
+#[inline(always)]
+pub fn tcp_reset(ctx: &TcContext, flow: &Flow) -> Result<i32, ()> {
+    let ip_total = u16::from_be(ctx.load::<u16>(ETH_HLEN + 2).map_err(|_| ())?) as usize;
+    let (rst_seq, rst_ack, rst_flags, mac) = answer(ctx, flow, ETH_HLEN + ip_total)?;
 
     let mut ip = [0u8; IP_HLEN];
     ip[0] = 0x45;
@@ -56,33 +124,15 @@ pub fn tcp_reset(ctx: &TcContext, flow: &Flow) -> Result<i32, ()> {
     ip[6] = 0x40; // don't fragment
     ip[8] = 64;
     ip[9] = flow.proto;
-    ip[12..16].copy_from_slice(&flow.daddr.to_ne_bytes());
-    ip[16..20].copy_from_slice(&flow.saddr.to_ne_bytes());
+    ip[12..16].copy_from_slice(&flow.daddr.v4().to_ne_bytes());
+    ip[16..20].copy_from_slice(&flow.saddr.v4().to_ne_bytes());
     let ip_csum = !fold(sum(&ip));
     ip[10..12].copy_from_slice(&ip_csum.to_be_bytes());
 
-    let mut th = [0u8; TCP_HLEN];
-    th[0..2].copy_from_slice(&flow.dport.to_ne_bytes());
-    th[2..4].copy_from_slice(&flow.sport.to_ne_bytes());
-    th[4..8].copy_from_slice(&rst_seq.to_be_bytes());
-    th[8..12].copy_from_slice(&rst_ack.to_be_bytes());
-    th[12] = ((TCP_HLEN / 4) as u8) << 4;
-    th[13] = rst_flags;
     let pseudo = sum(&ip[12..20]) + flow.proto as u32 + TCP_HLEN as u32;
-    let tcp_csum = !fold(pseudo + sum(&th));
-    th[16..18].copy_from_slice(&tcp_csum.to_be_bytes());
-
-    let new_len = (ETH_HLEN + IP_HLEN + TCP_HLEN) as u32;
-    // SAFETY: the context pointer is the program's skb.
-    if unsafe { bpf_skb_change_tail(ctx.skb.skb.cast(), new_len, 0) } != 0 {
-        return Err(());
-    }
-    ctx.store(0, &mac, 0).map_err(|_| ())?;
+    let th = rst_header(flow, rst_seq, rst_ack, rst_flags, pseudo);
+    send_back(ctx, &mac, ETH_HLEN + IP_HLEN + TCP_HLEN)?;
     ctx.store(ETH_HLEN, &ip, 0).map_err(|_| ())?;
     ctx.store(ETH_HLEN + IP_HLEN, &th, 0).map_err(|_| ())?;
-    // SAFETY: reading the ingress device index from the program's own context.
-    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    // SAFETY: plain helper; redirecting to the egress of the device we came in on.
-    let _ = unsafe { bpf_redirect(ifindex, 0) };
-    Ok(TC_ACT_REDIRECT)
+    Ok(redirect_back(ctx))
 }

@@ -1,7 +1,8 @@
 //! The per-packet path: DNAT (and SNAT for remote backends) of the first packet of a
 //! flow to a frontend, conntrack for the rest, reverse NAT for the replies. Attached
 //! at TC ingress: on node-facing devices with the external scope, on pod-facing ones
-//! with the internal scope, so a reply is translated where it enters the node.
+//! with the internal scope, so a reply is translated where it enters the node. One
+//! flow logic serves both families; parsing, rewriting, routing and rejects differ.
 
 use aya_ebpf::{helpers::generated::bpf_get_prandom_u32, programs::TcContext};
 use lb_common::{
@@ -33,11 +34,18 @@ static LB_NODE_IPV4: u32 = 0;
 #[unsafe(no_mangle)]
 static LB_NODE_IPV6: IpAddrBe = IpAddrBe { words: [0; 4] };
 
+/// `--node-ip` of the flow's family, when given.
 #[inline(always)]
-fn node_ip() -> u32 {
-    // SAFETY: a read-only global the loader patches; volatile so the compiler does
-    // not fold the zero it sees at build time.
-    unsafe { core::ptr::read_volatile(&LB_NODE_IPV4) }
+fn node_ip(v6: bool) -> Option<IpAddrBe> {
+    if v6 {
+        // SAFETY: a read-only global the loader patches; volatile so the compiler
+        // does not fold the zero it sees at build time.
+        let ip = unsafe { core::ptr::read_volatile(&LB_NODE_IPV6) };
+        return (ip != IpAddrBe::default()).then_some(ip);
+    }
+    // SAFETY: as above.
+    let ip = unsafe { core::ptr::read_volatile(&LB_NODE_IPV4) };
+    (ip != 0).then_some(IpAddrBe::from_v4(ip))
 }
 
 #[inline(always)]
@@ -50,7 +58,9 @@ pub fn handle(ctx: &TcContext, scope: u8) -> i32 {
                 Ok(Some((source, destination))) => {
                     stats::bump(stat::TC_CT_HIT);
                     if source != error.saddr {
-                        if let Some(verdict) = fib::redirect(ctx, source, destination) {
+                        let (source, destination) =
+                            (IpAddrBe::from_v4(source), IpAddrBe::from_v4(destination));
+                        if let Some(verdict) = fib::redirect(ctx, &source, &destination, false) {
                             return verdict;
                         }
                     }
@@ -67,6 +77,10 @@ pub fn handle(ctx: &TcContext, scope: u8) -> i32 {
         Parsed::Fragment(fragment) => return frag::follow(ctx, &fragment),
         Parsed::Malformed => {
             stats::bump(stat::TC_MALFORMED);
+            return TC_ACT_OK;
+        }
+        Parsed::Unhandled => {
+            stats::bump(stat::TC_IPV6_EXT_UNHANDLED);
             return TC_ACT_OK;
         }
     };
@@ -89,7 +103,7 @@ fn apply(ctx: &TcContext, flow: &Flow, to: &Tuple) -> i32 {
     // A new source (SNAT, or a reply now from the frontend) may be an address of this
     // node, which routing input refuses: forward it ourselves.
     if to.saddr != flow.saddr {
-        if let Some(verdict) = fib::redirect(ctx, to.saddr, to.daddr) {
+        if let Some(verdict) = fib::redirect(ctx, &to.saddr, &to.daddr, flow.v6) {
             return verdict;
         }
     }
@@ -122,14 +136,14 @@ fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
     );
     let mut forward = Tuple {
         saddr: flow.saddr,
-        daddr: backend.address.v4(),
+        daddr: backend.address,
         sport: flow.sport,
         dport: backend.port,
     };
     let node = if backend.is_local() {
-        0
+        None
     } else {
-        snat_source(ctx, flow.saddr, backend.address.v4())
+        snat_source(ctx, flow, &backend.address)
     };
     if let Err(verdict) = claim_reply(flow, &mut forward, &reply_entry, node) {
         return verdict;
@@ -156,7 +170,7 @@ fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
 #[inline(always)]
 fn lookup(ctx: &TcContext, flow: &Flow, scope: u8) -> Result<(ServiceKey, ServiceValue), i32> {
     let mut key = ServiceKey {
-        address: IpAddrBe::from_v4(flow.daddr),
+        address: flow.daddr,
         port: flow.dport,
         backend_slot: 0,
         proto: flow.proto,
@@ -168,7 +182,7 @@ fn lookup(ctx: &TcContext, flow: &Flow, scope: u8) -> Result<(ServiceKey, Servic
     };
     // Before the scope switch: the ranges hang off the internal master, and apply to
     // every client of a LoadBalancer IP, from outside or from pods, as in kube-proxy.
-    if !source_ranges::admits(&master, IpAddrBe::from_v4(flow.saddr)) {
+    if !source_ranges::admits(&master, flow.saddr) {
         stats::bump(stat::TC_SOURCE_RANGE_DROP);
         stats::source_range_drop(master.rev_nat_id);
         return Err(TC_ACT_SHOT);
@@ -189,6 +203,9 @@ fn lookup(ctx: &TcContext, flow: &Flow, scope: u8) -> Result<(ServiceKey, Servic
         if key.scope == SCOPE_EXTERNAL || flow.proto != IPPROTO_TCP {
             return Err(TC_ACT_SHOT);
         }
+        if flow.v6 {
+            return Err(reject::tcp_reset6(ctx, flow).unwrap_or(TC_ACT_SHOT));
+        }
         return Err(reject::tcp_reset(ctx, flow).unwrap_or(TC_ACT_SHOT));
     }
     Ok((key, master))
@@ -197,7 +214,7 @@ fn lookup(ctx: &TcContext, flow: &Flow, scope: u8) -> Result<(ServiceKey, Servic
 /// The backend of a new flow (random, or the client's under ClientIP affinity).
 #[inline(always)]
 fn pick(flow: &Flow, key: &ServiceKey, master: &ServiceValue) -> Result<(u32, Backend), i32> {
-    let client = || (AFFINITY_CLIENT_IP, IpAddrBe::from_v4(flow.saddr));
+    let client = || (AFFINITY_CLIENT_IP, flow.saddr);
     // SAFETY: a plain helper without arguments.
     let entropy = unsafe { bpf_get_prandom_u32() };
     select::backend(key, master, client, entropy).ok_or_else(|| {
@@ -213,14 +230,19 @@ fn pick(flow: &Flow, key: &ServiceKey, master: &ServiceValue) -> Result<(u32, Ba
 /// source, keeping the client's port when it is free on the backend side, else a
 /// random one; the NOEXIST insert is the claim. `Err` holds the verdict.
 #[inline(always)]
-fn claim_reply(flow: &Flow, forward: &mut Tuple, reply: &CtValue, node: u32) -> Result<(), i32> {
-    if node == 0 {
+fn claim_reply(
+    flow: &Flow,
+    forward: &mut Tuple,
+    reply: &CtValue,
+    node: Option<IpAddrBe>,
+) -> Result<(), i32> {
+    let Some(node) = node else {
         let reply_key = ct::key_of_tuple(&reply_tuple(forward), flow.proto);
         return ct::put(&reply_key, reply).map_err(|_| {
             stats::bump(stat::TC_CT_FULL);
             TC_ACT_SHOT
         });
-    }
+    };
     forward.saddr = node;
     let mut port = flow.sport;
     for attempt in 0..SNAT_RETRIES {
@@ -241,14 +263,12 @@ fn claim_reply(flow: &Flow, forward: &mut Tuple, reply: &CtValue, node: u32) -> 
 
 /// The source of a flow SNATed towards a remote backend: `--node-ip` when given,
 /// else whatever address the node's routing would use to reach the backend, so no
-/// address has to be configured. 0 (keep the client's address) only when neither
-/// is known: a kernel before 6.7 without `--node-ip`, or no route to the backend.
+/// address has to be configured. `None` (keep the client's address) only when
+/// neither is known: a kernel before 6.7 without `--node-ip`, or no route to the
+/// backend.
 #[inline(always)]
-fn snat_source(ctx: &TcContext, client: u32, backend: u32) -> u32 {
-    match node_ip() {
-        0 => fib::source_towards(ctx, client, backend).unwrap_or(0),
-        configured => configured,
-    }
+fn snat_source(ctx: &TcContext, flow: &Flow, backend: &IpAddrBe) -> Option<IpAddrBe> {
+    node_ip(flow.v6).or_else(|| fib::source_towards(ctx, &flow.saddr, backend, flow.v6))
 }
 
 /// The tuple of a packet answering one sent with `t`.

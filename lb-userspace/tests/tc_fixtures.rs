@@ -15,6 +15,10 @@ use lb_userspace::maps::PinnedMaps;
 use lb_userspace::model::{BackendAddr, DesiredState, Frontend, FrontendSpec, Protocol, Scope};
 use lb_userspace::{codec, reconcile, source_ranges, sys};
 
+/// The IPv6 fixtures, on the same fixture, programs and maps.
+#[path = "tc_fixtures/ipv6.rs"]
+mod ipv6;
+
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
 const TC_ACT_REDIRECT: u32 = 7;
@@ -68,8 +72,9 @@ impl Fixture {
             conntrack: 1024,
             ..MapSizes::default()
         };
-        let mut ebpf = loader::load(&object, &layout, sizes, &[Ipv4Addr::from(NODE).into()])
-            .expect("load kernel object");
+        let node_ips = [Ipv4Addr::from(NODE).into(), ipv6::NODE6.into()];
+        let mut ebpf =
+            loader::load(&object, &layout, sizes, &node_ips).expect("load kernel object");
         for program in [program_names::TC_EXTERNAL, program_names::TC_INTERNAL] {
             let prog: &mut SchedClassifier = ebpf.program_mut(program).unwrap().try_into().unwrap();
             prog.load().expect("verifier accepts the TC program");
