@@ -6,6 +6,7 @@ mod run;
 mod setup;
 mod tasks;
 mod validate;
+mod watchdog;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;

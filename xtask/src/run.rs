@@ -48,9 +48,16 @@ fn quote(word: &str) -> String {
 pub fn run(cmd: &mut Command) -> Result<()> {
     let shown = display(cmd);
     eprintln!("+ {shown}");
+    let start = std::time::Instant::now();
     let status = cmd
         .status()
         .with_context(|| format!("could not start `{shown}`"))?;
+    // Where a run's time goes, readable from a CI log.
+    eprintln!(
+        "+ ({:.1} s) {}",
+        start.elapsed().as_secs_f64(),
+        cmd.get_program().to_string_lossy()
+    );
     if !status.success() {
         bail!("`{shown}` failed ({status})");
     }

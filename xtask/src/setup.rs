@@ -132,10 +132,18 @@ fn packages(root: bool) -> Result<()> {
             bpf_linker_install_hint()
         );
     }
-    run::run(Command::new("apt-get").arg("update"))?;
+    // A mirror that stops answering fails the step in minutes, not the CI clock.
+    const APT_NET: [&str; 4] = [
+        "-o",
+        "Acquire::http::Timeout=60",
+        "-o",
+        "Acquire::Retries=3",
+    ];
+    run::run(Command::new("apt-get").args(APT_NET).arg("update"))?;
     run::run(
         Command::new("apt-get")
             .env("DEBIAN_FRONTEND", "noninteractive")
+            .args(APT_NET)
             .args(["install", "-y"])
             .args(&missing),
     )?;

@@ -44,7 +44,17 @@ fn cargo_test_args(extra: &[String]) -> Vec<String> {
     args
 }
 
+/// What a whole `cargo xtask test` may take, set-up included; the project keeps
+/// CI under 40 minutes (it gives 90), so a hang ends here with a report.
+/// `XTASK_TEST_BUDGET_SECS` overrides it.
+const TEST_BUDGET: Duration = Duration::from_secs(40 * 60);
+
 pub fn test(workspace: &Path, extra: &[String]) -> Result<()> {
+    let budget = std::env::var("XTASK_TEST_BUDGET_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map_or(TEST_BUDGET, Duration::from_secs);
+    crate::watchdog::arm("test", budget);
     let start = Instant::now();
     let result = test_steps(workspace, extra);
     println!(

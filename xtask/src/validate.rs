@@ -176,6 +176,10 @@ fn install(workspace: &Path) -> Result<Validator> {
                 "--quiet",
                 "--disable-pip-version-check",
                 "--no-input",
+                "--timeout",
+                "60",
+                "--retries",
+                "3",
             ])
             .args(REQUIREMENTS),
     )?;
