@@ -1,7 +1,8 @@
-//! kube-proxy's REJECT for the per-packet path: a TCP packet to a frontend without
-//! usable backend is turned, in place, into the RST the client's stack expects and
-//! sent back out of the device it came in on, so the client fails at once instead of
-//! retrying SYNs into silence.
+//! kube-proxy's REJECT for the per-packet path: a packet to a frontend without
+//! usable backend is turned, in place, into the answer the client's stack expects
+//! (a RST for TCP, an ICMP / ICMPv6 port unreachable for UDP) and sent back out of
+//! the device it came in on, so the client fails at once instead of retrying into
+//! silence.
 
 use aya_ebpf::{
     helpers::generated::{bpf_redirect, bpf_skb_change_tail},
@@ -14,6 +15,20 @@ use crate::packet::{Flow, ETH_HLEN, TCP_FLAG_ACK, TCP_FLAG_FIN, TCP_FLAG_RST, TC
 const IP_HLEN: usize = 20;
 const IP6_HLEN: usize = 40;
 const TCP_HLEN: usize = 20;
+const UDP_HLEN: usize = 8;
+const ICMP_HLEN: usize = 8;
+/// What a port unreachable quotes: the IP header and the UDP header, the least
+/// the client's stack needs to find its socket (RFC 792, RFC 4443 2.4 allows it).
+const QUOTE4: usize = IP_HLEN + UDP_HLEN;
+const QUOTE6: usize = IP6_HLEN + UDP_HLEN;
+const IPPROTO_ICMP: u8 = 1;
+const IPPROTO_ICMPV6: u8 = 58;
+/// ICMP "destination unreachable", code "port unreachable".
+const ICMP_DEST_UNREACH: u8 = 3;
+const ICMP_PORT_UNREACH: u8 = 3;
+/// ICMPv6 "destination unreachable", code "port unreachable".
+const ICMPV6_DEST_UNREACH: u8 = 1;
+const ICMPV6_PORT_UNREACH: u8 = 4;
 use aya_ebpf::bindings::TC_ACT_REDIRECT;
 
 /// What the RST answering a TCP segment carries: (seq, ack, flags), and the
@@ -107,6 +122,81 @@ pub fn tcp_reset6(ctx: &TcContext, flow: &Flow) -> Result<i32, ()> {
     send_back(ctx, &mac, ETH_HLEN + IP6_HLEN + TCP_HLEN)?;
     ctx.store(ETH_HLEN, &ip, 0).map_err(|_| ())?;
     ctx.store(ETH_HLEN + IP6_HLEN, &th, 0).map_err(|_| ())?;
+    Ok(redirect_back(ctx))
+}
+
+/// The MAC addresses of the frame, swapped.
+#[inline(always)]
+fn swapped_mac(ctx: &TcContext) -> Result<[u8; 12], ()> {
+    let eth: [u8; 12] = ctx.load(0).map_err(|_| ())?;
+    let mut mac = [0u8; 12];
+    mac[..6].copy_from_slice(&eth[6..12]);
+    mac[6..].copy_from_slice(&eth[..6]);
+    Ok(mac)
+}
+
+/// Rewrites a UDP datagram into the ICMP port unreachable answering it, from the
+/// frontend it was sent to, and redirects it back. Only a header without options
+/// is quoted (else `Err`: the caller drops, as before).
+#[inline(always)]
+pub fn udp_unreachable(ctx: &TcContext, flow: &Flow) -> Result<i32, ()> {
+    if flow.l4_off != ETH_HLEN + IP_HLEN {
+        return Err(());
+    }
+    let mac = swapped_mac(ctx)?;
+    let quote: [u8; QUOTE4] = ctx.load(ETH_HLEN).map_err(|_| ())?;
+    let mut ip = [0u8; IP_HLEN];
+    ip[0] = 0x45;
+    ip[2..4].copy_from_slice(&((IP_HLEN + ICMP_HLEN + QUOTE4) as u16).to_be_bytes());
+    ip[8] = 64;
+    ip[9] = IPPROTO_ICMP;
+    ip[12..16].copy_from_slice(&flow.daddr.v4().to_ne_bytes());
+    ip[16..20].copy_from_slice(&flow.saddr.v4().to_ne_bytes());
+    let ip_csum = !fold(sum(&ip));
+    ip[10..12].copy_from_slice(&ip_csum.to_be_bytes());
+    let mut icmp = [0u8; ICMP_HLEN];
+    icmp[0] = ICMP_DEST_UNREACH;
+    icmp[1] = ICMP_PORT_UNREACH;
+    let icmp_csum = !fold(sum(&icmp) + sum(&quote));
+    icmp[2..4].copy_from_slice(&icmp_csum.to_be_bytes());
+    send_back(ctx, &mac, ETH_HLEN + IP_HLEN + ICMP_HLEN + QUOTE4)?;
+    ctx.store(ETH_HLEN, &ip, 0).map_err(|_| ())?;
+    ctx.store(ETH_HLEN + IP_HLEN, &icmp, 0).map_err(|_| ())?;
+    ctx.store(ETH_HLEN + IP_HLEN + ICMP_HLEN, &quote, 0)
+        .map_err(|_| ())?;
+    Ok(redirect_back(ctx))
+}
+
+/// The IPv6 twin of [`udp_unreachable`]: an ICMPv6 port unreachable, its checksum
+/// over the IPv6 pseudo header. A datagram behind extension headers is not
+/// answered (`Err`).
+#[inline(always)]
+pub fn udp_unreachable6(ctx: &TcContext, flow: &Flow) -> Result<i32, ()> {
+    if flow.l4_off != ETH_HLEN + IP6_HLEN {
+        return Err(());
+    }
+    let mac = swapped_mac(ctx)?;
+    let quote: [u8; QUOTE6] = ctx.load(ETH_HLEN).map_err(|_| ())?;
+    let mut ip = [0u8; IP6_HLEN];
+    ip[0] = 0x60;
+    ip[4..6].copy_from_slice(&((ICMP_HLEN + QUOTE6) as u16).to_be_bytes());
+    ip[6] = IPPROTO_ICMPV6;
+    ip[7] = 64;
+    for i in 0..4 {
+        ip[8 + i * 4..12 + i * 4].copy_from_slice(&flow.daddr.words[i].to_ne_bytes());
+        ip[24 + i * 4..28 + i * 4].copy_from_slice(&flow.saddr.words[i].to_ne_bytes());
+    }
+    let mut icmp = [0u8; ICMP_HLEN];
+    icmp[0] = ICMPV6_DEST_UNREACH;
+    icmp[1] = ICMPV6_PORT_UNREACH;
+    let pseudo = sum(&ip[8..40]) + IPPROTO_ICMPV6 as u32 + (ICMP_HLEN + QUOTE6) as u32;
+    let icmp_csum = !fold(pseudo + sum(&icmp) + sum(&quote));
+    icmp[2..4].copy_from_slice(&icmp_csum.to_be_bytes());
+    send_back(ctx, &mac, ETH_HLEN + IP6_HLEN + ICMP_HLEN + QUOTE6)?;
+    ctx.store(ETH_HLEN, &ip, 0).map_err(|_| ())?;
+    ctx.store(ETH_HLEN + IP6_HLEN, &icmp, 0).map_err(|_| ())?;
+    ctx.store(ETH_HLEN + IP6_HLEN + ICMP_HLEN, &quote, 0)
+        .map_err(|_| ())?;
     Ok(redirect_back(ctx))
 }
 

@@ -199,14 +199,18 @@ fn lookup(ctx: &TcContext, flow: &Flow, scope: u8) -> Result<(ServiceKey, Servic
         stats::service(master.rev_nat_id, true);
         // externalTrafficPolicy: Local without a local endpoint drops, as kube-proxy
         // does, so the load balancer's health checks fail over to another node.
-        // A Service without any endpoint rejects.
-        if key.scope == SCOPE_EXTERNAL || flow.proto != IPPROTO_TCP {
+        // A Service without any endpoint rejects: a RST for TCP, a port
+        // unreachable for UDP (kube-proxy's REJECT).
+        if key.scope == SCOPE_EXTERNAL {
             return Err(TC_ACT_SHOT);
         }
-        if flow.v6 {
-            return Err(reject::tcp_reset6(ctx, flow).unwrap_or(TC_ACT_SHOT));
-        }
-        return Err(reject::tcp_reset(ctx, flow).unwrap_or(TC_ACT_SHOT));
+        let answered = match (flow.proto == IPPROTO_TCP, flow.v6) {
+            (true, true) => reject::tcp_reset6(ctx, flow),
+            (true, false) => reject::tcp_reset(ctx, flow),
+            (false, true) => reject::udp_unreachable6(ctx, flow),
+            (false, false) => reject::udp_unreachable(ctx, flow),
+        };
+        return Err(answered.unwrap_or(TC_ACT_SHOT));
     }
     Ok((key, master))
 }

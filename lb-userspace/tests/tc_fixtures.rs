@@ -789,12 +789,45 @@ fn no_backend_answers_tcp_with_a_reset_sent_back_out() {
     let per_service = f.maps.service_stats().unwrap();
     assert_eq!(per_service[0].1.no_backend, 1);
 
-    // A RST is never answered, and UDP has nothing to reset: both are dropped.
+    // A RST is never answered.
     let rst = Packet::tcp(CLIENT, 40005, NODE, NODE_PORT, RST);
     assert_eq!(f.external(&rst.frame()).0, TC_ACT_SHOT);
+
+    // UDP gets an ICMP port unreachable from the address it tried, quoting the
+    // datagram's IP and UDP headers, with valid checksums.
     f.program(&node_port(Protocol::Udp, &[], None));
-    let udp = Packet::udp(CLIENT, 40005, NODE, NODE_PORT);
-    assert_eq!(f.external(&udp.frame()).0, TC_ACT_SHOT);
+    let udp = Packet::udp(CLIENT, 40005, NODE, NODE_PORT).frame();
+    let (verdict, out) = f.external(&udp);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!(&out[0..6], &[0x02, 0, 0, 0, 0, 2], "MACs swapped");
+    let p = etherparse::SlicedPacket::from_ethernet(&out).unwrap();
+    let Some(etherparse::NetSlice::Ipv4(ip)) = &p.net else {
+        panic!("no IPv4 answer: {p:?}");
+    };
+    assert_eq!(ip.header().source(), NODE);
+    assert_eq!(ip.header().destination(), CLIENT);
+    assert_eq!(
+        ip.header().to_header().calc_header_checksum(),
+        ip.header().header_checksum()
+    );
+    let Some(etherparse::TransportSlice::Icmpv4(icmp)) = &p.transport else {
+        panic!("no ICMP answer: {p:?}");
+    };
+    assert!(matches!(
+        icmp.icmp_type(),
+        etherparse::Icmpv4Type::DestinationUnreachable(
+            etherparse::icmpv4::DestUnreachableHeader::Port
+        )
+    ));
+    assert_eq!(
+        icmp.payload(),
+        &udp[14..14 + 28],
+        "quotes IP and UDP headers"
+    );
+    assert_eq!(
+        icmp.icmp_type().calc_checksum(icmp.payload()),
+        icmp.checksum()
+    );
 }
 
 #[test]

@@ -12,8 +12,14 @@
 //!                                                br0 10.244.2.1/24 ── vpod-b ── pod-b 10.244.2.11
 //! ```
 //!
-//! Each node routes the other node's pod CIDR via the other node's address and
-//! forwards (ip_forward=1, rp_filter=0, send_redirects=0). The external client has no
+//! Every network is dual-stack: beside each IPv4 address above, the same host
+//! has an IPv6 one (node network fd00:50::/64, node1 fd00:50::1, the client
+//! fd00:50::100; node `n`'s pods fd00:244:n::/64, bridge ::1, pod-a
+//! fd00:244:1::11), all without duplicate address detection so they work at once.
+//!
+//! Each node routes the other node's pod CIDRs (both families) via the other
+//! node's addresses and forwards (ip_forward=1, IPv6 forwarding=1, rp_filter=0,
+//! send_redirects=0). The external client has no
 //! route to any pod CIDR: a packet the datapath did not translate cannot reach a pod.
 //! It routes the external/LoadBalancer IPs a test asks for (/32) via node1.
 //!
@@ -29,7 +35,7 @@
 //! guard (namespaces, cgroups, pin dirs, processes): dropping the cluster removes
 //! everything, whatever path the test leaves by.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::Path;
 use std::time::Duration;
 
@@ -69,6 +75,51 @@ pub fn whoami_node_port(name: &str, vip: Ipv4Addr, node_port: u16) -> Service {
 pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 100);
 /// The second external client ([`ClusterBuilder::second_client`]).
 pub const CLIENT2_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 101);
+
+/// The external client's IPv6 address.
+pub const CLIENT_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x50, 0, 0, 0, 0, 0, 0x100);
+/// The second external client's IPv6 address.
+pub const CLIENT2_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x50, 0, 0, 0, 0, 0, 0x101);
+
+/// IPv6 address of node `i` on the node network: node1 is fd00:50::1.
+pub fn node_ip6(i: usize) -> Ipv6Addr {
+    Ipv6Addr::new(
+        0xfd00,
+        0x50,
+        0,
+        0,
+        0,
+        0,
+        0,
+        1 + u16::try_from(i).expect("few nodes"),
+    )
+}
+
+/// IPv6 pod CIDR of node `i`: fd00:244:1::/64 for node1.
+pub fn pod_cidr6(i: usize) -> String {
+    format!("fd00:244:{}::/64", i + 1)
+}
+
+/// IPv6 pod bridge address of node `i`: fd00:244:1::1 for node1.
+pub fn pod_gateway6(i: usize) -> Ipv6Addr {
+    pod_ip6(i, 1)
+}
+
+/// IPv6 address of the pod of node `i` whose IPv4 host number is `host`, written
+/// with the same digits: 10.244.1.11 -> fd00:244:1::11.
+fn pod_ip6(i: usize, host: u8) -> Ipv6Addr {
+    let host = u16::from_str_radix(&host.to_string(), 16).expect("decimal digits are hex digits");
+    Ipv6Addr::new(
+        0xfd00,
+        0x244,
+        1 + u16::try_from(i).expect("few nodes"),
+        0,
+        0,
+        0,
+        0,
+        host,
+    )
+}
 
 /// Address of node `i` (0-based) on the node network: node1 is 192.168.50.1.
 pub fn node_ip(i: usize) -> Ipv4Addr {
@@ -114,7 +165,7 @@ struct PodSpec {
 pub struct ClusterBuilder {
     nodes: usize,
     pods: Vec<PodSpec>,
-    client_routes: Vec<Ipv4Addr>,
+    client_routes: Vec<IpAddr>,
     accept_local: bool,
     second_client: bool,
 }
@@ -147,10 +198,10 @@ impl ClusterBuilder {
         self
     }
 
-    /// Give the external client a /32 route to `ip` via node1 (external IPs and
-    /// LoadBalancer IPs "announced" by node1).
-    pub fn client_route_via_node1(mut self, ip: Ipv4Addr) -> Self {
-        self.client_routes.push(ip);
+    /// Give the external client a host route (/32 or /128) to `ip` via node1
+    /// (external IPs and LoadBalancer IPs "announced" by node1).
+    pub fn client_route_via_node1(mut self, ip: impl Into<IpAddr>) -> Self {
+        self.client_routes.push(ip.into());
         self
     }
 
@@ -266,22 +317,20 @@ impl Cluster {
             base,
             accept_local: spec.accept_local,
         };
-        cluster.uplink(&cluster.client, "sw-ext", CLIENT_IP)?;
+        cluster.uplink(&cluster.client, "sw-ext", CLIENT_IP, CLIENT_IP6)?;
         if let Some(client2) = &cluster.client2 {
-            cluster.uplink(client2, "sw-ext2", CLIENT2_IP)?;
+            cluster.uplink(client2, "sw-ext2", CLIENT2_IP, CLIENT2_IP6)?;
         }
         for client in [Some(&cluster.client), cluster.client2.as_ref()]
             .into_iter()
             .flatten()
         {
             for ip in &spec.client_routes {
-                client.ip(&[
-                    "route",
-                    "add",
-                    &format!("{ip}/32"),
-                    "via",
-                    &node_ip(0).to_string(),
-                ])?;
+                let (host, via) = match ip {
+                    IpAddr::V4(_) => (format!("{ip}/32"), node_ip(0).to_string()),
+                    IpAddr::V6(_) => (format!("{ip}/128"), node_ip6(0).to_string()),
+                };
+                client.ip(&["route", "add", &host, "via", &via])?;
             }
         }
         for i in 0..spec.nodes {
@@ -290,21 +339,23 @@ impl Cluster {
         }
         for i in 0..spec.nodes {
             for j in (0..spec.nodes).filter(|&j| j != i) {
-                cluster.nodes[i].ns.ip(&[
+                let ns = &cluster.nodes[i].ns;
+                ns.ip(&["route", "add", &pod_cidr(j), "via", &node_ip(j).to_string()])?;
+                ns.ip(&[
                     "route",
                     "add",
-                    &pod_cidr(j),
+                    &pod_cidr6(j),
                     "via",
-                    &node_ip(j).to_string(),
+                    &node_ip6(j).to_string(),
                 ])?;
             }
         }
         Ok(cluster)
     }
 
-    /// Connect `ns` to the switch: `eth0` = `ip`/24 in `ns`, `sw_if` on the switch
-    /// bridge.
-    fn uplink(&self, ns: &NetNs, sw_if: &str, ip: Ipv4Addr) -> Result<()> {
+    /// Connect `ns` to the switch: `eth0` = `ip`/24 and `ip6`/64 in `ns`, `sw_if`
+    /// on the switch bridge.
+    fn uplink(&self, ns: &NetNs, sw_if: &str, ip: Ipv4Addr, ip6: Ipv6Addr) -> Result<()> {
         self.switch.ip(&[
             "link",
             "add",
@@ -320,6 +371,7 @@ impl Cluster {
         self.switch
             .ip(&["link", "set", sw_if, "master", "br0", "up"])?;
         ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
+        ns.ip(&["addr", "add", &format!("{ip6}/64"), "dev", "eth0", "nodad"])?;
         ns.ip(&["link", "set", "eth0", "up"])?;
         Ok(())
     }
@@ -343,12 +395,13 @@ impl Cluster {
             ("net/ipv4/conf/default/rp_filter", "0"),
             ("net/ipv4/conf/all/send_redirects", "0"),
             ("net/ipv4/conf/default/send_redirects", "0"),
+            ("net/ipv6/conf/all/forwarding", "1"),
         ])?;
         if spec.accept_local {
             node.ns
                 .sysctls(&[("net/ipv4/conf/all/accept_local", "1")])?;
         }
-        self.uplink(&node.ns, &format!("sw-{name}"), node_ip(i))?;
+        self.uplink(&node.ns, &format!("sw-{name}"), node_ip(i), node_ip6(i))?;
         node.ns.ip(&["link", "add", "br0", "type", "bridge"])?;
         node.ns.ip(&[
             "addr",
@@ -356,6 +409,14 @@ impl Cluster {
             &format!("{}/24", pod_gateway(i)),
             "dev",
             "br0",
+        ])?;
+        node.ns.ip(&[
+            "addr",
+            "add",
+            &format!("{}/64", pod_gateway6(i)),
+            "dev",
+            "br0",
+            "nodad",
         ])?;
         node.ns.ip(&["link", "set", "br0", "up"])?;
         for pod in spec.pods.iter().filter(|p| p.node == i) {
@@ -394,6 +455,7 @@ impl Cluster {
             "br0",
             &Node::pod_iface(&pod.name),
         )?;
+        p.add_ipv6(pod_ip6(i, ip.octets()[3]), pod_gateway6(i))?;
         if pod.role == Role::Backend {
             p.start_echo_with(
                 &self.tools.echo,
@@ -489,16 +551,26 @@ impl Cluster {
 
     /// The ready endpoint of pod `name`, with the nodeName of the node it runs on.
     pub fn endpoint(&self, name: &str) -> Result<Endpoint> {
+        self.endpoint_of(name, false)
+    }
+
+    /// [`Cluster::endpoint`] with the pod's IPv6 address (`ipv6`) or IPv4 one.
+    pub fn endpoint_of(&self, name: &str, ipv6: bool) -> Result<Endpoint> {
         let (i, pod) = self
             .nodes
             .iter()
             .enumerate()
             .find_map(|(i, n)| n.pods.iter().find(|p| p.name() == name).map(|p| (i, p)))
             .with_context(|| format!("no pod {name} in the cluster"))?;
-        Ok(Endpoint::ready(name, pod.ip()).on_node(&node_name(i)))
+        let ip = match ipv6 {
+            true => IpAddr::V6(pod.ip6().context("pod without an IPv6 address")?),
+            false => IpAddr::V4(pod.ip()),
+        };
+        Ok(Endpoint::ready(name, ip).on_node(&node_name(i)))
     }
 
-    /// Write `<service>.yaml`: the Service and one EndpointSlice with `endpoints`.
+    /// Write `<service>.yaml`: the Service and one EndpointSlice with `endpoints`
+    /// (IPv4; see [`Cluster::publish`] for other families).
     pub fn publish_endpoints(&self, svc: &Service, endpoints: Vec<Endpoint>) -> Result<()> {
         let slice = EndpointSlice::for_service(svc, endpoints);
         self.manifests.write(
@@ -507,13 +579,25 @@ impl Cluster {
         )
     }
 
-    /// [`Cluster::publish_endpoints`] with the ready endpoints of the pods `backends`.
+    /// Write `<service>.yaml`: the Service and, for each of its IP families, the
+    /// EndpointSlice of that family with the ready endpoints of the pods `backends`,
+    /// as the EndpointSlice controller writes them.
     pub fn publish(&self, svc: &Service, backends: &[&str]) -> Result<()> {
-        let endpoints = backends
-            .iter()
-            .map(|name| self.endpoint(name))
-            .collect::<Result<Vec<_>>>()?;
-        self.publish_endpoints(svc, endpoints)
+        let mut docs = vec![svc.to_yaml()];
+        for family in &svc.ip_families {
+            let ipv6 = *family == "IPv6";
+            let endpoints = backends
+                .iter()
+                .map(|name| self.endpoint_of(name, ipv6))
+                .collect::<Result<Vec<_>>>()?;
+            let slice = match ipv6 {
+                true => EndpointSlice::ipv6_for_service(svc, endpoints),
+                false => EndpointSlice::for_service(svc, endpoints),
+            };
+            docs.push(slice.to_yaml());
+        }
+        self.manifests
+            .write(&format!("{}.yaml", svc.name), &documents(docs))
     }
 
     /// The external client's namespace.
@@ -565,15 +649,15 @@ impl Cluster {
     pub fn wait_frontend(
         &self,
         node: usize,
-        frontend: SocketAddrV4,
+        frontend: impl Into<SocketAddr>,
         protocol: &str,
         scope: &str,
-        want: &[SocketAddrV4],
+        want: &[impl Into<SocketAddr> + Copy],
     ) -> Result<ServiceEntry> {
-        let want: std::collections::BTreeSet<std::net::SocketAddr> =
-            want.iter().map(|&a| a.into()).collect();
+        let frontend: SocketAddr = frontend.into();
+        let want: std::collections::BTreeSet<SocketAddr> = want.iter().map(|&a| a.into()).collect();
         let matches = |e: &ServiceEntry| {
-            e.is(*frontend.ip(), frontend.port(), protocol)
+            e.is(frontend.ip(), frontend.port(), protocol)
                 && (e.frontend.scope.is_empty() || e.frontend.scope == scope)
         };
         let entries = self.node(node).agent().wait_services(
@@ -621,11 +705,12 @@ impl Cluster {
     pub fn whoami(
         &self,
         ns: &NetNs,
-        to: SocketAddrV4,
+        to: impl Into<SocketAddr>,
         count: u32,
         udp: bool,
         connect_timeout: Duration,
     ) -> Result<WhoamiReport> {
+        let to: SocketAddr = to.into();
         let mut args = vec![
             "whoami".to_string(),
             "--to".into(),
@@ -644,7 +729,13 @@ impl Cluster {
 
     /// [`Cluster::whoami`] from a host-network process of node `node` (see
     /// [`Cluster::host_probe_in_cgroup`]).
-    pub fn host_whoami(&self, node: usize, to: SocketAddrV4, count: u32) -> Result<WhoamiReport> {
+    pub fn host_whoami(
+        &self,
+        node: usize,
+        to: impl Into<SocketAddr>,
+        count: u32,
+    ) -> Result<WhoamiReport> {
+        let to: SocketAddr = to.into();
         let args: Vec<String> = [
             "whoami",
             "--to",
@@ -667,10 +758,11 @@ impl Cluster {
     pub fn tcp(
         &self,
         ns: &NetNs,
-        to: SocketAddrV4,
+        to: impl Into<SocketAddr>,
         count: u32,
         connect_timeout: Duration,
     ) -> Result<TcpReport> {
+        let to: SocketAddr = to.into();
         let args = vec![
             "tcp".to_string(),
             "--to".into(),
@@ -685,7 +777,8 @@ impl Cluster {
     }
 
     /// Open a long-lived TCP connection from `ns` to an echo port `to`.
-    pub fn hold(&self, ns: &NetNs, to: SocketAddrV4) -> Result<Hold> {
+    pub fn hold(&self, ns: &NetNs, to: impl Into<SocketAddr>) -> Result<Hold> {
+        let to: SocketAddr = to.into();
         let child = self
             .probe_cmd(ns)?
             .args(["hold", "--to", &to.to_string()])
@@ -695,7 +788,14 @@ impl Cluster {
     }
 
     /// Send `bytes` through a bulk port `to` from `ns` and verify the echo.
-    pub fn bulk(&self, ns: &NetNs, to: SocketAddrV4, bytes: u64, seed: u64) -> Result<BulkReport> {
+    pub fn bulk(
+        &self,
+        ns: &NetNs,
+        to: impl Into<SocketAddr>,
+        bytes: u64,
+        seed: u64,
+    ) -> Result<BulkReport> {
+        let to: SocketAddr = to.into();
         let args = vec![
             "bulk".to_string(),
             "--to".into(),

@@ -142,15 +142,21 @@ impl Service {
     }
 
     /// `type: LoadBalancer` with these addresses in `status.loadBalancer.ingress`.
-    pub fn load_balancer<I: IntoIterator<Item = Ipv4Addr>>(mut self, ips: I) -> Self {
+    pub fn load_balancer<I: IntoIterator<Item = impl Into<std::net::IpAddr>>>(
+        mut self,
+        ips: I,
+    ) -> Self {
         self.service_type = "LoadBalancer";
-        self.load_balancer_ips = ips.into_iter().map(|ip| ip.to_string()).collect();
+        self.load_balancer_ips = ips.into_iter().map(|ip| ip.into().to_string()).collect();
         self
     }
 
     /// `spec.externalIPs`.
-    pub fn with_external_ips<I: IntoIterator<Item = Ipv4Addr>>(mut self, ips: I) -> Self {
-        self.external_ips = ips.into_iter().map(|ip| ip.to_string()).collect();
+    pub fn with_external_ips<I: IntoIterator<Item = impl Into<std::net::IpAddr>>>(
+        mut self,
+        ips: I,
+    ) -> Self {
+        self.external_ips = ips.into_iter().map(|ip| ip.into().to_string()).collect();
         self
     }
 

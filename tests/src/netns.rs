@@ -23,6 +23,12 @@ impl NetNs {
         };
         // Loopback is down in a new namespace; servers and probes expect it up.
         ns.ip(&["link", "set", "lo", "up"])?;
+        // Every IPv6 address usable at once, the link-local ones too (global ones
+        // are added `nodad`): no test waits out duplicate address detection.
+        ns.sysctls(&[
+            ("net/ipv6/conf/all/accept_dad", "0"),
+            ("net/ipv6/conf/default/accept_dad", "0"),
+        ])?;
         Ok(ns)
     }
 

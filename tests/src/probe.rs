@@ -2,7 +2,7 @@
 //! writes it, and the tests and demo, which read it.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 
 use serde::{Deserialize, Serialize};
 
@@ -104,13 +104,13 @@ pub struct WhoamiAnswer {
 
 impl WhoamiAnswer {
     /// The IP part of `seen`.
-    pub fn seen_ip(&self) -> Option<Ipv4Addr> {
-        self.seen.parse::<SocketAddrV4>().ok().map(|a| *a.ip())
+    pub fn seen_ip(&self) -> Option<IpAddr> {
+        self.seen.parse::<SocketAddr>().ok().map(|a| a.ip())
     }
 
     /// Whether the backend saw the client's own port.
     pub fn port_kept(&self) -> bool {
-        let port = |s: &str| s.parse::<SocketAddrV4>().ok().map(|a| a.port());
+        let port = |s: &str| s.parse::<SocketAddr>().ok().map(|a| a.port());
         port(&self.seen).is_some() && port(&self.seen) == port(&self.local)
     }
 }
@@ -127,7 +127,7 @@ pub struct WhoamiReport {
 
 impl WhoamiReport {
     /// Distinct client IPs that `backend` saw.
-    pub fn seen_ips(&self, backend: &str) -> BTreeSet<Ipv4Addr> {
+    pub fn seen_ips(&self, backend: &str) -> BTreeSet<IpAddr> {
         self.answers
             .iter()
             .filter(|a| a.backend == backend)

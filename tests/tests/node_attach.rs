@@ -42,7 +42,7 @@ fn answered(
     );
     ensure!(r.tally.names() == [pod].into(), "{to}: {r:#?}");
     ensure!(
-        r.seen_ips(pod) == [source].into(),
+        r.seen_ips(pod) == [std::net::IpAddr::V4(source)].into(),
         "{to}: {pod} must see {source}: {r:#?}"
     );
     ensure!(

@@ -11,7 +11,7 @@
 //! builds it; or set LB_BIN).
 
 use std::collections::BTreeSet;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddrV4};
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
@@ -88,8 +88,8 @@ fn answers_from(cluster: &Cluster, np: SocketAddrV4, pod: &str, source: Ipv4Addr
     Ok(())
 }
 
-fn set(items: &[Ipv4Addr]) -> BTreeSet<Ipv4Addr> {
-    items.iter().copied().collect()
+fn set(items: &[Ipv4Addr]) -> BTreeSet<IpAddr> {
+    items.iter().map(|&ip| IpAddr::V4(ip)).collect()
 }
 
 /// (1) NodePort on node1 whose only endpoint is local (pod-a): pod-a answers and sees
@@ -143,7 +143,7 @@ fn external_traffic_policy_local_keeps_client_ip_or_drops() -> Result<()> {
     let via1 = SocketAddrV4::new(node1_ip(), 30082);
     let via2 = SocketAddrV4::new(node2_ip(), 30082);
     cluster.wait_frontend(0, via1, "TCP", "external", &pod_a)?;
-    cluster.wait_frontend(1, via2, "TCP", "external", &[])?;
+    cluster.wait_frontend(1, via2, "TCP", "external", &[] as &[SocketAddrV4])?;
     // Traffic from inside the cluster still gets every endpoint.
     cluster.wait_frontend(1, via2, "TCP", "internal", &pod_a)?;
 
@@ -707,7 +707,7 @@ fn health_check_node_port_reports_local_endpoints() -> Result<()> {
         SocketAddrV4::new(node2_ip(), 30091),
         "TCP",
         "external",
-        &[],
+        &[] as &[SocketAddrV4],
     )?;
     let client = cluster.client().name().to_owned();
 
@@ -746,5 +746,43 @@ fn health_check_node_port_reports_local_endpoints() -> Result<()> {
         "pod-a",
         CLIENT_IP,
     )?;
+    Ok(())
+}
+
+/// A NodePort Service without endpoints: a TCP connect is refused at once (a RST
+/// from the TC path) and a connected UDP socket gets ECONNREFUSED (an ICMP port
+/// unreachable), as kube-proxy's REJECT answers.
+#[test]
+fn service_without_endpoints_is_refused() -> Result<()> {
+    let svc = Service::new(
+        "empty",
+        Ipv4Addr::new(10, 96, 0, 38),
+        vec![
+            ServicePort::tcp("whoami", 80, WHOAMI_PORT.into()).with_node_port(30087),
+            ServicePort::udp("dns", 53, WHOAMI_PORT.into()).with_node_port(30087),
+        ],
+    )
+    .node_port();
+    let cluster = setup(two_backends(), &[(&svc, &[])], no_args)?;
+    let np = SocketAddrV4::new(node1_ip(), 30087);
+    cluster.wait_frontend(0, np, "TCP", "internal", &[] as &[SocketAddrV4])?;
+    cluster.wait_frontend(0, np, "UDP", "internal", &[] as &[SocketAddrV4])?;
+
+    let r = cluster.whoami(cluster.client(), np, 3, false, CONNECT_TIMEOUT)?;
+    ensure!(
+        r.tally.errors_of("ECONNREFUSED") == 3,
+        "TCP to {np} without endpoints: {r:#?}\n{}",
+        cluster.all_stats()
+    );
+    let r: lb_tests::probe::UdpConnectedReport = cluster.probe_in(
+        cluster.client(),
+        &["udp-connected", "--to", &np.to_string(), "--count", "3"].map(String::from),
+        Duration::from_secs(30),
+    )?;
+    ensure!(
+        r.tally.errors_of("ECONNREFUSED") == 3,
+        "connected UDP to {np} without endpoints: {r:#?}\n{}",
+        cluster.all_stats()
+    );
     Ok(())
 }

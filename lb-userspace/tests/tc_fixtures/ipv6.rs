@@ -352,7 +352,7 @@ fn ipv6_later_fragments_follow_their_first() {
 }
 
 #[test]
-fn ipv6_service_without_endpoints_resets_tcp_and_drops_udp() {
+fn ipv6_service_without_endpoints_resets_tcp_and_refuses_udp() {
     let mut f = Fixture::new();
     let mut desired = node_port6(Protocol::Tcp, &[]);
     desired
@@ -376,8 +376,45 @@ fn ipv6_service_without_endpoints_resets_tcp_and_drops_udp() {
             dport: 40006
         }
     );
-    let (verdict, _) = f.external(&Packet6::udp(CLIENT6, 40007, NODE6, NODE_PORT).frame());
-    assert_eq!(verdict, TC_ACT_SHOT);
+    // UDP: an ICMPv6 port unreachable from the address tried, quoting the
+    // datagram's IPv6 and UDP headers, its checksum over the pseudo header.
+    let udp = Packet6::udp(CLIENT6, 40007, NODE6, NODE_PORT).frame();
+    let (verdict, out) = f.external(&udp);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    let p = etherparse::SlicedPacket::from_ethernet(&out).unwrap();
+    let Some(etherparse::NetSlice::Ipv6(ip)) = &p.net else {
+        panic!("no IPv6 answer: {p:?}");
+    };
+    assert_eq!(ip.header().source_addr(), NODE6);
+    assert_eq!(ip.header().destination_addr(), CLIENT6);
+    let Some(etherparse::TransportSlice::Icmpv6(icmp)) = &p.transport else {
+        panic!("no ICMPv6 answer: {p:?}");
+    };
+    assert_eq!(
+        icmp.icmp_type(),
+        etherparse::Icmpv6Type::DestinationUnreachable(
+            etherparse::icmpv6::DestUnreachableCode::Port
+        )
+    );
+    assert_eq!(
+        icmp.payload(),
+        &udp[14..14 + 48],
+        "quotes IPv6 and UDP headers"
+    );
+    let sum = icmp
+        .icmp_type()
+        .calc_checksum(
+            ip.header().source(),
+            ip.header().destination(),
+            icmp.payload(),
+        )
+        .unwrap();
+    assert_eq!(sum, icmp.checksum());
+    // Behind an extension header the datagram is not answered: dropped.
+    let behind = Packet6::udp(CLIENT6, 40008, NODE6, NODE_PORT)
+        .with_ext(0, options_header())
+        .frame();
+    assert_eq!(f.external(&behind).0, TC_ACT_SHOT);
     // Addresses of both families in one table: the IPv4 key space is untouched.
     assert!(f
         .maps
