@@ -18,6 +18,7 @@ mod ct;
 mod fib;
 mod frag;
 mod icmp;
+mod icmp6;
 mod maps;
 mod nat;
 mod packet;

@@ -13,6 +13,10 @@ const IPV6_HLEN: usize = 40;
 pub const IP6_HOP_LIMIT_OFF: usize = ETH_HLEN + 7;
 pub const IP6_SRC_OFF: usize = ETH_HLEN + 8;
 pub const IP6_DST_OFF: usize = ETH_HLEN + 24;
+/// Offset of the payload length, and of an ICMPv6 header right behind the fixed
+/// IPv6 header.
+pub const IP6_PAYLOAD_LEN_OFF: usize = ETH_HLEN + 4;
+pub const ICMP6_OFF: usize = ETH_HLEN + IPV6_HLEN;
 /// IPv6 extension headers the parser walks over (RFC 8200 section 4).
 const NEXTHDR_HOP: u8 = 0;
 const NEXTHDR_ROUTING: u8 = 43;
@@ -110,6 +114,13 @@ pub enum Parsed {
     /// Destination unreachable, time exceeded or parameter problem about a TCP/UDP
     /// packet: belongs to that packet's flow.
     IcmpError(IcmpError),
+    /// The ICMPv6 twin of `IcmpError` (destination unreachable, packet too big,
+    /// time exceeded, parameter problem), right behind the fixed IPv6 header, at
+    /// [`ICMP6_OFF`]; `icmp6` reads the quoted packet as it needs it. Neighbour
+    /// discovery and other informational messages are `Ignored`. No payload: a
+    /// variant with fields here makes LLVM pass undefined registers around, which
+    /// the verifier refuses (`!read_ok`).
+    Icmp6Error,
     /// A later fragment of an IPv4 datagram (offset > 0): no L4 header, so it can
     /// only follow what its first fragment got.
     Fragment(Fragment),
@@ -251,7 +262,17 @@ fn try_parse6(ctx: &TcContext) -> Result<Parsed, ()> {
         }
     }
     if next == NEXTHDR_ICMPV6 {
-        return Ok(Parsed::Ignored);
+        // Errors come without extension headers (a router's own message); one
+        // split in fragments, or behind options, is not worth translating.
+        if off != ICMP6_OFF {
+            return Ok(Parsed::Ignored);
+        }
+        let icmp_type: u8 = ctx.load(off).map_err(|_| ())?;
+        return Ok(if is_icmp6_error(icmp_type) {
+            Parsed::Icmp6Error
+        } else {
+            Parsed::Ignored
+        });
     }
     if !followed || (next != IPPROTO_TCP && next != IPPROTO_UDP) {
         // More headers than we walk, ESP, or anything else before TCP/UDP: a
@@ -275,6 +296,14 @@ fn try_parse6(ctx: &TcContext) -> Result<Parsed, ()> {
         first_fragment_id: fragment.filter(|f| f.1).map(|f| f.0),
         v6: true,
     }))
+}
+
+/// ICMPv6 types 1-4 (RFC 4443 2.1: errors have the high bit clear; 1-4 are the
+/// ones that quote a packet of a flow). Neighbour discovery (133-137) and every
+/// informational message are never touched.
+#[inline(always)]
+fn is_icmp6_error(icmp_type: u8) -> bool {
+    matches!(icmp_type, 1..=4)
 }
 
 /// IPv6 next-header values that are extension headers rather than an upper layer

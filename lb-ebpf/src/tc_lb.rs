@@ -11,7 +11,7 @@ use lb_common::{
 };
 
 use crate::{
-    ct, fib, frag, icmp,
+    ct, fib, frag, icmp, icmp6,
     nat::{self, Tuple},
     packet::{self, Flow, Parsed},
     reject, select, source_ranges, stats,
@@ -74,6 +74,7 @@ pub fn handle(ctx: &TcContext, scope: u8) -> i32 {
                 }
             };
         }
+        Parsed::Icmp6Error => return icmp6::handle(ctx),
         Parsed::Fragment(fragment) => return frag::follow(ctx, &fragment),
         Parsed::Malformed => {
             stats::bump(stat::TC_MALFORMED);

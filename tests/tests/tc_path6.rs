@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use anyhow::{ensure, Result};
 use lb_tests::cluster::{
-    node_ip, node_ip6, whoami_node_port, Cluster, ClusterBuilder, BULK_PORT, CLIENT_IP, CLIENT_IP6,
-    DROP_CONNECT_TIMEOUT, WHOAMI_PORT,
+    node_ip, node_ip6, pod_cidr6, whoami_node_port, Cluster, ClusterBuilder, BULK_PORT, CLIENT_IP,
+    CLIENT_IP6, DROP_CONNECT_TIMEOUT, WHOAMI_PORT,
 };
 use lb_tests::manifests::{Service, ServicePort};
 use lb_tests::probe::UdpConnectedReport;
@@ -336,6 +336,58 @@ fn ipv6_service_without_endpoints_is_refused() -> Result<()> {
         r.tally.errors_of("ECONNREFUSED") == 3,
         "connected UDP to {np} without endpoints: {r:#?}\n{}",
         cluster.all_stats()
+    );
+    Ok(())
+}
+
+/// PMTU through the NodePort: node2's route to its pods allows 1280 bytes, the
+/// client's and node1's links 1500. The client's full-sized segments, SNATed by
+/// node1 towards pod-b, are refused by node2 with a Packet Too Big to node1's
+/// address; node1 must hand it to the client, rewritten to quote what the client
+/// sent, or the client never shrinks its segments and the transfer stalls. The
+/// transfer completes byte-exact and the client's route to node1 has learnt 1280.
+#[test]
+fn ipv6_packet_too_big_from_beyond_the_node_reaches_the_client() -> Result<()> {
+    const BYTES: u64 = 4 << 20;
+    let svc = Service::new(
+        "pmtu6",
+        Ipv4Addr::new(10, 96, 9, 9),
+        vec![ServicePort::tcp("bulk", 81, BULK_PORT.into()).with_node_port(30188)],
+    )
+    .node_port()
+    .ipv6_only(vip6(0x39));
+    let cluster = setup(two_backends(), &[(&svc, &["pod-b"])])?;
+    cluster.node(1).netns().ip(&[
+        "-6",
+        "route",
+        "replace",
+        &pod_cidr6(1),
+        "dev",
+        "br0",
+        "proto",
+        "kernel",
+        "metric",
+        "256",
+        "mtu",
+        "1280",
+    ])?;
+    let to = on_node6(0, 30188);
+    let want = pod_addrs6(&cluster, &["pod-b"], BULK_PORT)?;
+    cluster.wait_frontend(0, to, "TCP", "internal", &want)?;
+
+    let r = cluster.bulk(cluster.client(), to, BYTES, 7)?;
+    ensure!(
+        r.complete(BYTES),
+        "{to}: the transfer did not complete: {r:#?}\n{}",
+        cluster.all_stats()
+    );
+    ensure!(r.backend == "pod-b", "{r:#?}");
+    let route = cluster
+        .client()
+        .ip(&["-6", "route", "get", &node_ip6(0).to_string()])?;
+    ensure!(
+        route.contains("mtu 1280"),
+        "the client did not learn the path MTU: {route}"
     );
     Ok(())
 }

@@ -1,6 +1,8 @@
 //! IPv6 through the per-packet programs: NodePort DNAT (and SNAT to the node's IPv6
 //! address), conntrack and reverse NAT, extension headers, fragments, malformed
-//! headers, neighbour discovery, and the RST for a Service without endpoints. The
+//! headers, neighbour discovery, ICMPv6 errors about a flow (Packet Too Big from
+//! beyond the node, a backend's unreachable), and the RST / ICMPv6 unreachable for
+//! a Service without endpoints. The
 //! frames are built, and the checksums after the program checked, by etherparse.
 
 use std::collections::BTreeSet;
@@ -423,4 +425,139 @@ fn ipv6_service_without_endpoints_resets_tcp_and_refuses_udp() {
         .services
         .keys()
         .all(|k| IpAddr::from(k.address) == IpAddr::from(NODE6)));
+}
+
+/// An ICMPv6 error from `src` to `dst` quoting the IPv6 packet of `quoted` (a
+/// frame) cut to `quote_len` bytes, its checksum computed by etherparse.
+fn icmp6_error(
+    src: Ipv6Addr,
+    dst: Ipv6Addr,
+    kind: etherparse::Icmpv6Type,
+    quoted: &[u8],
+    quote_len: usize,
+) -> Vec<u8> {
+    let quote = &quoted[14..14 + quote_len];
+    let icmp =
+        etherparse::Icmpv6Header::with_checksum(kind, src.octets(), dst.octets(), quote).unwrap();
+    let mut payload = icmp.to_bytes().to_vec();
+    payload.extend_from_slice(quote);
+    frame6(src, dst, NEXT_ICMPV6, &payload)
+}
+
+/// The outer addresses of an ICMPv6 error and its type, after checking its
+/// checksum (over the pseudo header of those addresses), and its quote as a frame.
+fn inspect_icmp6(frame: &[u8]) -> (Ipv6Addr, Ipv6Addr, etherparse::Icmpv6Type, Vec<u8>) {
+    let p = etherparse::SlicedPacket::from_ethernet(frame).expect("a parsable frame");
+    let Some(etherparse::NetSlice::Ipv6(ip)) = &p.net else {
+        panic!("not IPv6: {p:?}");
+    };
+    let Some(etherparse::TransportSlice::Icmpv6(icmp)) = &p.transport else {
+        panic!("not ICMPv6: {p:?}");
+    };
+    let (src, dst) = (ip.header().source(), ip.header().destination());
+    let want = icmp
+        .icmp_type()
+        .calc_checksum(src, dst, icmp.payload())
+        .unwrap();
+    assert_eq!(want, icmp.checksum(), "ICMPv6 checksum after the rewrite");
+    let mut quote = frame[..14].to_vec();
+    quote.extend_from_slice(icmp.payload());
+    (src.into(), dst.into(), icmp.icmp_type(), quote)
+}
+
+/// A router between the node and a remote backend cannot forward the SNATed
+/// packet: its Packet Too Big goes to the node's address, quoting the packet as the
+/// node sent it. The client gets it, quoting what the client sent (its own address
+/// and port, the NodePort), with every checksum valid, the MTU and the router's
+/// address kept; a quote cut after the ports is translated as well.
+#[test]
+fn ipv6_packet_too_big_from_beyond_the_node_reaches_the_client() {
+    let router = Ipv6Addr::new(0x2001, 0xdb8, 0x50, 0, 0, 0, 0, 9);
+    let ptb = etherparse::Icmpv6Type::PacketTooBig { mtu: 1280 };
+    let mut f = Fixture::new();
+    f.program(&node_port6(Protocol::Tcp, &[(REMOTE_POD6, false)]));
+    let syn = Packet6::tcp(CLIENT6, 40020, NODE6, NODE_PORT, ACK).frame();
+    let sent = f.external(&syn).1;
+    assert_eq!(inspect6(&sent).dst, REMOTE_POD6);
+    let hits = f.stat(stat::TC_CT_HIT);
+
+    for quote_len in [sent.len() - 14, 40 + 8] {
+        let error = icmp6_error(router, NODE6, ptb, &sent, quote_len);
+        let (verdict, out) = f.external(&error);
+        assert_eq!(verdict, TC_ACT_OK, "forwarded by the stack: from a router");
+        let (src, dst, kind, quote) = inspect_icmp6(&out);
+        assert_eq!(
+            (src, dst, kind),
+            (router, CLIENT6, ptb),
+            "quote {quote_len}"
+        );
+        let quoted = if quote_len == sent.len() - 14 {
+            inspect6(&quote)
+        } else {
+            let ip = Ipv6Header::from_slice(&quote[14..]).unwrap().0;
+            let ports = &quote[54..58];
+            Seen6 {
+                src: ip.source.into(),
+                sport: u16::from_be_bytes([ports[0], ports[1]]),
+                dst: ip.destination.into(),
+                dport: u16::from_be_bytes([ports[2], ports[3]]),
+            }
+        };
+        assert_eq!(
+            quoted,
+            Seen6 {
+                src: CLIENT6,
+                sport: 40020,
+                dst: NODE6,
+                dport: NODE_PORT
+            },
+            "quote {quote_len}"
+        );
+    }
+    assert_eq!(f.stat(stat::TC_CT_HIT), hits + 2);
+}
+
+/// A local backend answers a datagram with "port unreachable": the client gets
+/// it from the frontend it used, about what it sent.
+#[test]
+fn ipv6_unreachable_from_a_local_backend_comes_from_the_frontend() {
+    let unreachable = etherparse::Icmpv6Type::DestinationUnreachable(
+        etherparse::icmpv6::DestUnreachableCode::Port,
+    );
+    let mut f = Fixture::new();
+    f.program(&node_port6(Protocol::Udp, &[(LOCAL_POD6, true)]));
+    let sent = f
+        .external(&Packet6::udp(CLIENT6, 40021, NODE6, NODE_PORT).frame())
+        .1;
+    assert_eq!(inspect6(&sent).dst, LOCAL_POD6);
+    let error = icmp6_error(LOCAL_POD6, CLIENT6, unreachable, &sent, sent.len() - 14);
+    let (_, out) = f.internal(&error);
+    let (src, dst, kind, quote) = inspect_icmp6(&out);
+    assert_eq!((src, dst, kind), (NODE6, CLIENT6, unreachable));
+    assert_eq!(
+        inspect6(&quote),
+        Seen6 {
+            src: CLIENT6,
+            sport: 40021,
+            dst: NODE6,
+            dport: NODE_PORT
+        }
+    );
+}
+
+/// ICMPv6 errors about no flow of ours, and informational messages, pass as they
+/// came.
+#[test]
+fn ipv6_icmp_errors_of_unknown_flows_pass_untouched() {
+    let mut f = Fixture::new();
+    f.program(&node_port6(Protocol::Tcp, &[(REMOTE_POD6, false)]));
+    let stranger = Packet6::tcp(CLIENT6, 40022, REMOTE_POD6, 8080, ACK).frame();
+    let ptb = etherparse::Icmpv6Type::PacketTooBig { mtu: 1280 };
+    let error = icmp6_error(NODE6, CLIENT6, ptb, &stranger, stranger.len() - 14);
+    let (verdict, out) = f.external(&error);
+    assert_eq!((verdict, &out), (TC_ACT_OK, &error));
+    let echo = etherparse::Icmpv6Type::EchoRequest(etherparse::IcmpEchoHeader { id: 1, seq: 1 });
+    let ping = icmp6_error(CLIENT6, NODE6, echo, &stranger, 8);
+    let (verdict, out) = f.external(&ping);
+    assert_eq!((verdict, &out), (TC_ACT_OK, &ping));
 }
