@@ -163,20 +163,36 @@ pub fn monotonic_now_ns() -> u64 {
     ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
 }
 
-/// An aligned table for people.
+/// An aligned table for people; the address columns are as wide as their
+/// longest entry (an IPv6 address takes up to 47 characters, IPv4 at most 21).
 pub fn render_text(flows: &[Flow]) -> String {
     use std::fmt::Write as _;
-    let mut out = String::from("PROTO  CLIENT                 FRONTEND               BACKEND                SNAT                   STATE        IDLE\n");
-    for f in flows {
-        let snat = f.snat.map_or("-".to_string(), |s| s.to_string());
+    let rows: Vec<[String; 4]> = flows
+        .iter()
+        .map(|f| {
+            [
+                f.client.to_string(),
+                f.frontend.to_string(),
+                f.backend.to_string(),
+                f.snat.map_or("-".to_string(), |s| s.to_string()),
+            ]
+        })
+        .collect();
+    let width = |i: usize| rows.iter().map(|r| r[i].len()).max().unwrap_or(0).max(21);
+    let (wc, wf, wb, ws) = (width(0), width(1), width(2), width(3));
+    let mut out = format!(
+        "{:<6} {:<wc$} {:<wf$} {:<wb$} {:<ws$} {:<12} IDLE\n",
+        "PROTO", "CLIENT", "FRONTEND", "BACKEND", "SNAT", "STATE"
+    );
+    for (f, r) in flows.iter().zip(&rows) {
         let _ = writeln!(
             out,
-            "{:<6} {:<22} {:<22} {:<22} {:<22} {:<12} {}.{:03}s",
+            "{:<6} {:<wc$} {:<wf$} {:<wb$} {:<ws$} {:<12} {}.{:03}s",
             f.protocol.to_string(),
-            f.client.to_string(),
-            f.frontend.to_string(),
-            f.backend.to_string(),
-            snat,
+            r[0],
+            r[1],
+            r[2],
+            r[3],
             f.state,
             f.idle_ms / 1000,
             f.idle_ms % 1000
@@ -268,6 +284,55 @@ mod tests {
         assert_eq!(f.state, "ESTABLISHED");
         // Idle since the later of the two directions.
         assert_eq!(f.idle_ms, 3000);
+    }
+
+    #[test]
+    fn ipv6_flows_are_listed_bracketed_and_aligned() {
+        let v6 = |s: &str| -> lb_common::IpAddrBe { s.parse::<std::net::IpAddr>().unwrap().into() };
+        let (client, node, pod) = (v6("fd00:50::100"), v6("fd00:50::1"), v6("fd00:244:2::11"));
+        let key = |src, sport: u16, dst, dport: u16| CtKey {
+            src_addr: src,
+            dst_addr: dst,
+            src_port: sport.to_be(),
+            dst_port: dport.to_be(),
+            proto: IPPROTO_TCP,
+            _pad: [0; 3],
+        };
+        let value = |src, sport: u16, dst, dport: u16, dir| CtValue {
+            last_seen_ns: SEC,
+            nat_src_addr: src,
+            nat_dst_addr: dst,
+            nat_src_port: sport.to_be(),
+            nat_dst_port: dport.to_be(),
+            backend_id: 1,
+            rev_nat_id: 1,
+            state: CT_STATE_SYN,
+            dir,
+            _pad2: 0,
+        };
+        let entries = [
+            (
+                key(client, 40000, node, 30080),
+                value(node, 40000, pod, 8080, CT_DIR_FORWARD),
+            ),
+            (
+                key(pod, 8080, node, 40000),
+                value(node, 30080, client, 40000, CT_DIR_REPLY),
+            ),
+        ];
+        let flows = flows(&entries, 2 * SEC);
+        assert_eq!(flows.len(), 1);
+        assert_eq!(flows[0].client, "[fd00:50::100]:40000".parse().unwrap());
+        assert_eq!(flows[0].snat, Some("[fd00:50::1]:40000".parse().unwrap()));
+        let text = render_text(&flows);
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[1].contains("[fd00:244:2::11]:8080"), "{text}");
+        // Every column starts where its heading does.
+        for heading in ["FRONTEND", "BACKEND", "SNAT", "STATE"] {
+            let at = lines[0].find(heading).unwrap();
+            assert_eq!(&lines[1][at - 1..at], " ", "{heading} in\n{text}");
+            assert_ne!(&lines[1][at..at + 1], " ", "{heading} in\n{text}");
+        }
     }
 
     #[test]

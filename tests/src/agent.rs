@@ -3,7 +3,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
-use std::net::SocketAddrV4;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -264,11 +263,11 @@ pub struct LinkStatus {
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 pub struct CtFlow {
     pub protocol: String,
-    pub client: SocketAddrV4,
-    pub frontend: SocketAddrV4,
-    pub backend: SocketAddrV4,
+    pub client: std::net::SocketAddr,
+    pub frontend: std::net::SocketAddr,
+    pub backend: std::net::SocketAddr,
     /// The source the backend sees when it is not the client (remote backend).
-    pub snat: Option<SocketAddrV4>,
+    pub snat: Option<std::net::SocketAddr>,
     pub state: String,
     pub idle_ms: u64,
 }

@@ -336,12 +336,12 @@ fn conntrack_lists_flow_and_collects_it_after_close() -> Result<()> {
         .with_context(|| cluster.all_stats())?;
     ensure!(held.backend == "pod-b", "greeted by {}", held.backend);
     ensure!(held.echo("ping")? == "pod-b ping");
-    let client: SocketAddrV4 = held
+    let client: std::net::SocketAddr = held
         .local
         .as_deref()
         .context("lb-probe hold did not report its local address")?
         .parse()?;
-    ensure!(*client.ip() == CLIENT_IP, "{client}");
+    ensure!(client.ip() == IpAddr::V4(CLIENT_IP), "{client}");
 
     let flows = cluster.wait_conntrack(
         0,
@@ -354,10 +354,10 @@ fn conntrack_lists_flow_and_collects_it_after_close() -> Result<()> {
         .find(|f| f.client == client)
         .expect("checked by the predicate");
     ensure!(flow.protocol.eq_ignore_ascii_case("TCP"), "{flow:#?}");
-    ensure!(flow.frontend == np, "{flow:#?}");
-    ensure!(flow.backend == backend, "{flow:#?}");
+    ensure!(flow.frontend == np.into(), "{flow:#?}");
+    ensure!(flow.backend == backend.into(), "{flow:#?}");
     ensure!(
-        flow.snat == Some(SocketAddrV4::new(node1_ip(), client.port())),
+        flow.snat == Some(SocketAddrV4::new(node1_ip(), client.port()).into()),
         "SNAT to node1 keeping the client's port expected: {flow:#?}"
     );
     ensure!(flow.state == "ESTABLISHED", "{flow:#?}");

@@ -391,3 +391,46 @@ fn ipv6_packet_too_big_from_beyond_the_node_reaches_the_client() -> Result<()> {
     );
     Ok(())
 }
+
+/// `lb conntrack` lists an IPv6 flow through a NodePort to the remote backend:
+/// the client's address and port, the NodePort, the backend, and node1 as the
+/// SNAT source keeping the client's port.
+#[test]
+fn ipv6_conntrack_lists_the_flow() -> Result<()> {
+    let svc = Service::new(
+        "held6",
+        Ipv4Addr::new(10, 96, 9, 9),
+        vec![ServicePort::tcp("echo", 80, lb_tests::ECHO_TCP_PORT.into()).with_node_port(30189)],
+    )
+    .node_port()
+    .ipv6_only(vip6(0x3a));
+    let cluster = setup(two_backends(), &[(&svc, &["pod-b"])])?;
+    let np = on_node6(0, 30189);
+    let backend = pod_addrs6(&cluster, &["pod-b"], lb_tests::ECHO_TCP_PORT)?[0];
+    cluster.wait_frontend(0, np, "TCP", "internal", &[backend])?;
+
+    let mut held = cluster.hold(cluster.client(), np)?;
+    ensure!(held.echo("ping")? == "pod-b ping");
+    let client: SocketAddr = held
+        .local
+        .as_deref()
+        .expect("lb-probe hold reports its local address")
+        .parse()?;
+    ensure!(client.ip() == IpAddr::from(CLIENT_IP6), "{client}");
+    let flows = cluster.wait_conntrack(
+        0,
+        &format!("node1 to list the flow of {client}"),
+        Duration::from_secs(5),
+        |flows| flows.iter().any(|f| f.client == client),
+    )?;
+    let flow = flows.iter().find(|f| f.client == client).expect("found");
+    ensure!(flow.frontend == np, "{flow:#?}");
+    ensure!(flow.backend == backend, "{flow:#?}");
+    ensure!(
+        flow.snat == Some(SocketAddr::new(node_ip6(0).into(), client.port())),
+        "{flow:#?}"
+    );
+    ensure!(flow.state == "ESTABLISHED", "{flow:#?}");
+    held.close()?;
+    Ok(())
+}
