@@ -5,7 +5,7 @@
 //! - `lb-bench serve` / `lb-bench client`: the server and client it runs inside the
 //!   namespaces.
 
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -72,7 +72,7 @@ enum Cmd {
     /// Measuring client (inside a client namespace).
     Client {
         #[arg(long)]
-        to: SocketAddrV4,
+        to: SocketAddr,
         /// lat | rate | bulk | watch | paired-lat | paired-bulk
         #[arg(long)]
         mode: String,
@@ -87,7 +87,7 @@ enum Cmd {
         until: Option<String>,
         /// paired-lat | paired-bulk: measured alternately with --to.
         #[arg(long)]
-        baseline: Option<SocketAddrV4>,
+        baseline: Option<SocketAddr>,
     },
 }
 

@@ -11,7 +11,7 @@
 //! the server counts the bytes and answers with the count (8 bytes, big endian).
 
 use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddrV4, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -53,8 +53,9 @@ pub fn pin_cpu(cpu: usize) -> Result<()> {
 
 /// `lb-bench serve --name N`: request/response and bulk servers, until killed.
 pub fn serve(name: &str) -> Result<()> {
-    let rr = TcpListener::bind(("0.0.0.0", RR_PORT)).context("bind rr port")?;
-    let bulk = TcpListener::bind(("0.0.0.0", BULK_PORT)).context("bind bulk port")?;
+    // `::` with the default bindv6only=0: one socket per port for both families.
+    let rr = TcpListener::bind(("::", RR_PORT)).context("bind rr port")?;
+    let bulk = TcpListener::bind(("::", BULK_PORT)).context("bind bulk port")?;
     let mut resp = name.as_bytes().to_vec();
     resp.resize(RESP_LEN, b' ');
     std::thread::spawn(move || {
@@ -126,8 +127,8 @@ pub struct ClientReport {
 }
 
 /// One connection: connect, request, response, close. Returns the backend name.
-fn one_rr(to: SocketAddrV4, req: &[u8; REQ_LEN], resp: &mut [u8; RESP_LEN]) -> Result<()> {
-    let mut s = TcpStream::connect_timeout(&to.into(), IO_TIMEOUT)?;
+fn one_rr(to: SocketAddr, req: &[u8; REQ_LEN], resp: &mut [u8; RESP_LEN]) -> Result<()> {
+    let mut s = TcpStream::connect_timeout(&to, IO_TIMEOUT)?;
     s.set_read_timeout(Some(IO_TIMEOUT))?;
     s.write_all(req)?;
     s.read_exact(resp)?;
@@ -139,9 +140,9 @@ fn name_of(resp: &[u8]) -> String {
 }
 
 pub struct ClientArgs {
-    pub to: SocketAddrV4,
+    pub to: SocketAddr,
     /// Paired modes: the address measured alternately with `to`.
-    pub baseline: Option<SocketAddrV4>,
+    pub baseline: Option<SocketAddr>,
     pub mode: String,
     pub count: u64,
     pub secs: f64,
@@ -310,8 +311,8 @@ pub fn client(a: &ClientArgs) -> Result<ClientReport> {
 pub const PAIRED_BULK_ROUNDS: usize = 16;
 
 /// One bulk connection sending for `secs`; MB/s (10^6 bytes) as the server counted.
-fn bulk_window(to: SocketAddrV4, secs: f64) -> Result<f64> {
-    let mut s = TcpStream::connect_timeout(&to.into(), IO_TIMEOUT)?;
+fn bulk_window(to: SocketAddr, secs: f64) -> Result<f64> {
+    let mut s = TcpStream::connect_timeout(&to, IO_TIMEOUT)?;
     s.set_write_timeout(Some(Duration::from_secs(10)))?;
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
     let buf = vec![0x5au8; 128 * 1024];
@@ -334,7 +335,7 @@ fn bulk_window(to: SocketAddrV4, secs: f64) -> Result<f64> {
 }
 
 /// 200 connections first (caches, ARP, conntrack); fails fast if the first ones fail.
-fn warm_up(to: SocketAddrV4, req: &[u8; REQ_LEN], resp: &mut [u8; RESP_LEN]) -> Result<()> {
+fn warm_up(to: SocketAddr, req: &[u8; REQ_LEN], resp: &mut [u8; RESP_LEN]) -> Result<()> {
     for i in 0..200 {
         if let Err(e) = one_rr(to, req, resp) {
             if i < 3 {

@@ -339,6 +339,16 @@ fn targets(res: &Results) -> String {
         show(&lat),
         verdict(worst.map(|w| w <= 1.03))
     );
+    let lat6 = paired("socket-lb6", |d| &d.paired_p50_ratio);
+    if !lat6.is_empty() {
+        let worst = lat6.iter().map(|(_, r)| r.median).reduce(f64::max);
+        let _ = writeln!(
+            o,
+            "| socket-LB over IPv6: p50 latency ≤ 1.03x direct | {} (paired with the pod's IPv6 address) | {} |",
+            show(&lat6),
+            verdict(worst.map(|w| w <= 1.03))
+        );
+    }
     // 2. conn rate vs iptables at the largest S both have.
     let ipt_s = res
         .datapaths
@@ -377,6 +387,16 @@ fn targets(res: &Results) -> String {
         show(&np),
         verdict(npw.map(|w| w >= 0.95))
     );
+    let np6 = paired("tc-nodeport6", |d| &d.paired_bulk_ratio);
+    if !np6.is_empty() {
+        let worst = np6.iter().map(|(_, r)| r.median).reduce(f64::min);
+        let _ = writeln!(
+            o,
+            "| NodePort over IPv6: throughput ≥ 0.95x direct | {} (paired with the pod's IPv6 address routed via the node) | {} |",
+            show(&np6),
+            verdict(worst.map(|w| w >= 0.95))
+        );
+    }
     // 4. programming 10k: the agent's whole start, and the map programming in it.
     // Both agents (socket LB, and the same agent with the TC path) program the same
     // table; each start is measured once, so both are shown and both must pass.
@@ -439,6 +459,8 @@ const SERIES: &[(&str, RGBColor)] = &[
     ("nftables", RGBColor(255, 127, 14)),
     ("socket-lb", RGBColor(31, 119, 180)),
     ("tc-nodeport", RGBColor(44, 160, 44)),
+    ("socket-lb6", RGBColor(148, 103, 189)),
+    ("tc-nodeport6", RGBColor(23, 190, 207)),
 ];
 
 fn plots(out: &Path, res: &Results) -> Result<()> {

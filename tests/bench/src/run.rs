@@ -8,11 +8,16 @@
 //!            ext0 192.168.77.1/24 ── ext ns eth0 192.168.77.100 (NodePort client, TC path)
 //! ```
 //!
+//! Every link is dual-stack (pods fd00:244:1::11.., ext0 fd00:77::1, the external
+//! client fd00:77::100): the measured Service has an IPv6 cluster IP too, and the
+//! IPv6 rows (`socket-lb6`, `tc-nodeport6`) are paired with the IPv6 pod path as
+//! the IPv4 rows are with the IPv4 one.
+//!
 //! Everything (namespaces, cgroups, pin dirs, processes, temp files) is owned by RAII
 //! guards declared in teardown order; nothing touches the host's own namespace.
 
 use std::fs;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -29,7 +34,7 @@ use lb_tests::manifests::{
 };
 use lb_tests::netns::NetNs;
 use lb_tests::process::{Child, Spawner};
-use lb_tests::topology::{pod_ip, pod_name, Topology, SERVICE_CIDR};
+use lb_tests::topology::{pod_ip, pod_ip6, pod_name, Topology, GATEWAY6, SERVICE_CIDR};
 use lb_tests::util::unique_name;
 
 pub const ENDPOINTS_PER_SERVICE: usize = 10;
@@ -39,6 +44,11 @@ const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 1);
 const EXT_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 100);
 /// The external client's source for the NodePort baseline (direct to the pod IP).
 const EXT_BASELINE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 101);
+const NODE_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x77, 0, 0, 0, 0, 0, 1);
+const EXT_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x77, 0, 0, 0, 0, 0, 0x100);
+const EXT_BASELINE_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x77, 0, 0, 0, 0, 0, 0x101);
+/// The measured Service's IPv6 cluster IP (the others are IPv4 only).
+const MEASURED_VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x100);
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Config {
@@ -154,8 +164,8 @@ pub struct DataResult {
 /// the same client.
 #[derive(Clone, Copy)]
 struct Baseline {
-    rr: SocketAddrV4,
-    bulk: SocketAddrV4,
+    rr: SocketAddr,
+    bulk: SocketAddr,
     what: &'static str,
 }
 
@@ -354,7 +364,23 @@ fn manifest_of(svc: &SvcPort) -> String {
         .map(|(j, ip)| Endpoint::ready(&format!("{}-{j}", svc.name), *ip))
         .collect();
     let slice = EndpointSlice::for_service(&service, eps);
-    format!("{}---\n{}", service.to_yaml(), slice.to_yaml())
+    if svc.node_port.is_none() {
+        return format!("{}---\n{}", service.to_yaml(), slice.to_yaml());
+    }
+    // The measured Service is dual-stack: its IPv6 slice names the same pods by
+    // their IPv6 addresses (pod_ip(i) <-> pod_ip6(i)).
+    let service = service.dual_stack(MEASURED_VIP6);
+    let eps6 = svc
+        .endpoints
+        .iter()
+        .enumerate()
+        .map(|(j, ip)| {
+            let i = (0..2).find(|&i| pod_ip(i) == *ip).unwrap_or(0);
+            Endpoint::ready(&format!("{}-{j}", svc.name), pod_ip6(i))
+        })
+        .collect();
+    let slice6 = EndpointSlice::ipv6_for_service(&service, eps6);
+    documents([service.to_yaml(), slice.to_yaml(), slice6.to_yaml()])
 }
 
 /// `pod_ip(0)`, as a constant.
@@ -363,17 +389,34 @@ const POD_A: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 11);
 /// Socket LB's baseline: pod-a's IP from the same client pod, in the agent's cgroup
 /// (so its connects pass the connect4 hook, which finds no Service).
 const SOCKET_BASELINE: Baseline = Baseline {
-    rr: SocketAddrV4::new(POD_A, RR_PORT),
-    bulk: SocketAddrV4::new(POD_A, BULK_PORT),
+    rr: SocketAddr::V4(SocketAddrV4::new(POD_A, RR_PORT)),
+    bulk: SocketAddr::V4(SocketAddrV4::new(POD_A, BULK_PORT)),
     what: "pod IP, same client",
 };
 
 /// NodePort's baseline: pod-a's IP routed through the node from the same external
 /// client, i.e. the same hops without the Service translation.
 const NODEPORT_BASELINE: Baseline = Baseline {
-    rr: SocketAddrV4::new(POD_A, RR_PORT),
-    bulk: SocketAddrV4::new(POD_A, BULK_PORT),
+    rr: SocketAddr::V4(SocketAddrV4::new(POD_A, RR_PORT)),
+    bulk: SocketAddr::V4(SocketAddrV4::new(POD_A, BULK_PORT)),
     what: "pod IP routed via the node, same external client (2nd address)",
+};
+
+/// `pod_ip6(0)`, as a constant.
+const POD_A6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x244, 1, 0, 0, 0, 0, 0x11);
+
+/// [`SOCKET_BASELINE`] over IPv6: pod-a's IPv6 address.
+const SOCKET_BASELINE6: Baseline = Baseline {
+    rr: SocketAddr::V6(SocketAddrV6::new(POD_A6, RR_PORT, 0, 0)),
+    bulk: SocketAddr::V6(SocketAddrV6::new(POD_A6, BULK_PORT, 0, 0)),
+    what: "pod IPv6 address, same client",
+};
+
+/// [`NODEPORT_BASELINE`] over IPv6.
+const NODEPORT_BASELINE6: Baseline = Baseline {
+    rr: SocketAddr::V6(SocketAddrV6::new(POD_A6, RR_PORT, 0, 0)),
+    bulk: SocketAddr::V6(SocketAddrV6::new(POD_A6, BULK_PORT, 0, 0)),
+    what: "pod IPv6 address routed via the node, same external client (2nd address)",
 };
 
 impl Env {
@@ -448,6 +491,48 @@ impl Env {
             "src",
             &EXT_BASELINE_IP.to_string(),
         ])?;
+        // The same link, over IPv6 (no duplicate address detection: usable at once).
+        node.sysctls(&[("net/ipv6/conf/all/forwarding", "1")])?;
+        node.ip(&[
+            "addr",
+            "add",
+            &format!("{NODE_IP6}/64"),
+            "dev",
+            "ext0",
+            "nodad",
+        ])?;
+        env.ext.ip(&[
+            "addr",
+            "add",
+            &format!("{EXT_IP6}/64"),
+            "dev",
+            "eth0",
+            "nodad",
+        ])?;
+        // Deprecated (preferred_lft 0): never the default source, so the NodePort
+        // connections come from EXT_IP6 and only the baseline route's `src` uses it
+        // (the reason for a second address is the same as over IPv4, above).
+        env.ext.ip(&[
+            "addr",
+            "add",
+            &format!("{EXT_BASELINE_IP6}/64"),
+            "dev",
+            "eth0",
+            "nodad",
+            "preferred_lft",
+            "0",
+        ])?;
+        let pods6 = format!("{}/64", GATEWAY6);
+        env.ext.ip(&[
+            "-6",
+            "route",
+            "add",
+            &pods6,
+            "via",
+            &NODE_IP6.to_string(),
+            "src",
+            &EXT_BASELINE_IP6.to_string(),
+        ])?;
         node.sysctls(&[("net/ipv4/conf/*/rp_filter", "0")])?;
         for i in 0..2 {
             let pod = &env.topo.pods()[i];
@@ -474,7 +559,7 @@ impl Env {
         &self,
         ns: &NetNs,
         in_cgroup: bool,
-        to: SocketAddrV4,
+        to: SocketAddr,
         args: &[String],
     ) -> Result<ClientReport> {
         let mut sp = Spawner::new(&self.exe).netns(ns)?;
@@ -505,8 +590,8 @@ impl Env {
         s: usize,
         ns: &NetNs,
         cg: bool,
-        to: SocketAddrV4,
-        bulk_to: Option<SocketAddrV4>,
+        to: SocketAddr,
+        bulk_to: Option<SocketAddr>,
         baseline: Option<Baseline>,
     ) -> Result<DataResult> {
         let (mut p50, mut p99, mut rate, mut bulk) = (vec![], vec![], vec![], vec![]);
@@ -558,7 +643,7 @@ impl Env {
                 bulk.extend(r.mb_per_sec);
             }
             if let Some(base) = baseline {
-                let base_arg = |a: SocketAddrV4| ["--baseline".to_string(), a.to_string()];
+                let base_arg = |a: SocketAddr| ["--baseline".to_string(), a.to_string()];
                 let lat = self.client(
                     ns,
                     cg,
@@ -635,7 +720,7 @@ impl Env {
         &self,
         ns: &NetNs,
         cg: bool,
-        to: SocketAddrV4,
+        to: SocketAddr,
         change: impl FnOnce() -> Result<()>,
     ) -> Result<f64> {
         let mut sp = Spawner::new(&self.exe).netns(ns)?;
@@ -675,8 +760,8 @@ impl Env {
     }
 
     pub fn direct(&self) -> Result<DataResult> {
-        let to = SocketAddrV4::new(pod_ip(0), RR_PORT);
-        let bulk = SocketAddrV4::new(pod_ip(0), BULK_PORT);
+        let to = SocketAddr::new(pod_ip(0).into(), RR_PORT);
+        let bulk = SocketAddr::new(pod_ip(0).into(), BULK_PORT);
         self.measure(
             "direct",
             0,
@@ -688,8 +773,8 @@ impl Env {
         )
     }
 
-    fn vip_addr(&self, s: usize) -> SocketAddrV4 {
-        SocketAddrV4::new(vip(s - 1), SVC_PORT)
+    fn vip_addr(&self, s: usize) -> SocketAddr {
+        SocketAddr::new(vip(s - 1).into(), SVC_PORT)
     }
 
     pub fn iptables(&self, s: usize, res: &mut Results) -> Result<()> {
@@ -850,7 +935,7 @@ impl Env {
         let (agent, listed, pid) = self.start_agent(s, false)?;
         println!("  socket-lb  S={s:<6} agent programmed in {listed:.2} s");
         let to = self.vip_addr(s);
-        let bulk = SocketAddrV4::new(vip(s - 1), SVC_PORT + 1);
+        let bulk = SocketAddr::new(vip(s - 1).into(), SVC_PORT + 1);
         let ns = self.topo.client().netns();
         res.datapaths.push(self.measure(
             "socket-lb",
@@ -861,6 +946,18 @@ impl Env {
             Some(bulk),
             Some(SOCKET_BASELINE),
         )?);
+        if self.cfg.wants("socket-lb6") {
+            let vip6 = |port| SocketAddr::new(MEASURED_VIP6.into(), port);
+            res.datapaths.push(self.measure(
+                "socket-lb6",
+                s,
+                ns,
+                true,
+                vip6(SVC_PORT),
+                Some(vip6(SVC_PORT + 1)),
+                Some(SOCKET_BASELINE6),
+            )?);
+        }
         let change_ms =
             self.change_latency(ns, true, to, || self.set_measured_backend(s, pod_ip(1)))?;
         let hwm = vm_hwm_kib(pid);
@@ -895,30 +992,34 @@ impl Env {
     fn tc(&self, s: usize, res: &mut Results) -> Result<()> {
         let (agent, listed, pid) = self.start_agent(s, true)?;
         println!("  tc-nodeport S={s:<6} agent programmed in {listed:.2} s");
-        let to = SocketAddrV4::new(NODE_IP, NODE_PORT);
-        let bulk = SocketAddrV4::new(NODE_IP, NODE_PORT + 1);
-        let d = self
-            .measure(
-                "tc-nodeport",
-                s,
-                &self.ext,
-                false,
-                to,
-                Some(bulk),
-                Some(NODEPORT_BASELINE),
-            )
-            .map_err(|e| {
-                let stats = agent.lb_command(&["stats"]).unwrap_or_default();
-                let ct = agent.lb_command(&["conntrack"]).unwrap_or_default();
-                let svcs = agent.lb_command(&["services"]).unwrap_or_default();
-                e.context(format!(
-                    "stats:\n{stats}\nconntrack:\n{}\nservices:\n{}\nlog tail:\n{}",
-                    ct.lines().take(8).collect::<Vec<_>>().join("\n"),
-                    svcs.lines().rev().take(8).collect::<Vec<_>>().join("\n"),
-                    tail(&agent.log(), 8)
-                ))
-            })?;
-        res.datapaths.push(d);
+        let mut rows = vec![("tc-nodeport", IpAddr::from(NODE_IP), NODEPORT_BASELINE)];
+        if self.cfg.wants("tc-nodeport6") {
+            rows.push(("tc-nodeport6", NODE_IP6.into(), NODEPORT_BASELINE6));
+        }
+        for (name, node_ip, baseline) in rows {
+            let d = self
+                .measure(
+                    name,
+                    s,
+                    &self.ext,
+                    false,
+                    SocketAddr::new(node_ip, NODE_PORT),
+                    Some(SocketAddr::new(node_ip, NODE_PORT + 1)),
+                    Some(baseline),
+                )
+                .map_err(|e| {
+                    let stats = agent.lb_command(&["stats"]).unwrap_or_default();
+                    let ct = agent.lb_command(&["conntrack"]).unwrap_or_default();
+                    let svcs = agent.lb_command(&["services"]).unwrap_or_default();
+                    e.context(format!(
+                        "stats:\n{stats}\nconntrack:\n{}\nservices:\n{}\nlog tail:\n{}",
+                        ct.lines().take(8).collect::<Vec<_>>().join("\n"),
+                        svcs.lines().rev().take(8).collect::<Vec<_>>().join("\n"),
+                        tail(&agent.log(), 8)
+                    ))
+                })?;
+            res.datapaths.push(d);
+        }
         res.control.push(ControlResult {
             datapath: "tc-nodeport".into(),
             services: s,
