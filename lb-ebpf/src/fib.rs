@@ -19,7 +19,7 @@ use crate::packet::{ETH_HLEN, IP6_HOP_LIMIT_OFF, IP_CSUM_OFF};
 
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
-const IP_TTL_OFF: usize = ETH_HLEN + 8;
+const IP_TTL_OFF: usize = ETH_HLEN + crate::hdr::IP_TTL;
 
 /// An input route lookup from the device the packet arrived on, as forwarding
 /// would do (an output lookup would pin the egress to that same device; at TC

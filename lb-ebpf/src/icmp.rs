@@ -15,10 +15,10 @@ use crate::{
 
 /// Stores through which skb->csum (CHECKSUM_COMPLETE) stays right.
 const BPF_F_RECOMPUTE_CSUM: u64 = aya_ebpf::bindings::BPF_F_RECOMPUTE_CSUM as u64;
-const ICMP_CSUM_OFF: usize = 2;
-const IP_CSUM_IN_HDR: usize = 10;
-const IP_SRC_IN_HDR: usize = 12;
-const IP_DST_IN_HDR: usize = 16;
+use crate::hdr::{
+    ICMP_CSUM as ICMP_CSUM_OFF, IP_CSUM as IP_CSUM_IN_HDR, IP_DST as IP_DST_IN_HDR,
+    IP_SRC as IP_SRC_IN_HDR,
+};
 
 /// `Ok(Some((source, destination)))`, the new outer addresses, when the error
 /// belonged to one of our flows and was rewritten.
@@ -80,7 +80,11 @@ pub fn translate(ctx: &TcContext, e: &IcmpError) -> Result<Option<(u32, u32)>, i
     // Quoted ports: covered by the quoted L4 checksum and the ICMP checksum.
     for (off, old, new) in [
         (e.inner_l4_off, e.inner.sport, client_port),
-        (e.inner_l4_off + 2, e.inner.dport, frontend_port),
+        (
+            e.inner_l4_off + crate::hdr::L4_DPORT,
+            e.inner.dport,
+            frontend_port,
+        ),
     ] {
         if old == new {
             continue;

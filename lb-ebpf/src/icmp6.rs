@@ -31,11 +31,10 @@ use lb_common::stat;
 
 /// Stores through which skb->csum (CHECKSUM_COMPLETE) stays right.
 const BPF_F_RECOMPUTE_CSUM: u64 = aya_ebpf::bindings::BPF_F_RECOMPUTE_CSUM as u64;
-const ICMP_HLEN: usize = 8;
-const ICMP_CSUM_OFF: usize = 2;
-const IP6_HLEN: usize = 40;
-const SRC_IN_HDR: usize = 8;
-const DST_IN_HDR: usize = 24;
+use crate::hdr::{
+    ICMP6_CSUM as ICMP_CSUM_OFF, ICMP6_HLEN as ICMP_HLEN, IP6_DST as DST_IN_HDR, IP6_HLEN,
+    IP6_NEXT_HDR, IP6_SRC as SRC_IN_HDR, TCP_CSUM, UDP_CSUM,
+};
 
 /// What one translation needs to hold, per CPU (a program runs to its end on
 /// one CPU, so no two packets share an entry at once).
@@ -95,7 +94,7 @@ fn translate(ctx: &TcContext) -> Result<i32, i64> {
     let end = ICMP6_OFF + payload_len;
     let inner_ip_off = ICMP6_OFF + ICMP_HLEN;
     let inner_l4_off = inner_ip_off + IP6_HLEN;
-    let proto: u8 = ctx.load(inner_ip_off + 6)?;
+    let proto: u8 = ctx.load(inner_ip_off + IP6_NEXT_HDR)?;
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
         return Ok(pass);
     }
@@ -129,7 +128,12 @@ fn translate(ctx: &TcContext) -> Result<i32, i64> {
     let client = &entry.nat_dst_addr;
     let frontend = &entry.nat_src_addr;
 
-    let l4_csum_off = inner_l4_off + if proto == IPPROTO_TCP { 16 } else { 6 };
+    let l4_csum_off = inner_l4_off
+        + if proto == IPPROTO_TCP {
+            TCP_CSUM
+        } else {
+            UDP_CSUM
+        };
     // A quote may stop after the ports; a zero UDP checksum stays zero.
     let l4_present = l4_csum_off + 2 <= end;
     let old_l4: u16 = if l4_present {
@@ -160,7 +164,11 @@ fn translate(ctx: &TcContext) -> Result<i32, i64> {
     // Quoted ports: in the quoted L4 checksum, and ICMP payload.
     for (off, old, new) in [
         (inner_l4_off, ports[0], entry.nat_dst_port),
-        (inner_l4_off + 2, ports[1], entry.nat_src_port),
+        (
+            inner_l4_off + crate::hdr::L4_DPORT,
+            ports[1],
+            entry.nat_src_port,
+        ),
     ] {
         if old == new {
             continue;

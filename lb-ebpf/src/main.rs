@@ -17,6 +17,7 @@ mod csum;
 mod ct;
 mod fib;
 mod frag;
+mod hdr;
 mod icmp;
 mod icmp6;
 mod maps;

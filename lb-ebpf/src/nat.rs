@@ -53,7 +53,7 @@ pub fn rewrite(ctx: &TcContext, flow: &Flow, to: &Tuple) -> Result<(), i64> {
     if flow.dport != to.dport {
         rewrite_port(
             ctx,
-            flow.l4_off + 2,
+            flow.l4_off + crate::hdr::L4_DPORT,
             csum_off,
             l4_flags,
             flow.dport,

@@ -5,43 +5,35 @@
 use aya_ebpf::programs::TcContext;
 use lb_common::{IpAddrBe, IPPROTO_TCP, IPPROTO_UDP};
 
-pub const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_IPV6: u16 = 0x86DD;
-const IPV6_HLEN: usize = 40;
+pub use crate::hdr::ETH_HLEN;
+use crate::hdr::{
+    self, ETH_TYPE_IPV4_RAW, ETH_TYPE_IPV6_RAW, ICMP_HLEN, IP6_HLEN as IPV6_HLEN, IPPROTO_ICMP,
+    IPPROTO_ICMPV6 as NEXTHDR_ICMPV6, IP_HLEN as IPV4_MIN_HLEN, NEXTHDR_AUTH, NEXTHDR_DEST,
+    NEXTHDR_ESP, NEXTHDR_FRAGMENT, NEXTHDR_HOP, NEXTHDR_ROUTING, TCP_HLEN as TCP_MIN_HLEN,
+    UDP_HLEN,
+};
+
 /// Offsets of the IPv6 hop limit and addresses in the frame.
-pub const IP6_HOP_LIMIT_OFF: usize = ETH_HLEN + 7;
-pub const IP6_SRC_OFF: usize = ETH_HLEN + 8;
-pub const IP6_DST_OFF: usize = ETH_HLEN + 24;
+pub const IP6_HOP_LIMIT_OFF: usize = ETH_HLEN + hdr::IP6_HOP_LIMIT;
+pub const IP6_SRC_OFF: usize = ETH_HLEN + hdr::IP6_SRC;
+pub const IP6_DST_OFF: usize = ETH_HLEN + hdr::IP6_DST;
 /// Offset of the payload length, and of an ICMPv6 header right behind the fixed
 /// IPv6 header.
-pub const IP6_PAYLOAD_LEN_OFF: usize = ETH_HLEN + 4;
+pub const IP6_PAYLOAD_LEN_OFF: usize = ETH_HLEN + hdr::IP6_PAYLOAD_LEN;
 pub const ICMP6_OFF: usize = ETH_HLEN + IPV6_HLEN;
-/// IPv6 extension headers the parser walks over (RFC 8200 section 4).
-const NEXTHDR_HOP: u8 = 0;
-const NEXTHDR_ROUTING: u8 = 43;
-const NEXTHDR_FRAGMENT: u8 = 44;
-const NEXTHDR_AUTH: u8 = 51;
-const NEXTHDR_DEST: u8 = 60;
-const NEXTHDR_ICMPV6: u8 = 58;
 /// Most extension headers walked before giving up (and counting the packet).
 const IPV6_MAX_EXT: usize = 6;
-const IPV4_MIN_HLEN: usize = 20;
-const TCP_MIN_HLEN: usize = 20;
-const UDP_HLEN: usize = 8;
 /// More-fragments flag and fragment offset bits of `frag_off` (host order).
 const IP_MF_OFFSET_MASK: u16 = 0x3fff;
 /// The fragment offset bits alone.
 const IP_OFFSET_MASK: u16 = 0x1fff;
-const IPPROTO_ICMP: u8 = 1;
-const ICMP_HLEN: usize = 8;
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_TIME_EXCEEDED: u8 = 11;
 const ICMP_PARAMETERPROB: u8 = 12;
 
-pub const IP_CSUM_OFF: usize = ETH_HLEN + 10;
-pub const IP_SRC_OFF: usize = ETH_HLEN + 12;
-pub const IP_DST_OFF: usize = ETH_HLEN + 16;
+pub const IP_CSUM_OFF: usize = ETH_HLEN + hdr::IP_CSUM;
+pub const IP_SRC_OFF: usize = ETH_HLEN + hdr::IP_SRC;
+pub const IP_DST_OFF: usize = ETH_HLEN + hdr::IP_DST;
 
 pub const TCP_FLAG_FIN: u8 = 0x01;
 pub const TCP_FLAG_SYN: u8 = 0x02;
@@ -74,9 +66,9 @@ impl Flow {
     #[inline(always)]
     pub fn l4_csum_off(&self) -> usize {
         if self.proto == IPPROTO_TCP {
-            self.l4_off + 16
+            self.l4_off + hdr::TCP_CSUM
         } else {
-            self.l4_off + 6
+            self.l4_off + hdr::UDP_CSUM
         }
     }
 }
@@ -142,11 +134,11 @@ pub fn parse(ctx: &TcContext) -> Parsed {
 
 #[inline(always)]
 fn try_parse(ctx: &TcContext) -> Result<Parsed, ()> {
-    let ethertype = u16::from_be(ctx.load::<u16>(12).map_err(|_| ())?);
-    if ethertype == ETH_P_IPV6 {
+    let ethertype: u16 = ctx.load(hdr::ETH_TYPE_OFF).map_err(|_| ())?;
+    if ethertype == ETH_TYPE_IPV6_RAW {
         return try_parse6(ctx);
     }
-    if ethertype != ETH_P_IP {
+    if ethertype != ETH_TYPE_IPV4_RAW {
         return Ok(Parsed::Ignored);
     }
     let ip: [u8; IPV4_MIN_HLEN] = ctx.load(ETH_HLEN).map_err(|_| ())?;
@@ -154,18 +146,18 @@ fn try_parse(ctx: &TcContext) -> Result<Parsed, ()> {
         return Err(());
     }
     let ihl = ((ip[0] & 0x0f) as usize) * 4;
-    let total_len = u16::from_be_bytes([ip[2], ip[3]]) as usize;
+    let total_len = be16(&ip, hdr::IP_TOT_LEN) as usize;
     if ihl < IPV4_MIN_HLEN || total_len < ihl || ETH_HLEN + total_len > ctx.len() as usize {
         return Err(());
     }
-    let proto = ip[9];
+    let proto = ip[hdr::IP_PROTO];
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP && proto != IPPROTO_ICMP {
         return Ok(Parsed::Ignored);
     }
-    let saddr = IpAddrBe::from_v4(u32::from_ne_bytes([ip[12], ip[13], ip[14], ip[15]]));
-    let daddr = IpAddrBe::from_v4(u32::from_ne_bytes([ip[16], ip[17], ip[18], ip[19]]));
-    let frag_off = u16::from_be_bytes([ip[6], ip[7]]);
-    let id = u16::from_ne_bytes([ip[4], ip[5]]) as u32;
+    let saddr = IpAddrBe::from_v4(word(&ip, hdr::IP_SRC));
+    let daddr = IpAddrBe::from_v4(word(&ip, hdr::IP_DST));
+    let frag_off = be16(&ip, hdr::IP_FRAG_OFF);
+    let id = u16::from_ne_bytes([ip[hdr::IP_ID], ip[hdr::IP_ID + 1]]) as u32;
     let fragmented = frag_off & IP_MF_OFFSET_MASK != 0;
     if fragmented && frag_off & IP_OFFSET_MASK != 0 {
         return Ok(Parsed::Fragment(Fragment {
@@ -208,15 +200,15 @@ fn try_parse6(ctx: &TcContext) -> Result<Parsed, ()> {
     if ip[0] >> 4 != 6 {
         return Err(());
     }
-    let payload_len = u16::from_be_bytes([ip[4], ip[5]]) as usize;
+    let payload_len = be16(&ip, hdr::IP6_PAYLOAD_LEN) as usize;
     let end = ETH_HLEN + IPV6_HLEN + payload_len;
     // A zero payload length is a jumbogram (hop-by-hop option); not ours.
     if payload_len == 0 || end > ctx.len() as usize {
         return Err(());
     }
-    let saddr = IpAddrBe::from_v6(words(&ip, 8));
-    let daddr = IpAddrBe::from_v6(words(&ip, 24));
-    let mut next = ip[6];
+    let saddr = IpAddrBe::from_v6(words(&ip, hdr::IP6_SRC));
+    let daddr = IpAddrBe::from_v6(words(&ip, hdr::IP6_DST));
+    let mut next = ip[hdr::IP6_NEXT_HDR];
     let mut off = ETH_HLEN + IPV6_HLEN;
     // (identification, more fragments, offset) of a Fragment header.
     let mut fragment: Option<(u32, bool, u16)> = None;
@@ -317,7 +309,7 @@ fn is_extension(next: u8) -> bool {
             | NEXTHDR_FRAGMENT
             | NEXTHDR_AUTH
             | NEXTHDR_DEST
-            | 50
+            | NEXTHDR_ESP
             | 135
             | 139
             | 140
@@ -328,16 +320,25 @@ fn is_extension(next: u8) -> bool {
 
 /// Four network-order words of an address at `at` in `bytes`.
 #[inline(always)]
-fn words(bytes: &[u8; IPV6_HLEN], at: usize) -> [u32; 4] {
-    let w = |i: usize| {
-        u32::from_ne_bytes([
-            bytes[at + i],
-            bytes[at + i + 1],
-            bytes[at + i + 2],
-            bytes[at + i + 3],
-        ])
-    };
-    [w(0), w(4), w(8), w(12)]
+fn words(bytes: &[u8], at: usize) -> [u32; 4] {
+    [
+        word(bytes, at),
+        word(bytes, at + 4),
+        word(bytes, at + 8),
+        word(bytes, at + 12),
+    ]
+}
+
+/// The network-order word at `at`, as it lies in memory (an IPv4 address).
+#[inline(always)]
+fn word(bytes: &[u8], at: usize) -> u32 {
+    u32::from_ne_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+}
+
+/// The big-endian 16-bit field at `at`, in host order.
+#[inline(always)]
+fn be16(bytes: &[u8], at: usize) -> u16 {
+    u16::from_be_bytes([bytes[at], bytes[at + 1]])
 }
 
 /// The ports and TCP flags of a TCP/UDP header of `l4_len` bytes at `l4_off`, its
@@ -354,7 +355,7 @@ fn parse_l4(
         if l4_len < TCP_MIN_HLEN {
             return Err(());
         }
-        let [doff, flags]: [u8; 2] = ctx.load(l4_off + 12).map_err(|_| ())?;
+        let [doff, flags]: [u8; 2] = ctx.load(l4_off + hdr::TCP_DOFF_FLAGS).map_err(|_| ())?;
         // The header length must cover the fixed header and fit in the packet.
         let doff = ((doff >> 4) as usize) * 4;
         if doff < TCP_MIN_HLEN || doff > l4_len {
@@ -367,7 +368,8 @@ fn parse_l4(
         }
         // The UDP length covers the whole datagram: exactly this payload, or in a
         // first fragment, more than it (the rest follows).
-        let udp_len = u16::from_be(ctx.load::<u16>(l4_off + 4).map_err(|_| ())?) as usize;
+        let udp_len =
+            u16::from_be(ctx.load::<u16>(l4_off + hdr::UDP_LEN).map_err(|_| ())?) as usize;
         if udp_len < UDP_HLEN
             || (!fragmented && udp_len != l4_len)
             || (fragmented && udp_len <= l4_len)
@@ -400,23 +402,19 @@ fn parse_icmp_error(
     if inner[0] >> 4 != 4 || inner_ihl < IPV4_MIN_HLEN {
         return Err(());
     }
-    let inner_proto = inner[9];
+    let inner_proto = inner[hdr::IP_PROTO];
     if inner_proto != IPPROTO_TCP && inner_proto != IPPROTO_UDP {
         return Ok(Parsed::Ignored);
     }
     let inner_l4_off = inner_ip_off + inner_ihl;
     // RFC 792 quotes at least the first 8 bytes of the datagram: the ports.
-    if inner_l4_off + 8 > end {
+    if inner_l4_off + UDP_HLEN > end {
         return Err(());
     }
     let ports: [u16; 2] = ctx.load(inner_l4_off).map_err(|_| ())?;
     let inner_flow = Flow {
-        saddr: IpAddrBe::from_v4(u32::from_ne_bytes([
-            inner[12], inner[13], inner[14], inner[15],
-        ])),
-        daddr: IpAddrBe::from_v4(u32::from_ne_bytes([
-            inner[16], inner[17], inner[18], inner[19],
-        ])),
+        saddr: IpAddrBe::from_v4(word(&inner, hdr::IP_SRC)),
+        daddr: IpAddrBe::from_v4(word(&inner, hdr::IP_DST)),
         sport: ports[0],
         dport: ports[1],
         proto: inner_proto,
@@ -426,8 +424,8 @@ fn parse_icmp_error(
         v6: false,
     };
     Ok(Parsed::IcmpError(IcmpError {
-        saddr: u32::from_ne_bytes([ip[12], ip[13], ip[14], ip[15]]),
-        daddr: u32::from_ne_bytes([ip[16], ip[17], ip[18], ip[19]]),
+        saddr: word(ip, hdr::IP_SRC),
+        daddr: word(ip, hdr::IP_DST),
         icmp_off,
         inner_ip_off,
         inner_l4_off,

@@ -12,17 +12,15 @@ use aya_ebpf::{
 use crate::csum::{fold, sum};
 use crate::packet::{Flow, ETH_HLEN, TCP_FLAG_ACK, TCP_FLAG_FIN, TCP_FLAG_RST, TCP_FLAG_SYN};
 
-const IP_HLEN: usize = 20;
-const IP6_HLEN: usize = 40;
-const TCP_HLEN: usize = 20;
-const UDP_HLEN: usize = 8;
-const ICMP_HLEN: usize = 8;
+use crate::hdr::{
+    self, ICMP6_HLEN, ICMP_HLEN, IP6_HLEN, IPPROTO_ICMP, IPPROTO_ICMPV6, IP_HLEN, TCP_HLEN,
+    UDP_HLEN,
+};
+use lb_common::IpAddrBe;
 /// What a port unreachable quotes: the IP header and the UDP header, the least
 /// the client's stack needs to find its socket (RFC 792, RFC 4443 2.4 allows it).
 const QUOTE4: usize = IP_HLEN + UDP_HLEN;
 const QUOTE6: usize = IP6_HLEN + UDP_HLEN;
-const IPPROTO_ICMP: u8 = 1;
-const IPPROTO_ICMPV6: u8 = 58;
 /// ICMP "destination unreachable", code "port unreachable".
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
@@ -41,9 +39,9 @@ fn answer(ctx: &TcContext, flow: &Flow, ip_end: usize) -> Result<(u32, u32, u8, 
     }
     let eth: [u8; 12] = ctx.load(0).map_err(|_| ())?;
     let tcp: [u8; 16] = ctx.load(flow.l4_off).map_err(|_| ())?;
-    let seq = u32::from_be_bytes([tcp[4], tcp[5], tcp[6], tcp[7]]);
-    let ack = u32::from_be_bytes([tcp[8], tcp[9], tcp[10], tcp[11]]);
-    let data_off = ((tcp[12] >> 4) as usize) * 4;
+    let be32 = |at: usize| u32::from_be_bytes([tcp[at], tcp[at + 1], tcp[at + 2], tcp[at + 3]]);
+    let (seq, ack) = (be32(hdr::TCP_SEQ), be32(hdr::TCP_ACK));
+    let data_off = ((tcp[hdr::TCP_DOFF_FLAGS] >> 4) as usize) * 4;
     let payload = ip_end.saturating_sub(flow.l4_off + data_off) as u32;
 
     // RFC 793: answer an ACK with seq = its ack; otherwise ACK what it occupied.
@@ -70,15 +68,65 @@ fn answer(ctx: &TcContext, flow: &Flow, ip_end: usize) -> Result<(u32, u32, u8, 
 #[inline(always)]
 fn rst_header(flow: &Flow, seq: u32, ack: u32, flags: u8, pseudo: u32) -> [u8; TCP_HLEN] {
     let mut th = [0u8; TCP_HLEN];
-    th[0..2].copy_from_slice(&flow.dport.to_ne_bytes());
-    th[2..4].copy_from_slice(&flow.sport.to_ne_bytes());
-    th[4..8].copy_from_slice(&seq.to_be_bytes());
-    th[8..12].copy_from_slice(&ack.to_be_bytes());
-    th[12] = ((TCP_HLEN / 4) as u8) << 4;
-    th[13] = flags;
+    put(&mut th, hdr::TCP_SPORT, &flow.dport.to_ne_bytes());
+    put(&mut th, hdr::TCP_DPORT, &flow.sport.to_ne_bytes());
+    put(&mut th, hdr::TCP_SEQ, &seq.to_be_bytes());
+    put(&mut th, hdr::TCP_ACK, &ack.to_be_bytes());
+    th[hdr::TCP_DOFF_FLAGS] = ((TCP_HLEN / 4) as u8) << 4;
+    th[hdr::TCP_FLAGS] = flags;
     let tcp_csum = !fold(pseudo + sum(&th));
-    th[16..18].copy_from_slice(&tcp_csum.to_be_bytes());
+    put(&mut th, hdr::TCP_CSUM, &tcp_csum.to_be_bytes());
     th
+}
+
+/// Writes `bytes` into `buf` at `at`.
+#[inline(always)]
+fn put(buf: &mut [u8], at: usize, bytes: &[u8]) {
+    buf[at..at + bytes.len()].copy_from_slice(bytes);
+}
+
+/// A fixed IPv6 header (version 6, no traffic class or flow label, hop limit 64)
+/// from `src` to `dst` carrying `payload_len` bytes of `next`.
+#[inline(always)]
+fn ip6_header(src: &IpAddrBe, dst: &IpAddrBe, next: u8, payload_len: usize) -> [u8; IP6_HLEN] {
+    let mut ip = [0u8; IP6_HLEN];
+    ip[0] = 0x60;
+    put(
+        &mut ip,
+        hdr::IP6_PAYLOAD_LEN,
+        &(payload_len as u16).to_be_bytes(),
+    );
+    ip[hdr::IP6_NEXT_HDR] = next;
+    ip[hdr::IP6_HOP_LIMIT] = 64;
+    for i in 0..4 {
+        put(&mut ip, hdr::IP6_SRC + i * 4, &src.words[i].to_ne_bytes());
+        put(&mut ip, hdr::IP6_DST + i * 4, &dst.words[i].to_ne_bytes());
+    }
+    ip
+}
+
+/// An IPv4 header without options (TTL 64), its checksum filled in.
+#[inline(always)]
+fn ip_header(
+    src: u32,
+    dst: u32,
+    proto: u8,
+    total_len: usize,
+    dont_fragment: bool,
+) -> [u8; IP_HLEN] {
+    let mut ip = [0u8; IP_HLEN];
+    ip[0] = 0x45;
+    put(&mut ip, hdr::IP_TOT_LEN, &(total_len as u16).to_be_bytes());
+    if dont_fragment {
+        ip[hdr::IP_FRAG_OFF] = 0x40;
+    }
+    ip[hdr::IP_TTL] = 64;
+    ip[hdr::IP_PROTO] = proto;
+    put(&mut ip, hdr::IP_SRC, &src.to_ne_bytes());
+    put(&mut ip, hdr::IP_DST, &dst.to_ne_bytes());
+    let csum = !fold(sum(&ip));
+    put(&mut ip, hdr::IP_CSUM, &csum.to_be_bytes());
+    ip
 }
 
 /// Shrinks the frame to `new_len` bytes and swaps its MAC addresses; the caller
@@ -106,18 +154,13 @@ fn redirect_back(ctx: &TcContext) -> i32 {
 /// hop limit 64, the TCP checksum over the IPv6 pseudo header (RFC 8200 8.1).
 #[inline(always)]
 pub fn tcp_reset6(ctx: &TcContext, flow: &Flow) -> Result<i32, ()> {
-    let payload_len = u16::from_be(ctx.load::<u16>(ETH_HLEN + 4).map_err(|_| ())?) as usize;
+    let payload_len = u16::from_be(
+        ctx.load::<u16>(ETH_HLEN + hdr::IP6_PAYLOAD_LEN)
+            .map_err(|_| ())?,
+    ) as usize;
     let (seq, ack, flags, mac) = answer(ctx, flow, ETH_HLEN + IP6_HLEN + payload_len)?;
-    let mut ip = [0u8; IP6_HLEN];
-    ip[0] = 0x60;
-    ip[4..6].copy_from_slice(&(TCP_HLEN as u16).to_be_bytes());
-    ip[6] = flow.proto;
-    ip[7] = 64;
-    for i in 0..4 {
-        ip[8 + i * 4..12 + i * 4].copy_from_slice(&flow.daddr.words[i].to_ne_bytes());
-        ip[24 + i * 4..28 + i * 4].copy_from_slice(&flow.saddr.words[i].to_ne_bytes());
-    }
-    let pseudo = sum(&ip[8..40]) + flow.proto as u32 + TCP_HLEN as u32;
+    let ip = ip6_header(&flow.daddr, &flow.saddr, flow.proto, TCP_HLEN);
+    let pseudo = sum(&ip[hdr::IP6_SRC..IP6_HLEN]) + flow.proto as u32 + TCP_HLEN as u32;
     let th = rst_header(flow, seq, ack, flags, pseudo);
     send_back(ctx, &mac, ETH_HLEN + IP6_HLEN + TCP_HLEN)?;
     ctx.store(ETH_HLEN, &ip, 0).map_err(|_| ())?;
@@ -145,20 +188,18 @@ pub fn udp_unreachable(ctx: &TcContext, flow: &Flow) -> Result<i32, ()> {
     }
     let mac = swapped_mac(ctx)?;
     let quote: [u8; QUOTE4] = ctx.load(ETH_HLEN).map_err(|_| ())?;
-    let mut ip = [0u8; IP_HLEN];
-    ip[0] = 0x45;
-    ip[2..4].copy_from_slice(&((IP_HLEN + ICMP_HLEN + QUOTE4) as u16).to_be_bytes());
-    ip[8] = 64;
-    ip[9] = IPPROTO_ICMP;
-    ip[12..16].copy_from_slice(&flow.daddr.v4().to_ne_bytes());
-    ip[16..20].copy_from_slice(&flow.saddr.v4().to_ne_bytes());
-    let ip_csum = !fold(sum(&ip));
-    ip[10..12].copy_from_slice(&ip_csum.to_be_bytes());
+    let ip = ip_header(
+        flow.daddr.v4(),
+        flow.saddr.v4(),
+        IPPROTO_ICMP,
+        IP_HLEN + ICMP_HLEN + QUOTE4,
+        false,
+    );
     let mut icmp = [0u8; ICMP_HLEN];
     icmp[0] = ICMP_DEST_UNREACH;
     icmp[1] = ICMP_PORT_UNREACH;
     let icmp_csum = !fold(sum(&icmp) + sum(&quote));
-    icmp[2..4].copy_from_slice(&icmp_csum.to_be_bytes());
+    put(&mut icmp, hdr::ICMP_CSUM, &icmp_csum.to_be_bytes());
     send_back(ctx, &mac, ETH_HLEN + IP_HLEN + ICMP_HLEN + QUOTE4)?;
     ctx.store(ETH_HLEN, &ip, 0).map_err(|_| ())?;
     ctx.store(ETH_HLEN + IP_HLEN, &icmp, 0).map_err(|_| ())?;
@@ -177,25 +218,23 @@ pub fn udp_unreachable6(ctx: &TcContext, flow: &Flow) -> Result<i32, ()> {
     }
     let mac = swapped_mac(ctx)?;
     let quote: [u8; QUOTE6] = ctx.load(ETH_HLEN).map_err(|_| ())?;
-    let mut ip = [0u8; IP6_HLEN];
-    ip[0] = 0x60;
-    ip[4..6].copy_from_slice(&((ICMP_HLEN + QUOTE6) as u16).to_be_bytes());
-    ip[6] = IPPROTO_ICMPV6;
-    ip[7] = 64;
-    for i in 0..4 {
-        ip[8 + i * 4..12 + i * 4].copy_from_slice(&flow.daddr.words[i].to_ne_bytes());
-        ip[24 + i * 4..28 + i * 4].copy_from_slice(&flow.saddr.words[i].to_ne_bytes());
-    }
-    let mut icmp = [0u8; ICMP_HLEN];
+    let ip = ip6_header(
+        &flow.daddr,
+        &flow.saddr,
+        IPPROTO_ICMPV6,
+        ICMP6_HLEN + QUOTE6,
+    );
+    let mut icmp = [0u8; ICMP6_HLEN];
     icmp[0] = ICMPV6_DEST_UNREACH;
     icmp[1] = ICMPV6_PORT_UNREACH;
-    let pseudo = sum(&ip[8..40]) + IPPROTO_ICMPV6 as u32 + (ICMP_HLEN + QUOTE6) as u32;
+    let pseudo =
+        sum(&ip[hdr::IP6_SRC..IP6_HLEN]) + IPPROTO_ICMPV6 as u32 + (ICMP6_HLEN + QUOTE6) as u32;
     let icmp_csum = !fold(pseudo + sum(&icmp) + sum(&quote));
-    icmp[2..4].copy_from_slice(&icmp_csum.to_be_bytes());
-    send_back(ctx, &mac, ETH_HLEN + IP6_HLEN + ICMP_HLEN + QUOTE6)?;
+    put(&mut icmp, hdr::ICMP6_CSUM, &icmp_csum.to_be_bytes());
+    send_back(ctx, &mac, ETH_HLEN + IP6_HLEN + ICMP6_HLEN + QUOTE6)?;
     ctx.store(ETH_HLEN, &ip, 0).map_err(|_| ())?;
     ctx.store(ETH_HLEN + IP6_HLEN, &icmp, 0).map_err(|_| ())?;
-    ctx.store(ETH_HLEN + IP6_HLEN + ICMP_HLEN, &quote, 0)
+    ctx.store(ETH_HLEN + IP6_HLEN + ICMP6_HLEN, &quote, 0)
         .map_err(|_| ())?;
     Ok(redirect_back(ctx))
 }
@@ -205,21 +244,19 @@ pub fn udp_unreachable6(ctx: &TcContext, flow: &Flow) -> Result<i32, ()> {
 /// caller drops it then.
 #[inline(always)]
 pub fn tcp_reset(ctx: &TcContext, flow: &Flow) -> Result<i32, ()> {
-    let ip_total = u16::from_be(ctx.load::<u16>(ETH_HLEN + 2).map_err(|_| ())?) as usize;
+    let ip_total = u16::from_be(
+        ctx.load::<u16>(ETH_HLEN + hdr::IP_TOT_LEN)
+            .map_err(|_| ())?,
+    ) as usize;
     let (rst_seq, rst_ack, rst_flags, mac) = answer(ctx, flow, ETH_HLEN + ip_total)?;
-
-    let mut ip = [0u8; IP_HLEN];
-    ip[0] = 0x45;
-    ip[2..4].copy_from_slice(&((IP_HLEN + TCP_HLEN) as u16).to_be_bytes());
-    ip[6] = 0x40; // don't fragment
-    ip[8] = 64;
-    ip[9] = flow.proto;
-    ip[12..16].copy_from_slice(&flow.daddr.v4().to_ne_bytes());
-    ip[16..20].copy_from_slice(&flow.saddr.v4().to_ne_bytes());
-    let ip_csum = !fold(sum(&ip));
-    ip[10..12].copy_from_slice(&ip_csum.to_be_bytes());
-
-    let pseudo = sum(&ip[12..20]) + flow.proto as u32 + TCP_HLEN as u32;
+    let ip = ip_header(
+        flow.daddr.v4(),
+        flow.saddr.v4(),
+        flow.proto,
+        IP_HLEN + TCP_HLEN,
+        true,
+    );
+    let pseudo = sum(&ip[hdr::IP_SRC..IP_HLEN]) + flow.proto as u32 + TCP_HLEN as u32;
     let th = rst_header(flow, rst_seq, rst_ack, rst_flags, pseudo);
     send_back(ctx, &mac, ETH_HLEN + IP_HLEN + TCP_HLEN)?;
     ctx.store(ETH_HLEN, &ip, 0).map_err(|_| ())?;
