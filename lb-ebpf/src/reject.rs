@@ -37,7 +37,6 @@ fn answer(ctx: &TcContext, flow: &Flow, ip_end: usize) -> Result<(u32, u32, u8, 
     if flow.tcp_flags & TCP_FLAG_RST != 0 {
         return Err(()); // never answer a RST with a RST
     }
-    let eth: [u8; 12] = ctx.load(0).map_err(|_| ())?;
     let tcp: [u8; 16] = ctx.load(flow.l4_off).map_err(|_| ())?;
     let be32 = |at: usize| u32::from_be_bytes([tcp[at], tcp[at + 1], tcp[at + 2], tcp[at + 3]]);
     let (seq, ack) = (be32(hdr::TCP_SEQ), be32(hdr::TCP_ACK));
@@ -58,10 +57,7 @@ fn answer(ctx: &TcContext, flow: &Flow, ip_end: usize) -> Result<(u32, u32, u8, 
         (0, seq.wrapping_add(consumed), TCP_FLAG_RST | TCP_FLAG_ACK)
     };
 
-    let mut mac = [0u8; 12];
-    mac[..6].copy_from_slice(&eth[6..12]);
-    mac[6..].copy_from_slice(&eth[..6]);
-    Ok((rst_seq, rst_ack, rst_flags, mac))
+    Ok((rst_seq, rst_ack, rst_flags, swapped_mac(ctx)?))
 }
 
 /// The RST's TCP header, its checksum over `pseudo` (the pseudo header's sum).
@@ -129,6 +125,26 @@ fn ip_header(
     ip
 }
 
+/// The frame becomes the answer: swapped MACs, then `ip`, `l4` and `quote` (the
+/// part of the offending packet an ICMP error carries; none for a RST), sent
+/// back out of the device it came in on.
+#[inline(always)]
+fn reply<const H: usize, const L: usize, const Q: usize>(
+    ctx: &TcContext,
+    mac: &[u8; 12],
+    ip: &[u8; H],
+    l4: &[u8; L],
+    quote: &[u8; Q],
+) -> Result<i32, ()> {
+    send_back(ctx, mac, ETH_HLEN + H + L + Q)?;
+    ctx.store(ETH_HLEN, ip, 0).map_err(|_| ())?;
+    ctx.store(ETH_HLEN + H, l4, 0).map_err(|_| ())?;
+    if Q > 0 {
+        ctx.store(ETH_HLEN + H + L, quote, 0).map_err(|_| ())?;
+    }
+    Ok(redirect_back(ctx))
+}
+
 /// Shrinks the frame to `new_len` bytes and swaps its MAC addresses; the caller
 /// writes the headers behind them.
 #[inline(always)]
@@ -162,10 +178,7 @@ pub fn tcp_reset6(ctx: &TcContext, flow: &Flow) -> Result<i32, ()> {
     let ip = ip6_header(&flow.daddr, &flow.saddr, flow.proto, TCP_HLEN);
     let pseudo = sum(&ip[hdr::IP6_SRC..IP6_HLEN]) + flow.proto as u32 + TCP_HLEN as u32;
     let th = rst_header(flow, seq, ack, flags, pseudo);
-    send_back(ctx, &mac, ETH_HLEN + IP6_HLEN + TCP_HLEN)?;
-    ctx.store(ETH_HLEN, &ip, 0).map_err(|_| ())?;
-    ctx.store(ETH_HLEN + IP6_HLEN, &th, 0).map_err(|_| ())?;
-    Ok(redirect_back(ctx))
+    reply(ctx, &mac, &ip, &th, &[])
 }
 
 /// The MAC addresses of the frame, swapped.
@@ -200,12 +213,7 @@ pub fn udp_unreachable(ctx: &TcContext, flow: &Flow) -> Result<i32, ()> {
     icmp[1] = ICMP_PORT_UNREACH;
     let icmp_csum = !fold(sum(&icmp) + sum(&quote));
     put(&mut icmp, hdr::ICMP_CSUM, &icmp_csum.to_be_bytes());
-    send_back(ctx, &mac, ETH_HLEN + IP_HLEN + ICMP_HLEN + QUOTE4)?;
-    ctx.store(ETH_HLEN, &ip, 0).map_err(|_| ())?;
-    ctx.store(ETH_HLEN + IP_HLEN, &icmp, 0).map_err(|_| ())?;
-    ctx.store(ETH_HLEN + IP_HLEN + ICMP_HLEN, &quote, 0)
-        .map_err(|_| ())?;
-    Ok(redirect_back(ctx))
+    reply(ctx, &mac, &ip, &icmp, &quote)
 }
 
 /// The IPv6 twin of [`udp_unreachable`]: an ICMPv6 port unreachable, its checksum
@@ -231,12 +239,7 @@ pub fn udp_unreachable6(ctx: &TcContext, flow: &Flow) -> Result<i32, ()> {
         sum(&ip[hdr::IP6_SRC..IP6_HLEN]) + IPPROTO_ICMPV6 as u32 + (ICMP6_HLEN + QUOTE6) as u32;
     let icmp_csum = !fold(pseudo + sum(&icmp) + sum(&quote));
     put(&mut icmp, hdr::ICMP6_CSUM, &icmp_csum.to_be_bytes());
-    send_back(ctx, &mac, ETH_HLEN + IP6_HLEN + ICMP6_HLEN + QUOTE6)?;
-    ctx.store(ETH_HLEN, &ip, 0).map_err(|_| ())?;
-    ctx.store(ETH_HLEN + IP6_HLEN, &icmp, 0).map_err(|_| ())?;
-    ctx.store(ETH_HLEN + IP6_HLEN + ICMP6_HLEN, &quote, 0)
-        .map_err(|_| ())?;
-    Ok(redirect_back(ctx))
+    reply(ctx, &mac, &ip, &icmp, &quote)
 }
 
 /// Rewrites the packet into a RST answering it and redirects it back. `Err` when
@@ -258,8 +261,5 @@ pub fn tcp_reset(ctx: &TcContext, flow: &Flow) -> Result<i32, ()> {
     );
     let pseudo = sum(&ip[hdr::IP_SRC..IP_HLEN]) + flow.proto as u32 + TCP_HLEN as u32;
     let th = rst_header(flow, rst_seq, rst_ack, rst_flags, pseudo);
-    send_back(ctx, &mac, ETH_HLEN + IP_HLEN + TCP_HLEN)?;
-    ctx.store(ETH_HLEN, &ip, 0).map_err(|_| ())?;
-    ctx.store(ETH_HLEN + IP_HLEN, &th, 0).map_err(|_| ())?;
-    Ok(redirect_back(ctx))
+    reply(ctx, &mac, &ip, &th, &[])
 }

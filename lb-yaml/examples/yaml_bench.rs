@@ -10,7 +10,6 @@
 //! cargo run --release -p lb-yaml --example yaml_bench -- /tmp/yaml10k/others.yaml 5
 //! ```
 
-use std::borrow::Cow;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Service;
@@ -24,44 +23,9 @@ struct Typed {
 }
 
 /// What the block reader hands the agent: the type picked from `(apiVersion, kind)`
-/// while reading, no second pass.
-// Not boxed: each object moves straight into its Vec, and a box would add an
-// allocation the agent does not make.
-#[allow(clippy::large_enum_variant)]
-enum Object {
-    Service(Service),
-    Slice(EndpointSlice),
-    Other,
-}
-
-impl<'de> serde::Deserialize<'de> for Object {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_enum(block_yaml::KIND_TAGGED, &[], ObjectVisitor)
-    }
-}
-
-struct ObjectVisitor;
-
-impl<'de> serde::de::Visitor<'de> for ObjectVisitor {
-    type Value = Object;
-
-    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("a Kubernetes object")
-    }
-
-    fn visit_enum<A: serde::de::EnumAccess<'de>>(self, data: A) -> Result<Object, A::Error> {
-        use serde::de::{IgnoredAny, VariantAccess};
-        let ((api_version, kind), object): ((Cow<str>, Cow<str>), _) = data.variant()?;
-        Ok(match (api_version.as_ref(), kind.as_ref()) {
-            ("v1", "Service") => Object::Service(object.newtype_variant()?),
-            ("discovery.k8s.io/v1", "EndpointSlice") => Object::Slice(object.newtype_variant()?),
-            _ => {
-                object.newtype_variant::<IgnoredAny>()?;
-                Object::Other
-            }
-        })
-    }
-}
+/// while reading, no second pass. Not boxed: each object moves straight into its
+/// Vec, and a box would add an allocation the agent does not make.
+type Object = lb_yaml::Kinded<Service, EndpointSlice>;
 
 type Reader = fn(&[&str]) -> Result<Typed, String>;
 

@@ -4,7 +4,6 @@
 //! whatever the block reader accepts (as a generic value, or as a typed Service or
 //! EndpointSlice) serde_norway reads the same way.
 
-use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::core::v1::Service;
@@ -178,43 +177,8 @@ fn corpus() -> Vec<(PathBuf, String)> {
     seeds
 }
 
-/// A Kubernetes object as the agent reads it from the block reader: typed by its
-/// `(apiVersion, kind)` while reading.
-#[derive(Debug, PartialEq)]
-enum Object {
-    Service(Box<Service>),
-    Slice(Box<EndpointSlice>),
-    Other,
-}
-
-impl<'de> serde::Deserialize<'de> for Object {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_enum(block::KIND_TAGGED, &[], ObjectVisitor)
-    }
-}
-
-struct ObjectVisitor;
-
-impl<'de> serde::de::Visitor<'de> for ObjectVisitor {
-    type Value = Object;
-
-    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("a Kubernetes object")
-    }
-
-    fn visit_enum<A: serde::de::EnumAccess<'de>>(self, data: A) -> Result<Object, A::Error> {
-        use serde::de::{IgnoredAny, VariantAccess};
-        let ((api_version, kind), object): ((Cow<str>, Cow<str>), _) = data.variant()?;
-        Ok(match (api_version.as_ref(), kind.as_ref()) {
-            ("v1", "Service") => Object::Service(object.newtype_variant()?),
-            ("discovery.k8s.io/v1", "EndpointSlice") => Object::Slice(object.newtype_variant()?),
-            _ => {
-                object.newtype_variant::<IgnoredAny>()?;
-                Object::Other
-            }
-        })
-    }
-}
+/// A Kubernetes object as the agent reads it from the block reader.
+type Object = crate::Kinded<Box<Service>, Box<EndpointSlice>>;
 
 /// The properties, for one text.
 fn check(text: &str) -> Result<(), TestCaseError> {

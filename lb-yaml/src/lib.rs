@@ -8,8 +8,10 @@
 //! (`examples/yaml_bench.rs`) build and run quickly on their own.
 
 pub mod block;
+mod kinded;
 mod split;
 
+pub use kinded::Kinded;
 pub use split::{split_documents, Document};
 
 #[cfg(test)]
