@@ -24,7 +24,7 @@ use crate::ops::{
 use crate::pin_lock::{PinLock, PinLockError, Wait};
 use crate::pins;
 use crate::reconcile;
-use crate::source::{self, files, kube, yaml::Objects, SourceOptions};
+use crate::source::{self, files, kube, Objects, SourceOptions};
 use crate::source_ranges;
 use crate::sys::{self, SysError};
 use crate::table;
@@ -106,7 +106,7 @@ pub enum AgentError {
     #[error(transparent)]
     TcLinks(#[from] TcLinksError),
     #[error(transparent)]
-    Source(#[from] source::yaml::SourceError),
+    Source(#[from] source::SourceError),
     #[error(transparent)]
     Pins(#[from] pins::PinsError),
     #[error("cannot install signal handler: {0}")]

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use lb_fake_apiserver::{node, service, slice, slice_with_labels, Call, FakeApiServer, Res};
 use lb_userspace::source::kube::{self as kube_source, KubeWatchOptions};
-use lb_userspace::source::yaml::Objects;
+use lb_userspace::source::Objects;
 use tokio::sync::watch::Receiver;
 use tokio::time::timeout;
 

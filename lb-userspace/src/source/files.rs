@@ -19,7 +19,8 @@ use notify::{RecursiveMode, Watcher};
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
-use super::yaml::{self, FileError, Objects, SourceError};
+use super::yaml;
+use super::{FileError, Objects, SourceError};
 
 /// What a file looked like when last read: size, mtime, inode. Tools replace files
 /// by rename, which changes the inode even when size and mtime match.

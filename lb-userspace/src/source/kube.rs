@@ -34,8 +34,8 @@ use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 use tracing::{debug, info, warn};
 
-use super::yaml::Objects;
 use super::Lean;
+use super::Objects;
 
 /// kube-proxy's selector for Services: those claimed by another proxy
 /// (`service.kubernetes.io/service-proxy-name`) and headless ones are not proxied.

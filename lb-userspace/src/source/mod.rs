@@ -7,7 +7,12 @@
 //! from being proxied.
 
 use std::fmt;
-use std::path::PathBuf;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use crate::model::Frontend;
 
@@ -19,6 +24,7 @@ pub mod yaml;
 
 pub use desired::{build_desired, NodePortRange, SourceOptions, LABEL_ZONE};
 pub use lean::Lean;
+pub use yaml::{FileError, FileProblem};
 
 /// Where a loaded document came from; only set for errors found while loading.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -295,5 +301,46 @@ mod tests {
         assert!(e
             .to_string()
             .starts_with("EndpointSlice <unnamed>: has no label"));
+    }
+}
+
+/// Everything one load found. Objects that could not be read are in `errors`; the
+/// rest still load, so one broken document does not take the others down with it.
+#[derive(Clone, Debug, Default)]
+pub struct Objects {
+    /// Shared, not copied: a snapshot is built from per-file (or per-cache) parts
+    /// that stay alive next to it, and a copy would double the agent's memory.
+    pub services: Vec<Arc<Service>>,
+    pub slices: Vec<Arc<EndpointSlice>>,
+    /// The API-server source caches this node's Node; files may hold Nodes too
+    /// (their zone label and addresses are read).
+    pub nodes: Vec<Arc<Node>>,
+    pub errors: Vec<ObjectError>,
+    /// Manifest files that could not be read (files only). Their objects are not
+    /// in this snapshot unless an earlier read of the same file put them there.
+    pub unreadable: Vec<FileError>,
+}
+
+/// The source as a whole could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error("{}: no such file or directory; pass a YAML/JSON file or a directory holding them", path.display())]
+    NotFound { path: PathBuf },
+    #[error("cannot read {}: {error}; check that it exists and is readable", path.display())]
+    Read { path: PathBuf, error: io::Error },
+}
+
+impl SourceError {
+    pub(crate) fn from_io(path: &Path, error: io::Error) -> Self {
+        if error.kind() == io::ErrorKind::NotFound {
+            SourceError::NotFound {
+                path: path.to_owned(),
+            }
+        } else {
+            SourceError::Read {
+                path: path.to_owned(),
+                error,
+            }
+        }
     }
 }

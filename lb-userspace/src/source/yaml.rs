@@ -13,48 +13,7 @@ use serde_json::Value;
 
 use lb_yaml::{block as block_yaml, split_documents, Document};
 
-use super::{Location, ObjectError, Problem};
-
-/// Everything one load found. Objects that could not be read are in `errors`; the
-/// rest still load, so one broken document does not take the others down with it.
-#[derive(Clone, Debug, Default)]
-pub struct Objects {
-    /// Shared, not copied: a snapshot is built from per-file (or per-cache) parts
-    /// that stay alive next to it, and a copy would double the agent's memory.
-    pub services: Vec<Arc<Service>>,
-    pub slices: Vec<Arc<EndpointSlice>>,
-    /// The API-server source caches this node's Node; files may hold Nodes too
-    /// (their zone label and addresses are read).
-    pub nodes: Vec<Arc<Node>>,
-    pub errors: Vec<ObjectError>,
-    /// Manifest files that could not be read (files only). Their objects are not
-    /// in this snapshot unless an earlier read of the same file put them there.
-    pub unreadable: Vec<FileError>,
-}
-
-/// The source as a whole could not be read.
-#[derive(Debug, thiserror::Error)]
-pub enum SourceError {
-    #[error("{}: no such file or directory; pass a YAML/JSON file or a directory holding them", path.display())]
-    NotFound { path: PathBuf },
-    #[error("cannot read {}: {error}; check that it exists and is readable", path.display())]
-    Read { path: PathBuf, error: io::Error },
-}
-
-impl SourceError {
-    fn from_io(path: &Path, error: io::Error) -> Self {
-        if error.kind() == io::ErrorKind::NotFound {
-            SourceError::NotFound {
-                path: path.to_owned(),
-            }
-        } else {
-            SourceError::Read {
-                path: path.to_owned(),
-                error,
-            }
-        }
-    }
-}
+use super::{Location, ObjectError, Objects, Problem, SourceError};
 
 const EXTENSIONS: [&str; 3] = ["yaml", "yml", "json"];
 
