@@ -68,6 +68,7 @@ struct Entries {
 /// Hands out ids counting up from the highest one in use and wrapping to 1, so an id
 /// freed by a recent plan is not given to another frontend or backend at once: LRU
 /// affinity and reverse-translation entries may still name it.
+#[derive(Clone, Debug)]
 struct IdAllocator {
     used: HashSet<u32>,
     next: u32,
@@ -91,6 +92,10 @@ impl IdAllocator {
         u64::from(self.max) - self.used.len() as u64
     }
 
+    fn release(&mut self, id: u32) {
+        self.used.remove(&id);
+    }
+
     fn alloc(&mut self) -> Option<u32> {
         if self.free() == 0 {
             return None;
@@ -103,6 +108,156 @@ impl IdAllocator {
             }
         }
     }
+}
+
+/// What the agent wrote, kept between changes with what planning one change needs
+/// without walking the whole table: the ids in use. Built once from a snapshot
+/// (start, relist, repair: O(table)); then each change costs its own entries.
+#[derive(Clone, Debug)]
+pub struct KnownTable {
+    snapshot: MapSnapshot,
+    backend_ids: IdAllocator,
+    rev_nat_ids: IdAllocator,
+}
+
+impl KnownTable {
+    pub fn new(snapshot: MapSnapshot, capacity: Capacity) -> Self {
+        let slot_ids = snapshot
+            .services
+            .iter()
+            .filter(|(k, _)| k.backend_slot != 0)
+            .map(|(_, v)| v.backend_id);
+        let backend_ids =
+            IdAllocator::new(snapshot.backends.keys().copied().chain(slot_ids), u32::MAX);
+        let rev_nat_ids = IdAllocator::new(
+            snapshot.services.values().map(|v| v.rev_nat_id),
+            capacity.frontend_ids,
+        );
+        KnownTable {
+            snapshot,
+            backend_ids,
+            rev_nat_ids,
+        }
+    }
+
+    pub fn snapshot(&self) -> &MapSnapshot {
+        &self.snapshot
+    }
+
+    pub fn into_snapshot(self) -> MapSnapshot {
+        self.snapshot
+    }
+
+    /// Records `ops` as written: the snapshot follows them, and the ids of deleted
+    /// backends and masters become free again (after the ids ahead of them).
+    pub fn apply(&mut self, ops: &[MapOp]) {
+        for op in ops {
+            match *op {
+                MapOp::DeleteBackend { id } => self.backend_ids.release(id),
+                MapOp::DeleteService { key } if key.backend_slot == 0 => {
+                    if let Some(master) = self.snapshot.services.get(&key) {
+                        self.rev_nat_ids.release(master.rev_nat_id);
+                    }
+                }
+                _ => {}
+            }
+        }
+        self.snapshot.apply(ops);
+    }
+
+    /// The entries `key` has in the table (master and slots), found by key range.
+    fn entries_of(&self, key: FrontendKey) -> Entries {
+        let low = ServiceKey {
+            address: key.address,
+            port: key.port.to_map(),
+            backend_slot: 0,
+            proto: 0,
+            scope: 0,
+            _pad: [0; 2],
+        };
+        let high = ServiceKey {
+            backend_slot: u16::MAX,
+            proto: u8::MAX,
+            scope: u8::MAX,
+            _pad: [u8::MAX; 2],
+            ..low
+        };
+        let mut entries = Entries::default();
+        for (k, v) in self.snapshot.services.range(low..=high) {
+            if k.proto != key.proto || k.scope != key.scope || k._pad != [0; 2] {
+                continue;
+            }
+            if k.backend_slot == 0 {
+                entries.master = Some(*v);
+            } else {
+                entries.slots.insert(k.backend_slot, *v);
+            }
+        }
+        entries
+    }
+}
+
+/// Plans only the frontends in `changed` (as `desired` now has them, or removed
+/// when it has them no more) against `known`, with the same per-frontend order
+/// and capacity rules as [`plan`]; the rest of the table is not looked at. An
+/// internal frontend whose external entry came or went must be in `changed` too
+/// (its master's flag follows). `known` hands out the ids; apply the ops to it
+/// (`KnownTable::apply`) once they are written.
+pub fn plan_changes(
+    desired: &DesiredState,
+    changed: &BTreeSet<Frontend>,
+    known: &mut KnownTable,
+    capacity: Capacity,
+) -> Plan {
+    let groups: Vec<(Frontend, Entries)> = changed
+        .iter()
+        .map(|f| (*f, known.entries_of(FrontendKey::of(f))))
+        .collect();
+    // Backend ids belong to one frontend: what names them is in these entries.
+    let mut refs: HashMap<u32, usize> = HashMap::new();
+    for (_, entries) in &groups {
+        for value in entries.slots.values() {
+            *refs.entry(value.backend_id).or_default() += 1;
+        }
+    }
+    let placeholder = || IdAllocator::new([], 0);
+    let mut planner = Planner {
+        desired,
+        current: &known.snapshot,
+        capacity,
+        ops: Vec::new(),
+        rejected: Vec::new(),
+        services_used: known.snapshot.services.len() as u64,
+        backends_used: known.snapshot.backends.len() as u64,
+        backend_ids: std::mem::replace(&mut known.backend_ids, placeholder()),
+        rev_nat_ids: std::mem::replace(&mut known.rev_nat_ids, placeholder()),
+        claimed_backends: HashSet::new(),
+        claimed_rev_nat_ids: HashSet::new(),
+        refs,
+        deleted: HashSet::new(),
+    };
+    // Upserts first, removals after them, as in a full plan.
+    for (frontend, entries) in &groups {
+        if let Some(spec) = desired.frontends.get(frontend) {
+            planner.upsert(frontend, spec, entries);
+        }
+    }
+    for (frontend, entries) in &groups {
+        if !desired.frontends.contains_key(frontend) {
+            planner.remove(FrontendKey::of(frontend), entries);
+        }
+    }
+    let Planner {
+        mut ops,
+        rejected,
+        backend_ids,
+        rev_nat_ids,
+        ..
+    } = planner;
+    known.backend_ids = backend_ids;
+    known.rev_nat_ids = rev_nat_ids;
+    group_backend_writes(&mut ops);
+    Plan { ops, rejected }
 }
 
 struct Planner<'a> {
@@ -1083,5 +1238,103 @@ mod tests {
             }
             s = next;
         }
+    }
+
+    /// The frontends whose spec differs between `a` and `b`, with the internal
+    /// twin of each external one (its master's flag follows the external entry).
+    fn changed_between(a: &DesiredState, b: &DesiredState) -> BTreeSet<Frontend> {
+        let mut changed: BTreeSet<Frontend> = a
+            .frontends
+            .keys()
+            .chain(b.frontends.keys())
+            .filter(|f| a.frontends.get(f) != b.frontends.get(f))
+            .copied()
+            .collect();
+        let twins: Vec<Frontend> = changed
+            .iter()
+            .filter(|f| f.scope == Scope::External)
+            .map(|f| f.with_scope(Scope::Internal))
+            .collect();
+        changed.extend(twins);
+        changed
+    }
+
+    /// Per-change planning against the kept table, over random transitions (with
+    /// external entries coming and going): the kernel's maps hold exactly the
+    /// desired state after each change, as a full plan from scratch would program
+    /// it, every prefix of the ops is consistent, and a full plan afterwards has
+    /// nothing left to do.
+    #[test]
+    fn planning_only_the_changed_frontends_matches_a_full_plan() {
+        let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+        let mut desired = DesiredState::default();
+        let mut known = KnownTable::new(MapSnapshot::default(), ROOMY);
+        for step in 0..400 {
+            let mut next = random_state(&mut rng);
+            // Some internal frontends get an external entry of their own backends.
+            let externals: Vec<(Frontend, FrontendSpec)> = next
+                .frontends
+                .iter()
+                .filter(|_| rng.below(4) == 0)
+                .map(|(f, spec)| {
+                    let mut spec = spec.clone();
+                    spec.backends = spec.backends.into_iter().take(1).collect();
+                    (f.with_scope(Scope::External), spec)
+                })
+                .collect();
+            next.frontends.extend(externals);
+            let changed = changed_between(&desired, &next);
+            let plan = plan_changes(&next, &changed, &mut known, ROOMY);
+            assert!(plan.rejected.is_empty(), "step {step}: {:?}", plan.rejected);
+            let mut s = known.snapshot().clone();
+            for (i, op) in plan.ops.iter().enumerate() {
+                s.apply(std::slice::from_ref(op));
+                if let Some(problem) = half_written(&s) {
+                    panic!("step {step}, after op {i} {op:?}: {problem}");
+                }
+            }
+            known.apply(&plan.ops);
+            assert_eq!(known.snapshot(), &s);
+            assert_programs(known.snapshot(), &next);
+            assert_eq!(
+                table::decode(known.snapshot())
+                    .into_iter()
+                    .map(|f| (f.frontend, f.backends.len()))
+                    .collect::<Vec<_>>(),
+                table::decode(&program(&next))
+                    .into_iter()
+                    .map(|f| (f.frontend, f.backends.len()))
+                    .collect::<Vec<_>>(),
+                "step {step}"
+            );
+            let full = super::plan(&next, known.snapshot(), ROOMY);
+            assert!(
+                full.is_empty(),
+                "step {step}: left for a full plan: {:?}",
+                full.ops
+            );
+            desired = next;
+        }
+    }
+
+    /// Ids freed by a change are handed out again only after the ones ahead.
+    #[test]
+    fn a_kept_table_frees_the_ids_of_what_it_deleted() {
+        let a = tcp(1);
+        let mut known = KnownTable::new(MapSnapshot::default(), ROOMY);
+        let one = state(&[(a, &[1, 2], None)]);
+        let changed: BTreeSet<Frontend> = [a].into();
+        let p = plan_changes(&one, &changed, &mut known, ROOMY);
+        known.apply(&p.ops);
+        let ids: BTreeSet<u32> = known.snapshot().backends.keys().copied().collect();
+        assert_eq!(ids, [1, 2].into());
+        let p = plan_changes(&state(&[]), &changed, &mut known, ROOMY);
+        known.apply(&p.ops);
+        assert!(known.snapshot().services.is_empty() && known.snapshot().backends.is_empty());
+        assert!(known.backend_ids.used.is_empty() && known.rev_nat_ids.used.is_empty());
+        let p = plan_changes(&one, &changed, &mut known, ROOMY);
+        known.apply(&p.ops);
+        let ids: BTreeSet<u32> = known.snapshot().backends.keys().copied().collect();
+        assert_eq!(ids, [3, 4].into(), "not the ids just freed");
     }
 }
