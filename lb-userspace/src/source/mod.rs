@@ -18,6 +18,7 @@ use crate::model::Frontend;
 
 mod desired;
 pub mod files;
+pub mod index;
 pub mod kube;
 mod lean;
 pub mod yaml;

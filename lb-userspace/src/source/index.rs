@@ -1,0 +1,582 @@
+//! The desired state kept per Service, so that a change to one object costs that
+//! object's Service, not every Service: each Service's frontends and health check
+//! are derived from it and its own EndpointSlices alone (by [`build_desired`] on
+//! that one Service), and the claims of all Services on each frontend and health
+//! check node port are kept, so the winner of a conflict (the first Service by
+//! namespace/name, as in a full derivation) is known without looking at the rest.
+//!
+//! [`DesiredIndex::sync`] takes the sources' latest object set and finds what
+//! changed by pointer: the sources share unchanged objects (`Arc`), so an object
+//! that is not the same allocation is new, changed or gone. It returns the
+//! frontends whose entry changed, which is what `reconcile::plan_changes` plans.
+//! A full derivation stays the reference: the property test below holds the two
+//! to the same state over random changes.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+use super::{build_desired, ObjectError, Objects, Problem, SourceOptions};
+use crate::model::{DesiredState, Frontend, FrontendSpec, HealthCheck, Scope};
+
+/// `(namespace, name)`; objects without a namespace are in `default`.
+type Key = (String, String);
+
+const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
+
+fn key_of(meta: &ObjectMeta) -> Key {
+    (
+        meta.namespace.clone().unwrap_or_else(|| "default".into()),
+        meta.name.clone().unwrap_or_default(),
+    )
+}
+
+/// The Service a slice belongs to, by its `kubernetes.io/service-name` label.
+fn owner_of(slice: &EndpointSlice) -> Option<Key> {
+    let name = slice.metadata.labels.as_ref()?.get(LABEL_SERVICE_NAME)?;
+    Some((
+        slice
+            .metadata
+            .namespace
+            .clone()
+            .unwrap_or_else(|| "default".into()),
+        name.clone(),
+    ))
+}
+
+/// What one Service contributes, from itself and its slices.
+#[derive(Default)]
+struct Derived {
+    frontends: BTreeMap<Frontend, FrontendSpec>,
+    health_check: Option<(u16, HealthCheck)>,
+    errors: Vec<ObjectError>,
+}
+
+/// What one [`DesiredIndex::sync`] changed.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    /// Frontends whose entry (winner's spec, or presence) changed, with the
+    /// internal twin of every external one (its master's flag follows).
+    pub frontends: BTreeSet<Frontend>,
+    /// Health check node ports whose entry changed.
+    pub health_checks: BTreeSet<u16>,
+    /// Problems found in the objects derived by this sync (each is reported once,
+    /// when its object changes).
+    pub new_errors: Vec<ObjectError>,
+    /// Services derived again (for the log).
+    pub services: usize,
+}
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        self.frontends.is_empty() && self.health_checks.is_empty()
+    }
+}
+
+#[derive(Default)]
+pub struct DesiredIndex {
+    opts: SourceOptions,
+    services: HashMap<Key, Arc<Service>>,
+    /// Every slice, with the Service its label names (`None`: no label).
+    slices: HashMap<Key, (Option<Key>, Arc<EndpointSlice>)>,
+    /// The slices naming each Service, in name order (as a full derivation reads
+    /// them), whether or not the Service exists.
+    slices_of: HashMap<Key, BTreeMap<Key, Arc<EndpointSlice>>>,
+    derived: HashMap<Key, Derived>,
+    /// Every Service's claim on each frontend, by Service key: the first wins.
+    claims: HashMap<Frontend, BTreeMap<Key, FrontendSpec>>,
+    health_claims: HashMap<u16, BTreeMap<Key, HealthCheck>>,
+    desired: DesiredState,
+}
+
+impl DesiredIndex {
+    /// An empty index for `opts`; [`DesiredIndex::sync`] fills it.
+    pub fn new(opts: SourceOptions) -> Self {
+        DesiredIndex {
+            opts,
+            ..DesiredIndex::default()
+        }
+    }
+
+    pub fn options(&self) -> &SourceOptions {
+        &self.opts
+    }
+
+    /// The desired state of everything synced so far.
+    pub fn desired(&self) -> &DesiredState {
+        &self.desired
+    }
+
+    /// Problems of the objects as they stand: each Service's own, the losers of
+    /// frontend and health check node port conflicts, and slices that name no
+    /// Service or one that does not exist.
+    pub fn error_count(&self) -> usize {
+        let own: usize = self.derived.values().map(|d| d.errors.len()).sum();
+        let losers: usize = self
+            .claims
+            .values()
+            .map(|c| c.len().saturating_sub(1))
+            .sum::<usize>()
+            + self
+                .health_claims
+                .values()
+                .map(|c| c.len().saturating_sub(1))
+                .sum::<usize>();
+        let orphans = self
+            .slices
+            .values()
+            .filter(|(owner, _)| {
+                owner
+                    .as_ref()
+                    .is_none_or(|o| !self.services.contains_key(o))
+            })
+            .count();
+        own + losers + orphans
+    }
+
+    /// Brings the index to `objects`: what is not the same allocation as before is
+    /// derived again, with every Service whose slices changed.
+    pub fn sync(&mut self, objects: &Objects) -> Changes {
+        let mut touched: BTreeSet<Key> = BTreeSet::new();
+        let mut new_errors = Vec::new();
+
+        let mut seen: HashMap<Key, &Arc<Service>> = HashMap::with_capacity(objects.services.len());
+        for svc in &objects.services {
+            seen.insert(key_of(&svc.metadata), svc);
+        }
+        self.services.retain(|key, _| {
+            let keep = seen.contains_key(key);
+            if !keep {
+                touched.insert(key.clone());
+            }
+            keep
+        });
+        for (key, svc) in seen {
+            match self.services.get(&key) {
+                Some(old) if Arc::ptr_eq(old, svc) => {}
+                _ => {
+                    self.services.insert(key.clone(), svc.clone());
+                    touched.insert(key);
+                }
+            }
+        }
+
+        let mut seen: HashMap<Key, &Arc<EndpointSlice>> =
+            HashMap::with_capacity(objects.slices.len());
+        for slice in &objects.slices {
+            seen.insert(key_of(&slice.metadata), slice);
+        }
+        let gone: Vec<Key> = self
+            .slices
+            .keys()
+            .filter(|k| !seen.contains_key(*k))
+            .cloned()
+            .collect();
+        for key in gone {
+            if let Some((Some(owner), _)) = self.slices.remove(&key) {
+                self.unlink_slice(&owner, &key);
+                touched.insert(owner);
+            }
+        }
+        for (key, slice) in seen {
+            if let Some((_, old)) = self.slices.get(&key) {
+                if Arc::ptr_eq(old, slice) {
+                    continue;
+                }
+            }
+            let owner = owner_of(slice);
+            if let Some((Some(old_owner), _)) = self.slices.get(&key) {
+                let old_owner = old_owner.clone();
+                self.unlink_slice(&old_owner, &key);
+                touched.insert(old_owner);
+            }
+            match &owner {
+                Some(o) => {
+                    self.slices_of
+                        .entry(o.clone())
+                        .or_default()
+                        .insert(key.clone(), slice.clone());
+                    touched.insert(o.clone());
+                }
+                None => new_errors.push(ObjectError::new(
+                    "EndpointSlice",
+                    &key.0,
+                    &key.1,
+                    Problem::MissingServiceName,
+                )),
+            }
+            self.slices.insert(key, (owner, slice.clone()));
+        }
+
+        let mut changes = Changes {
+            services: touched.len(),
+            ..Changes::default()
+        };
+        for key in touched {
+            self.derive(&key, &mut changes, &mut new_errors);
+        }
+        let twins: Vec<Frontend> = changes
+            .frontends
+            .iter()
+            .filter(|f| f.scope == Scope::External)
+            .map(|f| f.with_scope(Scope::Internal))
+            .collect();
+        changes.frontends.extend(twins);
+        changes.new_errors = new_errors;
+        changes
+    }
+
+    fn unlink_slice(&mut self, owner: &Key, slice: &Key) {
+        if let Some(slices) = self.slices_of.get_mut(owner) {
+            slices.remove(slice);
+            if slices.is_empty() {
+                self.slices_of.remove(owner);
+            }
+        }
+    }
+
+    /// Derives Service `key` again (or drops it, gone) and moves its claims.
+    fn derive(&mut self, key: &Key, changes: &mut Changes, new_errors: &mut Vec<ObjectError>) {
+        let old = self.derived.remove(key).unwrap_or_default();
+        let new = match self.services.get(key) {
+            Some(svc) => {
+                let slices: Vec<Arc<EndpointSlice>> = self
+                    .slices_of
+                    .get(key)
+                    .map(|s| s.values().cloned().collect())
+                    .unwrap_or_default();
+                let (desired, errors) =
+                    build_desired(std::slice::from_ref(svc), &slices, &self.opts);
+                let health_check = desired.health_checks.into_iter().next();
+                Derived {
+                    frontends: desired.frontends,
+                    health_check,
+                    errors,
+                }
+            }
+            None => Derived::default(),
+        };
+        new_errors.extend(new.errors.iter().cloned());
+
+        for frontend in old.frontends.keys() {
+            if !new.frontends.contains_key(frontend) {
+                if let Some(claims) = self.claims.get_mut(frontend) {
+                    claims.remove(key);
+                }
+                self.settle(*frontend, changes, new_errors);
+            }
+        }
+        for (frontend, spec) in &new.frontends {
+            if old.frontends.get(frontend) == Some(spec) {
+                continue;
+            }
+            self.claims
+                .entry(*frontend)
+                .or_default()
+                .insert(key.clone(), spec.clone());
+            self.settle(*frontend, changes, new_errors);
+        }
+
+        let old_port = old.health_check.as_ref().map(|(p, _)| *p);
+        if let Some(port) =
+            old_port.filter(|p| new.health_check.as_ref().map(|(n, _)| n) != Some(p))
+        {
+            if let Some(claims) = self.health_claims.get_mut(&port) {
+                claims.remove(key);
+            }
+            self.settle_health_check(port, changes);
+        }
+        if let Some((port, check)) = &new.health_check {
+            if old.health_check.as_ref() != Some(&(*port, check.clone())) {
+                self.health_claims
+                    .entry(*port)
+                    .or_default()
+                    .insert(key.clone(), check.clone());
+                self.settle_health_check(*port, changes);
+            }
+        }
+        if self.services.contains_key(key) {
+            self.derived.insert(key.clone(), new);
+        }
+    }
+
+    /// Puts the first claim on `frontend` (if any) in the desired state.
+    fn settle(&mut self, frontend: Frontend, changes: &mut Changes, errors: &mut Vec<ObjectError>) {
+        let winner = self.claims.get(&frontend).and_then(|c| c.iter().next());
+        let now = winner.map(|(_, spec)| spec.clone());
+        if let Some(claims) = self.claims.get(&frontend) {
+            if let Some(((owner_ns, owner_name), _)) = claims.iter().next() {
+                for (ns, name) in claims.keys().skip(1) {
+                    errors.push(ObjectError::new(
+                        "Service",
+                        ns,
+                        name,
+                        Problem::DuplicateFrontend {
+                            frontend,
+                            owner: format!("{owner_ns}/{owner_name}"),
+                        },
+                    ));
+                }
+            }
+        }
+        if self.claims.get(&frontend).is_some_and(|c| c.is_empty()) {
+            self.claims.remove(&frontend);
+        }
+        let before = match &now {
+            Some(spec) => self.desired.frontends.insert(frontend, spec.clone()),
+            None => self.desired.frontends.remove(&frontend),
+        };
+        if before != now {
+            changes.frontends.insert(frontend);
+        }
+    }
+
+    fn settle_health_check(&mut self, port: u16, changes: &mut Changes) {
+        let now = self
+            .health_claims
+            .get(&port)
+            .and_then(|c| c.values().next().cloned());
+        if self.health_claims.get(&port).is_some_and(|c| c.is_empty()) {
+            self.health_claims.remove(&port);
+        }
+        let before = match &now {
+            Some(check) => self.desired.health_checks.insert(port, check.clone()),
+            None => self.desired.health_checks.remove(&port),
+        };
+        if before != now {
+            changes.health_checks.insert(port);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    fn service(ns: &str, name: &str, ip: u8, ports: &[u16], node_port: Option<u16>) -> Service {
+        let ports: Vec<_> = ports
+            .iter()
+            .map(|p| {
+                let mut port = json!({"name": format!("p{p}"), "port": p, "protocol": "TCP", "targetPort": 8000 + p});
+                if let Some(np) = node_port {
+                    port["nodePort"] = json!(np);
+                }
+                port
+            })
+            .collect();
+        let mut spec = json!({
+            "clusterIP": format!("10.96.0.{ip}"),
+            "ports": ports,
+            "type": if node_port.is_some() { "NodePort" } else { "ClusterIP" },
+        });
+        if node_port.is_some() && ip.is_multiple_of(3) {
+            spec["externalTrafficPolicy"] = json!("Local");
+            spec["type"] = json!("LoadBalancer");
+            spec["healthCheckNodePort"] = json!(32000 + u16::from(ip % 2));
+        }
+        serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": ns, "name": name},
+            "spec": spec,
+        }))
+        .unwrap()
+    }
+
+    fn slice(
+        ns: &str,
+        name: &str,
+        owner: Option<&str>,
+        pods: &[u8],
+        ports: &[u16],
+    ) -> EndpointSlice {
+        let mut labels = serde_json::Map::new();
+        if let Some(owner) = owner {
+            labels.insert(LABEL_SERVICE_NAME.into(), json!(owner));
+        }
+        serde_json::from_value(json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"namespace": ns, "name": name, "labels": labels},
+            "addressType": "IPv4",
+            "endpoints": pods.iter().map(|p| json!({
+                "addresses": [format!("10.244.0.{p}")],
+                "conditions": {"ready": true},
+                "nodeName": if p % 2 == 0 { "node-1" } else { "node-2" },
+            })).collect::<Vec<_>>(),
+            "ports": ports.iter().map(|p| json!({"name": format!("p{p}"), "port": 8000 + p, "protocol": "TCP"})).collect::<Vec<_>>(),
+        }))
+        .unwrap()
+    }
+
+    fn opts() -> SourceOptions {
+        SourceOptions {
+            node_name: "node-1".into(),
+            node_ips: vec!["192.168.0.1".parse().unwrap()],
+            ..SourceOptions::default()
+        }
+    }
+
+    /// One change to the object set.
+    #[derive(Clone, Debug)]
+    enum Event {
+        /// Service `s` (of a few names, in two namespaces) with cluster IP `ip`
+        /// (few values, so Services collide), ports, maybe a node port.
+        PutService {
+            s: u8,
+            ip: u8,
+            ports: Vec<u16>,
+            node_port: Option<u16>,
+        },
+        DeleteService {
+            s: u8,
+        },
+        /// Slice `n` of Service `s` (or of no Service), with these pods.
+        PutSlice {
+            n: u8,
+            s: Option<u8>,
+            pods: Vec<u8>,
+            ports: Vec<u16>,
+        },
+        DeleteSlice {
+            n: u8,
+        },
+    }
+
+    fn names(s: u8) -> (&'static str, String) {
+        (
+            if s.is_multiple_of(2) { "default" } else { "team" },
+            format!("svc-{}", s / 2),
+        )
+    }
+
+    fn event() -> impl Strategy<Value = Event> {
+        let ports = proptest::collection::vec(prop_oneof![Just(80u16), Just(443), Just(53)], 0..3);
+        prop_oneof![
+            4 => (0..6u8, 1..5u8, ports.clone(), proptest::option::of(30000..30003u16))
+                .prop_map(|(s, ip, ports, node_port)| Event::PutService { s, ip, ports, node_port }),
+            1 => (0..6u8).prop_map(|s| Event::DeleteService { s }),
+            4 => (0..8u8, proptest::option::of(0..7u8), proptest::collection::vec(1..9u8, 0..4), ports)
+                .prop_map(|(n, s, pods, ports)| Event::PutSlice { n, s, pods, ports }),
+            1 => (0..8u8).prop_map(|n| Event::DeleteSlice { n }),
+        ]
+    }
+
+    /// The object set as a source holds it: unchanged objects keep their `Arc`.
+    #[derive(Default, Clone)]
+    struct World {
+        services: BTreeMap<u8, Arc<Service>>,
+        slices: BTreeMap<u8, Arc<EndpointSlice>>,
+    }
+
+    impl World {
+        fn apply(&mut self, e: &Event) {
+            match e {
+                Event::PutService {
+                    s,
+                    ip,
+                    ports,
+                    node_port,
+                } => {
+                    let (ns, name) = names(*s);
+                    self.services
+                        .insert(*s, Arc::new(service(ns, &name, *ip, ports, *node_port)));
+                }
+                Event::DeleteService { s } => {
+                    self.services.remove(s);
+                }
+                Event::PutSlice { n, s, pods, ports } => {
+                    // Slices live in the namespace of the Service they name.
+                    let (ns, owner) = match s {
+                        Some(s) => {
+                            let (ns, name) = names(*s);
+                            (ns, Some(name))
+                        }
+                        None => ("default", None),
+                    };
+                    let sl = slice(ns, &format!("slice-{n}"), owner.as_deref(), pods, ports);
+                    self.slices.insert(*n, Arc::new(sl));
+                }
+                Event::DeleteSlice { n } => {
+                    self.slices.remove(n);
+                }
+            }
+        }
+
+        fn objects(&self) -> Objects {
+            Objects {
+                services: self.services.values().cloned().collect(),
+                slices: self.slices.values().cloned().collect(),
+                ..Objects::default()
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+
+        /// After every change, the per-Service index holds the desired state a full
+        /// derivation of all objects gives, and what it reports as changed is
+        /// exactly where the two consecutive full derivations differ.
+        #[test]
+        fn the_index_agrees_with_a_full_derivation(events in proptest::collection::vec(event(), 1..40)) {
+            let mut world = World::default();
+            let mut index = DesiredIndex::new(opts());
+            let mut before = DesiredState::default();
+            for e in &events {
+                world.apply(e);
+                let objects = world.objects();
+                let changes = index.sync(&objects);
+                let (full, _) = build_desired(&objects.services, &objects.slices, &opts());
+                prop_assert_eq!(&index.desired().frontends, &full.frontends, "after {:?}", e);
+                prop_assert_eq!(&index.desired().health_checks, &full.health_checks, "after {:?}", e);
+                for (f, spec) in full.frontends.iter() {
+                    if before.frontends.get(f) != Some(spec) {
+                        prop_assert!(changes.frontends.contains(f), "{:?} changed but not reported after {:?}", f, e);
+                    }
+                }
+                for f in before.frontends.keys() {
+                    if !full.frontends.contains_key(f) {
+                        prop_assert!(changes.frontends.contains(f), "{:?} gone but not reported after {:?}", f, e);
+                    }
+                }
+                before = full;
+            }
+        }
+    }
+
+    /// A change to one slice derives its Service only; the others are untouched.
+    #[test]
+    fn a_slice_change_derives_only_its_service() {
+        let mut world = World::default();
+        for s in 0..6 {
+            world.apply(&Event::PutService {
+                s,
+                ip: s + 1,
+                ports: vec![80],
+                node_port: None,
+            });
+            world.apply(&Event::PutSlice {
+                n: s,
+                s: Some(s),
+                pods: vec![1],
+                ports: vec![80],
+            });
+        }
+        let mut index = DesiredIndex::new(opts());
+        assert_eq!(index.sync(&world.objects()).services, 6);
+        world.apply(&Event::PutSlice {
+            n: 2,
+            s: Some(2),
+            pods: vec![1, 2],
+            ports: vec![80],
+        });
+        let changes = index.sync(&world.objects());
+        assert_eq!(changes.services, 1);
+        assert_eq!(changes.frontends.len(), 1);
+        assert!(index.sync(&world.objects()).is_empty(), "nothing changed");
+    }
+}
