@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 use lb_common::map_names;
 use tracing::{debug, info, warn};
 
-use crate::codec;
 use crate::conntrack;
 use crate::loader::{self, LoadError, MapSizes, PinLayout, TcAttach};
 use crate::maps::{MapsError, PinnedMaps};
@@ -23,7 +22,8 @@ use crate::ops::{
 };
 use crate::pin_lock::{PinLock, PinLockError, Wait};
 use crate::pins;
-use crate::reconcile;
+use crate::reconcile::{self, KnownTable};
+use crate::source::index::{Changes, DesiredIndex};
 use crate::source::{self, files, kube, Objects, SourceOptions};
 use crate::source_ranges;
 use crate::sys::{self, SysError};
@@ -218,7 +218,9 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     // Set while the kernel rejected a write; the same objects are retried from a
     // fresh snapshot until they apply.
     let mut retry: Option<Arc<Objects>> = None;
-    let mut known_table = None;
+    let mut known_table: Option<KnownTable> = None;
+    // The desired state per Service: a change derives only its own Service.
+    let mut index = DesiredIndex::new(options.clone());
     let mut health_checks = HealthCheckServers::default();
     let mut gc_ticker = tokio::time::interval(config.ct_gc_interval);
     gc_ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -244,7 +246,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 // forget the memory and sync from the kernel's table.
                 let Some(known) = &known_table else { continue };
                 match maps.snapshot() {
-                    Ok(kernel) if kernel == *known => continue,
+                    Ok(kernel) if kernel == *known.snapshot() => continue,
                     Ok(_) => {
                         warn!("the service table in the kernel differs from what this agent wrote; repairing");
                         status.record_drift_repair();
@@ -297,22 +299,31 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             options.zone = zone;
         }
         last = Some(current.clone());
-        let desired = interpret(&current, &options, &status);
-        info!(
-            desired_ms = started.elapsed().as_millis() as u64,
-            frontends = desired.frontends.len(),
-            "desired state built"
-        );
+        if *index.options() != options {
+            // Node addresses or zone: every Service reads differently.
+            index = DesiredIndex::new(options.clone());
+            known_table = None;
+        }
+        let changes = interpret(&current, &mut index, &status);
+        let desired = index.desired();
+        if known_table.is_none() || changes.services > 1 {
+            info!(
+                desired_ms = started.elapsed().as_millis() as u64,
+                services = changes.services,
+                frontends = desired.frontends.len(),
+                "desired state built"
+            );
+        }
         // The hooks attach as soon as the first table is in the kernel; the
         // agent's own bookkeeping of what it wrote comes after.
         let ranges_first = match &known_table {
             Some(table) => maps
-                .sync_source_ranges(&source_ranges::wanted(&desired, table), false)
+                .sync_source_ranges(&source_ranges::wanted(desired, table.snapshot()), false)
                 .map(|_| ()),
             None => Ok(()),
         };
         let written = ranges_first
-            .and_then(|()| write_table(&mut maps, &desired, &mut known_table))
+            .and_then(|()| write_table(&mut maps, desired, &changes.frontends, &mut known_table))
             .map_err(SyncError::from);
         let recorded = written.and_then(|written| {
             if !attached {
@@ -348,7 +359,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             }
             let outcome = record_table(&mut maps, written, &mut known_table)?;
             if let Some(table) = &known_table {
-                maps.sync_source_ranges(&source_ranges::wanted(&desired, table), true)?;
+                maps.sync_source_ranges(&source_ranges::wanted(desired, table.snapshot()), true)?;
             }
             Ok(outcome)
         });
@@ -361,9 +372,20 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 for e in health_checks.update(&desired.health_checks).await {
                     warn!("healthCheckNodePort not served: {e}");
                 }
-                if let Some(names) = outcome.frontend_names {
-                    *frontend_names.lock().unwrap_or_else(|e| e.into_inner()) = names;
+                let mut names = frontend_names.lock().unwrap_or_else(|e| e.into_inner());
+                match outcome.frontend_names {
+                    NamesUpdate::Unchanged => {}
+                    NamesUpdate::Replace(all) => *names = all,
+                    NamesUpdate::Patch(patch) => {
+                        for (id, name) in patch {
+                            match name {
+                                Some(name) => names.insert(id, name),
+                                None => names.remove(&id),
+                            };
+                        }
+                    }
                 }
+                drop(names);
                 let capacity = maps.capacity();
                 status.set_map_usage(
                     map_names::SERVICES,
@@ -434,15 +456,17 @@ fn retire_layouts(retired: &[PathBuf]) {
 
 /// Applies kube-proxy's semantics to the objects; bad objects are logged and skipped
 /// so the rest still applies.
-fn interpret(objects: &Objects, options: &SourceOptions, status: &AgentStatus) -> DesiredState {
+/// Brings the per-Service index to `objects`; logs the problems of what changed
+/// and counts all of them.
+fn interpret(objects: &Objects, index: &mut DesiredIndex, status: &AgentStatus) -> Changes {
     for error in &objects.errors {
         warn!("skipped: {error}");
     }
-    let (desired, errors) = source::build_desired(&objects.services, &objects.slices, options);
-    for error in &errors {
+    let changes = index.sync(objects);
+    for error in &changes.new_errors {
         warn!("skipped: {error}");
     }
-    status.record_object_errors(objects.errors.len() + errors.len());
+    status.record_object_errors(objects.errors.len() + index.error_count());
     status.set_unreadable_files(
         objects
             .unreadable
@@ -450,7 +474,7 @@ fn interpret(objects: &Objects, options: &SourceOptions, status: &AgentStatus) -
             .map(|e| (e.path.clone(), e.problem.to_string()))
             .collect(),
     );
-    desired
+    changes
 }
 
 /// Where NodePorts are served now: kube-proxy's `--nodeport-addresses` over the
@@ -558,46 +582,72 @@ enum SyncError {
 /// The first half of a sync: the desired table planned against what the maps hold
 /// and written to the kernel.
 struct Written {
-    current: codec::MapSnapshot,
+    /// The table before the plan; `record_table` applies the plan to it.
+    table: KnownTable,
     plan: reconcile::Plan,
-    /// `current` was read from the kernel, not remembered.
+    /// Only the changed frontends were planned, against the kept table.
+    incremental: bool,
+    /// The table was read from the kernel, not remembered.
     read_kernel: bool,
 }
 
-/// Writes the difference between `desired` and the maps. `known` is what the last
-/// sync left; it is taken, so a failure makes the next sync read the kernel again.
+/// Writes the difference between `desired` and the maps. With a kept table (`known`,
+/// what the last sync left) only the `changed` frontends are planned; without one
+/// (start, after a failure or a repair, new options) the kernel's table is read and
+/// planned whole. `known` is taken, so a failure makes the next sync read the
+/// kernel again.
 fn write_table(
     maps: &mut PinnedMaps,
     desired: &DesiredState,
-    known: &mut Option<codec::MapSnapshot>,
+    changed: &std::collections::BTreeSet<crate::model::Frontend>,
+    known: &mut Option<KnownTable>,
 ) -> Result<Written, MapsError> {
     let started = Instant::now();
-    let read_kernel = known.is_none();
-    let current = match known.take() {
-        Some(table) => table,
-        None => maps.snapshot()?,
+    let capacity = maps.capacity();
+    let (table, plan, incremental, read_kernel) = match known.take() {
+        Some(mut table) => {
+            let plan = reconcile::plan_changes(desired, changed, &mut table, capacity);
+            (table, plan, true, false)
+        }
+        None => {
+            let current = maps.snapshot()?;
+            let plan = reconcile::plan(desired, &current, capacity);
+            (KnownTable::new(current, capacity), plan, false, true)
+        }
     };
-    let read = started.elapsed();
-    let plan = reconcile::plan(desired, &current, maps.capacity());
     let planned = started.elapsed();
     for rejected in &plan.rejected {
         warn!("{rejected}");
     }
     if !plan.is_empty() {
         maps.apply(&plan.ops)?;
-        info!(
-            read_ms = read.as_millis() as u64,
-            plan_ms = (planned - read).as_millis() as u64,
-            apply_ms = (started.elapsed() - planned).as_millis() as u64,
-            operations = plan.ops.len(),
-            frontends = desired.frontends.len(),
-            backends = desired.backend_count(),
-            "service table applied"
+        let fields = (
+            planned.as_micros() as u64,
+            (started.elapsed() - planned).as_micros() as u64,
         );
+        if incremental {
+            debug!(
+                plan_us = fields.0,
+                apply_us = fields.1,
+                operations = plan.ops.len(),
+                frontends = changed.len(),
+                "changed frontends applied"
+            );
+        } else {
+            info!(
+                plan_ms = fields.0 / 1000,
+                apply_ms = fields.1 / 1000,
+                operations = plan.ops.len(),
+                frontends = desired.frontends.len(),
+                backends = desired.backend_count(),
+                "service table applied"
+            );
+        }
     }
     Ok(Written {
-        current,
+        table,
         plan,
+        incremental,
         read_kernel,
     })
 }
@@ -607,37 +657,63 @@ fn write_table(
 fn record_table(
     maps: &mut PinnedMaps,
     written: Written,
-    known: &mut Option<codec::MapSnapshot>,
+    known: &mut Option<KnownTable>,
 ) -> Result<SyncOutcome, MapsError> {
     let Written {
-        mut current,
+        mut table,
         plan,
+        incremental,
         read_kernel,
     } = written;
-    if !plan.is_empty() {
-        current.apply(&plan.ops);
-        let live = current
-            .services
+    let mut frontend_names = NamesUpdate::Unchanged;
+    if incremental {
+        let patch = table::frontend_names_patch(table.snapshot(), &plan.ops);
+        let gone: Vec<u32> = patch
             .iter()
-            .filter(|(key, _)| key.backend_slot == 0)
-            .map(|(_, master)| master.rev_nat_id)
+            .filter(|(_, name)| name.is_none())
+            .map(|(id, _)| *id)
             .collect();
-        maps.prune_service_stats(&live)?;
+        table.apply(&plan.ops);
+        maps.remove_service_stats(&gone)?;
+        if !patch.is_empty() {
+            frontend_names = NamesUpdate::Patch(patch);
+        }
+    } else {
+        if !plan.is_empty() {
+            table.apply(&plan.ops);
+            let live = table
+                .snapshot()
+                .services
+                .iter()
+                .filter(|(key, _)| key.backend_slot == 0)
+                .map(|(_, master)| master.rev_nat_id)
+                .collect();
+            maps.prune_service_stats(&live)?;
+        }
+        if !plan.is_empty() || read_kernel {
+            frontend_names = NamesUpdate::Replace(table::frontend_names(table.snapshot()));
+        }
     }
-    let frontend_names = (!plan.is_empty() || read_kernel).then(|| table::frontend_names(&current));
     let outcome = SyncOutcome {
-        services_used: current.services.len(),
-        backends_used: current.backends.len(),
+        services_used: table.snapshot().services.len(),
+        backends_used: table.snapshot().backends.len(),
         frontend_names,
     };
-    *known = Some(current);
+    *known = Some(table);
     Ok(outcome)
+}
+
+/// How the frontend names (by id, for the per-Service metrics) change.
+enum NamesUpdate {
+    Unchanged,
+    Replace(BTreeMap<u32, String>),
+    /// Ids whose name is now this, or gone (`None`).
+    Patch(Vec<(u32, Option<String>)>),
 }
 
 /// What a successful sync left in the maps.
 struct SyncOutcome {
     services_used: usize,
     backends_used: usize,
-    /// Frontends by id, when they may have changed.
-    frontend_names: Option<BTreeMap<u32, String>>,
+    frontend_names: NamesUpdate,
 }

@@ -282,6 +282,19 @@ impl PinnedMaps {
 
     /// Drops the counters of frontends that no longer exist, so ids that are
     /// never reused do not pile up.
+    /// Deletes the per-Service counters of frontend ids that are gone (a missing
+    /// entry is fine: a frontend that saw no traffic has none).
+    pub fn remove_service_stats(&mut self, ids: &[u32]) -> Result<(), MapsError> {
+        for id in ids {
+            ignore_missing(self.service_stats.remove(id)).map_err(|source| MapsError::Write {
+                map: map_names::SVC_STATS,
+                op: format!("delete counters of frontend id {id}"),
+                source,
+            })?;
+        }
+        Ok(())
+    }
+
     pub fn prune_service_stats(
         &mut self,
         live: &std::collections::BTreeSet<u32>,

@@ -96,6 +96,13 @@ impl IdAllocator {
         self.used.remove(&id);
     }
 
+    /// `id` was taken by a plan that did not ask this allocator (a full plan).
+    fn mark(&mut self, id: u32) {
+        if id != 0 && id <= self.max {
+            self.used.insert(id);
+        }
+    }
+
     fn alloc(&mut self) -> Option<u32> {
         if self.free() == 0 {
             return None;
@@ -148,11 +155,14 @@ impl KnownTable {
         self.snapshot
     }
 
-    /// Records `ops` as written: the snapshot follows them, and the ids of deleted
-    /// backends and masters become free again (after the ids ahead of them).
+    /// Records `ops` as written: the snapshot follows them, the ids they write are
+    /// in use (whichever plan chose them), and the ids of deleted backends and
+    /// masters become free again (after the ids ahead of them).
     pub fn apply(&mut self, ops: &[MapOp]) {
         for op in ops {
             match *op {
+                MapOp::PutBackend { id, .. } => self.backend_ids.mark(id),
+                MapOp::PutService { value, .. } => self.rev_nat_ids.mark(value.rev_nat_id),
                 MapOp::DeleteBackend { id } => self.backend_ids.release(id),
                 MapOp::DeleteService { key } if key.backend_slot == 0 => {
                     if let Some(master) = self.snapshot.services.get(&key) {
@@ -1284,7 +1294,13 @@ mod tests {
                 .collect();
             next.frontends.extend(externals);
             let changed = changed_between(&desired, &next);
-            let plan = plan_changes(&next, &changed, &mut known, ROOMY);
+            // Now and then a full plan (start, repair), whose ids the kept table
+            // must learn from its ops.
+            let plan = if step % 37 == 0 {
+                super::plan(&next, known.snapshot(), ROOMY)
+            } else {
+                plan_changes(&next, &changed, &mut known, ROOMY)
+            };
             assert!(plan.rejected.is_empty(), "step {step}: {:?}", plan.rejected);
             let mut s = known.snapshot().clone();
             for (i, op) in plan.ops.iter().enumerate() {

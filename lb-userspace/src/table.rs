@@ -9,7 +9,7 @@ use std::net::IpAddr;
 use lb_common::ServiceValue;
 use serde::Serialize;
 
-use crate::codec::{affinity_timeout, backend_addr, frontend_of, MapSnapshot};
+use crate::codec::{affinity_timeout, backend_addr, frontend_of, MapOp, MapSnapshot};
 use crate::model::Frontend;
 
 /// One frontend as programmed.
@@ -46,6 +46,34 @@ pub fn frontend_names(snapshot: &MapSnapshot) -> BTreeMap<u32, String> {
         .filter(|(key, _)| key.backend_slot == 0)
         .filter_map(|(key, master)| Some((master.rev_nat_id, frontend_of(key)?.to_string())))
         .collect()
+}
+
+/// How [`frontend_names`] changes when `ops` are applied to `before`: the id of
+/// each master written gets its frontend's name, the id of each master deleted or
+/// renumbered is gone. Costs the ops, not the table.
+pub fn frontend_names_patch(before: &MapSnapshot, ops: &[MapOp]) -> Vec<(u32, Option<String>)> {
+    let mut patch = Vec::new();
+    for op in ops {
+        match op {
+            MapOp::PutService { key, value } if key.backend_slot == 0 => {
+                if let Some(old) = before.services.get(key) {
+                    if old.rev_nat_id != value.rev_nat_id {
+                        patch.push((old.rev_nat_id, None));
+                    }
+                }
+                if let Some(frontend) = frontend_of(key) {
+                    patch.push((value.rev_nat_id, Some(frontend.to_string())));
+                }
+            }
+            MapOp::DeleteService { key } if key.backend_slot == 0 => {
+                if let Some(old) = before.services.get(key) {
+                    patch.push((old.rev_nat_id, None));
+                }
+            }
+            _ => {}
+        }
+    }
+    patch
 }
 
 /// Group the service entries by frontend and check each against the backends map.

@@ -257,7 +257,20 @@ impl DesiredIndex {
                     errors,
                 }
             }
-            None => Derived::default(),
+            None => {
+                // Slices naming a Service that does not exist (yet, or any more).
+                for (ns, name) in self.slices_of.get(key).into_iter().flat_map(|s| s.keys()) {
+                    new_errors.push(ObjectError::new(
+                        "EndpointSlice",
+                        ns,
+                        name,
+                        Problem::ServiceNotFound {
+                            service: format!("{}/{}", key.0, key.1),
+                        },
+                    ));
+                }
+                Derived::default()
+            }
         };
         new_errors.extend(new.errors.iter().cloned());
 
@@ -448,7 +461,11 @@ mod tests {
 
     fn names(s: u8) -> (&'static str, String) {
         (
-            if s.is_multiple_of(2) { "default" } else { "team" },
+            if s.is_multiple_of(2) {
+                "default"
+            } else {
+                "team"
+            },
             format!("svc-{}", s / 2),
         )
     }
