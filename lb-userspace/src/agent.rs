@@ -305,6 +305,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             known_table = None;
         }
         let changes = interpret(&current, &mut index, &status);
+        let derived = started.elapsed();
         let desired = index.desired();
         if known_table.is_none() || changes.services > 1 {
             info!(
@@ -369,6 +370,13 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         match recorded {
             Ok(outcome) => {
                 retry = None;
+                debug!(
+                    derive_us = derived.as_micros() as u64,
+                    total_us = started.elapsed().as_micros() as u64,
+                    services = changes.services,
+                    frontends = changes.frontends.len(),
+                    "change applied"
+                );
                 for e in health_checks.update(&desired.health_checks).await {
                     warn!("healthCheckNodePort not served: {e}");
                 }

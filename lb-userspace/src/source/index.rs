@@ -7,13 +7,18 @@
 //!
 //! [`DesiredIndex::sync`] takes the sources' latest object set and finds what
 //! changed by pointer: the sources share unchanged objects (`Arc`), so an object
-//! that is not the same allocation is new, changed or gone. It returns the
+//! that is not the same allocation is new, changed or gone. Only those are named
+//! (namespace/name keys built); the rest costs a pointer lookup each. Measured on
+//! 10k Services x 10 endpoints (20k objects), keying every object by name on each
+//! sync took 7.5-12 ms; by pointer (Fx hashing of addresses) it is a fraction. It returns the
 //! frontends whose entry changed, which is what `reconcile::plan_changes` plans.
 //! A full derivation stays the reference: the property test below holds the two
 //! to the same state over random changes.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
+
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -90,6 +95,26 @@ pub struct DesiredIndex {
     claims: HashMap<Frontend, BTreeMap<Key, FrontendSpec>>,
     health_claims: HashMap<u16, BTreeMap<Key, HealthCheck>>,
     desired: DesiredState,
+    /// The allocation of every object held, and its key.
+    service_ptrs: FxHashMap<usize, Key>,
+    slice_ptrs: FxHashMap<usize, Key>,
+    /// The problem count, kept as objects change (recounting walks everything):
+    /// Services' own problems, conflict losers, slices naming a missing Service
+    /// (by the Service they name) and slices naming none.
+    own_errors: usize,
+    losers: usize,
+    orphans: usize,
+    orphans_of: HashMap<Key, usize>,
+    unlabeled: usize,
+}
+
+/// How many conflict losers a claim list of `len` has.
+fn losers(len: usize) -> usize {
+    len.saturating_sub(1)
+}
+
+fn ptr<T>(object: &Arc<T>) -> usize {
+    Arc::as_ptr(object) as usize
 }
 
 impl DesiredIndex {
@@ -114,16 +139,18 @@ impl DesiredIndex {
     /// frontend and health check node port conflicts, and slices that name no
     /// Service or one that does not exist.
     pub fn error_count(&self) -> usize {
+        self.own_errors + self.losers + self.orphans + self.unlabeled
+    }
+
+    /// [`DesiredIndex::error_count`] the long way, for the tests.
+    #[cfg(test)]
+    fn error_count_by_walking(&self) -> usize {
         let own: usize = self.derived.values().map(|d| d.errors.len()).sum();
-        let losers: usize = self
-            .claims
-            .values()
-            .map(|c| c.len().saturating_sub(1))
-            .sum::<usize>()
+        let losers: usize = self.claims.values().map(|c| losers(c.len())).sum::<usize>()
             + self
                 .health_claims
                 .values()
-                .map(|c| c.len().saturating_sub(1))
+                .map(|c| losers(c.len()))
                 .sum::<usize>();
         let orphans = self
             .slices
@@ -143,56 +170,68 @@ impl DesiredIndex {
         let mut touched: BTreeSet<Key> = BTreeSet::new();
         let mut new_errors = Vec::new();
 
-        let mut seen: HashMap<Key, &Arc<Service>> = HashMap::with_capacity(objects.services.len());
-        for svc in &objects.services {
-            seen.insert(key_of(&svc.metadata), svc);
+        // Services: gone ones first (a changed Service is a gone allocation and a
+        // new one under the same key).
+        let next: FxHashSet<usize> = objects.services.iter().map(ptr).collect();
+        let gone: Vec<(usize, Key)> = self
+            .service_ptrs
+            .iter()
+            .filter(|(p, _)| !next.contains(p))
+            .map(|(p, k)| (*p, k.clone()))
+            .collect();
+        for (p, key) in gone {
+            self.service_ptrs.remove(&p);
+            self.services.remove(&key);
+            touched.insert(key);
         }
-        self.services.retain(|key, _| {
-            let keep = seen.contains_key(key);
-            if !keep {
-                touched.insert(key.clone());
+        for svc in &objects.services {
+            if self.service_ptrs.contains_key(&ptr(svc)) {
+                continue;
             }
-            keep
-        });
-        for (key, svc) in seen {
-            match self.services.get(&key) {
-                Some(old) if Arc::ptr_eq(old, svc) => {}
-                _ => {
-                    self.services.insert(key.clone(), svc.clone());
-                    touched.insert(key);
-                }
+            let key = key_of(&svc.metadata);
+            // Two objects under one key: the later one is what a full derivation
+            // (keyed the same way) would keep.
+            if let Some(old) = self.services.insert(key.clone(), svc.clone()) {
+                self.service_ptrs.remove(&ptr(&old));
             }
+            self.service_ptrs.insert(ptr(svc), key.clone());
+            touched.insert(key);
         }
 
-        let mut seen: HashMap<Key, &Arc<EndpointSlice>> =
-            HashMap::with_capacity(objects.slices.len());
-        for slice in &objects.slices {
-            seen.insert(key_of(&slice.metadata), slice);
-        }
-        let gone: Vec<Key> = self
-            .slices
-            .keys()
-            .filter(|k| !seen.contains_key(*k))
-            .cloned()
+        let next: FxHashSet<usize> = objects.slices.iter().map(ptr).collect();
+        let gone: Vec<(usize, Key)> = self
+            .slice_ptrs
+            .iter()
+            .filter(|(p, _)| !next.contains(p))
+            .map(|(p, k)| (*p, k.clone()))
             .collect();
-        for key in gone {
-            if let Some((Some(owner), _)) = self.slices.remove(&key) {
-                self.unlink_slice(&owner, &key);
-                touched.insert(owner);
+        for (p, key) in gone {
+            self.slice_ptrs.remove(&p);
+            match self.slices.remove(&key) {
+                Some((Some(owner), _)) => {
+                    self.unlink_slice(&owner, &key);
+                    touched.insert(owner);
+                }
+                Some((None, _)) => self.unlabeled -= 1,
+                None => {}
             }
         }
-        for (key, slice) in seen {
-            if let Some((_, old)) = self.slices.get(&key) {
-                if Arc::ptr_eq(old, slice) {
-                    continue;
+        for slice in &objects.slices {
+            if self.slice_ptrs.contains_key(&ptr(slice)) {
+                continue;
+            }
+            let key = key_of(&slice.metadata);
+            if let Some((old_owner, old)) = self.slices.remove(&key) {
+                self.slice_ptrs.remove(&ptr(&old));
+                match old_owner {
+                    Some(old_owner) => {
+                        self.unlink_slice(&old_owner, &key);
+                        touched.insert(old_owner);
+                    }
+                    None => self.unlabeled -= 1,
                 }
             }
             let owner = owner_of(slice);
-            if let Some((Some(old_owner), _)) = self.slices.get(&key) {
-                let old_owner = old_owner.clone();
-                self.unlink_slice(&old_owner, &key);
-                touched.insert(old_owner);
-            }
             match &owner {
                 Some(o) => {
                     self.slices_of
@@ -201,13 +240,17 @@ impl DesiredIndex {
                         .insert(key.clone(), slice.clone());
                     touched.insert(o.clone());
                 }
-                None => new_errors.push(ObjectError::new(
-                    "EndpointSlice",
-                    &key.0,
-                    &key.1,
-                    Problem::MissingServiceName,
-                )),
+                None => {
+                    self.unlabeled += 1;
+                    new_errors.push(ObjectError::new(
+                        "EndpointSlice",
+                        &key.0,
+                        &key.1,
+                        Problem::MissingServiceName,
+                    ));
+                }
             }
+            self.slice_ptrs.insert(ptr(slice), key.clone());
             self.slices.insert(key, (owner, slice.clone()));
         }
 
@@ -273,11 +316,23 @@ impl DesiredIndex {
             }
         };
         new_errors.extend(new.errors.iter().cloned());
+        self.own_errors = self.own_errors - old.errors.len() + new.errors.len();
+        let orphans = match self.services.contains_key(key) {
+            true => 0,
+            false => self.slices_of.get(key).map_or(0, BTreeMap::len),
+        };
+        let before = match orphans {
+            0 => self.orphans_of.remove(key),
+            n => self.orphans_of.insert(key.clone(), n),
+        };
+        self.orphans = self.orphans - before.unwrap_or(0) + orphans;
 
         for frontend in old.frontends.keys() {
             if !new.frontends.contains_key(frontend) {
                 if let Some(claims) = self.claims.get_mut(frontend) {
+                    let len = claims.len();
                     claims.remove(key);
+                    self.losers = self.losers - losers(len) + losers(claims.len());
                 }
                 self.settle(*frontend, changes, new_errors);
             }
@@ -286,10 +341,10 @@ impl DesiredIndex {
             if old.frontends.get(frontend) == Some(spec) {
                 continue;
             }
-            self.claims
-                .entry(*frontend)
-                .or_default()
-                .insert(key.clone(), spec.clone());
+            let claims = self.claims.entry(*frontend).or_default();
+            let len = claims.len();
+            claims.insert(key.clone(), spec.clone());
+            self.losers = self.losers - losers(len) + losers(claims.len());
             self.settle(*frontend, changes, new_errors);
         }
 
@@ -298,16 +353,18 @@ impl DesiredIndex {
             old_port.filter(|p| new.health_check.as_ref().map(|(n, _)| n) != Some(p))
         {
             if let Some(claims) = self.health_claims.get_mut(&port) {
+                let len = claims.len();
                 claims.remove(key);
+                self.losers = self.losers - losers(len) + losers(claims.len());
             }
             self.settle_health_check(port, changes);
         }
         if let Some((port, check)) = &new.health_check {
             if old.health_check.as_ref() != Some(&(*port, check.clone())) {
-                self.health_claims
-                    .entry(*port)
-                    .or_default()
-                    .insert(key.clone(), check.clone());
+                let claims = self.health_claims.entry(*port).or_default();
+                let len = claims.len();
+                claims.insert(key.clone(), check.clone());
+                self.losers = self.losers - losers(len) + losers(claims.len());
                 self.settle_health_check(*port, changes);
             }
         }
@@ -550,6 +607,7 @@ mod tests {
                 let (full, _) = build_desired(&objects.services, &objects.slices, &opts());
                 prop_assert_eq!(&index.desired().frontends, &full.frontends, "after {:?}", e);
                 prop_assert_eq!(&index.desired().health_checks, &full.health_checks, "after {:?}", e);
+                prop_assert_eq!(index.error_count(), index.error_count_by_walking(), "after {:?}", e);
                 for (f, spec) in full.frontends.iter() {
                     if before.frontends.get(f) != Some(spec) {
                         prop_assert!(changes.frontends.contains(f), "{:?} changed but not reported after {:?}", f, e);
