@@ -319,7 +319,10 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         // agent's own bookkeeping of what it wrote comes after.
         let ranges_first = match &known_table {
             Some(table) => maps
-                .sync_source_ranges(&source_ranges::wanted(desired, table.snapshot()), false)
+                .sync_source_ranges(
+                    &source_ranges::wanted(index.restricted(), table.snapshot()),
+                    false,
+                )
                 .map(|_| ()),
             None => Ok(()),
         };
@@ -354,13 +357,16 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 status.mark_initial_sync();
                 info!(
                     frontends = desired.frontends.len(),
-                    backends = desired.backend_count(),
+                    backends = index.backend_count(),
                     "ready and serving"
                 );
             }
             let outcome = record_table(&mut maps, written, &mut known_table)?;
             if let Some(table) = &known_table {
-                maps.sync_source_ranges(&source_ranges::wanted(desired, table.snapshot()), true)?;
+                maps.sync_source_ranges(
+                    &source_ranges::wanted(index.restricted(), table.snapshot()),
+                    true,
+                )?;
             }
             Ok(outcome)
         });
@@ -408,9 +414,9 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 status.record_sync(
                     started.elapsed(),
                     desired.frontends.len(),
-                    desired.backend_count(),
+                    index.backend_count(),
                 );
-                status.record_programmed(&current.slices);
+                status.record_programmed(&changes.slices, &changes.gone_slices);
             }
             Err(SyncError::Attach(e)) => return Err(e.into()),
             Err(SyncError::Maps(e)) => {

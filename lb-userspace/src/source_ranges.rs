@@ -12,13 +12,16 @@ use std::collections::BTreeSet;
 
 pub use crate::codec::SourceRange;
 use crate::codec::{service_key, MapSnapshot};
-use crate::model::DesiredState;
+use crate::model::{Frontend, FrontendSpec};
 
-/// The entries `desired` needs, for the frontends `table` holds a master of.
-pub fn wanted(desired: &DesiredState, table: &MapSnapshot) -> BTreeSet<SourceRange> {
-    desired
-        .frontends
-        .iter()
+/// The entries the restricted frontends need (`frontends`: the desired ones with
+/// source ranges, or all of them), for those `table` holds a master of.
+pub fn wanted<'a>(
+    frontends: impl IntoIterator<Item = (&'a Frontend, &'a FrontendSpec)>,
+    table: &MapSnapshot,
+) -> BTreeSet<SourceRange> {
+    frontends
+        .into_iter()
         .filter_map(|(frontend, spec)| {
             let ranges = spec.source_ranges.as_ref()?;
             let master = table.services.get(&service_key(frontend, 0))?;
@@ -31,7 +34,7 @@ pub fn wanted(desired: &DesiredState, table: &MapSnapshot) -> BTreeSet<SourceRan
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Frontend, FrontendSpec, Protocol};
+    use crate::model::{DesiredState, Protocol};
     use ipnet::IpNet;
     use lb_common::ServiceValue;
 
@@ -62,7 +65,7 @@ mod tests {
             );
         }
         assert_eq!(
-            wanted(&desired, &table),
+            wanted(&desired.frontends, &table),
             [(3, "10.0.0.0/8".parse().unwrap())].into()
         );
     }

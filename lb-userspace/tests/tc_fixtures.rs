@@ -1164,7 +1164,7 @@ impl Fixture {
     /// [`Fixture::program`], then the source-range trie as the agent syncs it.
     fn program_with_ranges(&mut self, desired: &DesiredState) {
         self.program(desired);
-        let wanted = source_ranges::wanted(desired, &self.maps.snapshot().unwrap());
+        let wanted = source_ranges::wanted(&desired.frontends, &self.maps.snapshot().unwrap());
         self.maps.sync_source_ranges(&wanted, true).unwrap();
     }
 

@@ -356,41 +356,44 @@ impl ProgrammingLatency {
         }
     }
 
-    /// Remembers the trigger times of `slices` and returns, in seconds, how long
-    /// before `now` each new one was. Slices that are gone are forgotten.
-    pub(super) fn applied(&mut self, slices: &[Arc<EndpointSlice>], now: SystemTime) -> Vec<f64> {
+    /// Remembers the trigger times of the slices that changed and returns, in
+    /// seconds, how long before `now` each new one was; forgets the slices that are
+    /// gone. Costs the change: slices not named keep what was remembered.
+    pub(super) fn applied(
+        &mut self,
+        changed: &[Arc<EndpointSlice>],
+        gone: &[Arc<EndpointSlice>],
+        now: SystemTime,
+    ) -> Vec<f64> {
+        let key = |slice: &EndpointSlice| {
+            (
+                slice.metadata.namespace.clone().unwrap_or_default(),
+                slice.metadata.name.clone().unwrap_or_default(),
+            )
+        };
+        for slice in gone {
+            self.seen.remove(&key(slice));
+        }
         let mut latencies = Vec::new();
-        let mut seen = HashMap::with_capacity(slices.len());
-        for slice in slices {
-            let meta = &slice.metadata;
-            let key = (
-                meta.namespace.clone().unwrap_or_default(),
-                meta.name.clone().unwrap_or_default(),
-            );
+        for slice in changed {
+            let key = key(slice);
             let previous = self.seen.get(&key).copied().or(self.started);
-            let trigger = meta
+            let trigger = slice
+                .metadata
                 .annotations
                 .as_ref()
                 .and_then(|a| a.get(LAST_CHANGE_TRIGGER_TIME))
                 .and_then(|t| t.parse::<jiff::Timestamp>().ok())
                 .map(SystemTime::from);
-            match trigger {
-                Some(trigger) if previous.is_none_or(|p| trigger > p) => {
-                    latencies.push(
-                        now.duration_since(trigger)
-                            .unwrap_or(Duration::ZERO)
-                            .as_secs_f64(),
-                    );
-                    seen.insert(key, trigger);
-                }
-                _ => {
-                    if let Some(kept) = self.seen.get(&key) {
-                        seen.insert(key, *kept);
-                    }
-                }
+            if let Some(trigger) = trigger.filter(|t| previous.is_none_or(|p| *t > p)) {
+                latencies.push(
+                    now.duration_since(trigger)
+                        .unwrap_or(Duration::ZERO)
+                        .as_secs_f64(),
+                );
+                self.seen.insert(key, trigger);
             }
         }
-        self.seen = seen;
         latencies
     }
 }

@@ -183,9 +183,9 @@ impl AgentStatus {
     /// seen before for it (or, seen first, newer than the agent's start) adds the
     /// time from that change to now to `kubeproxy_network_programming_duration_seconds`,
     /// as kube-proxy measures network programming latency.
-    pub fn record_programmed(&self, slices: &[Arc<EndpointSlice>]) {
+    pub fn record_programmed(&self, changed: &[Arc<EndpointSlice>], gone: &[Arc<EndpointSlice>]) {
         let now = self.clock.wall();
-        let latencies = self.state().programming.applied(slices, now);
+        let latencies = self.state().programming.applied(changed, gone, now);
         for latency in latencies {
             self.metrics.network_programming.observe(latency);
         }
@@ -629,7 +629,7 @@ mod tests {
         };
 
         // A change from before the agent started is not the agent's latency.
-        status.record_programmed(&[slice("web-1", Some("2024-05-01T09:59:50Z"))]);
+        status.record_programmed(&[slice("web-1", Some("2024-05-01T09:59:50Z"))], &[]);
         assert_eq!(count(&status), 0.0);
 
         clock.advance(Duration::from_secs(5));
@@ -637,14 +637,14 @@ mod tests {
         let api = slice("api-1", Some("2024-05-01T10:00:04.5Z"));
         let bad = slice("bad-1", Some("yesterday"));
         let none = slice("plain-1", None);
-        status.record_programmed(&[web.clone(), api.clone(), bad.clone(), none.clone()]);
+        status.record_programmed(&[web.clone(), api.clone(), bad.clone(), none.clone()], &[]);
         assert_eq!(count(&status), 2.0);
 
         // Unchanged slices in later syncs are not measured again; an older time
         // (a stale cache) neither.
         clock.advance(Duration::from_secs(30));
         let older = slice("api-1", Some("2024-05-01T10:00:03Z"));
-        status.record_programmed(&[web.clone(), older, bad, none]);
+        status.record_programmed(&[web.clone(), older, bad, none], &[]);
         assert_eq!(count(&status), 2.0);
 
         let text = status.encode_metrics();
@@ -663,7 +663,7 @@ mod tests {
 
         // A newer change of a known slice is measured from its own trigger time.
         let web = slice("web-1", Some("2024-05-01T10:00:30Z"));
-        status.record_programmed(&[web]);
+        status.record_programmed(&[web], &[]);
         assert_eq!(count(&status), 3.0);
         let text = status.encode_metrics();
         assert_eq!(value_of(&text, &format!("{name}_sum")), Some(3.5 + 5.0));

@@ -61,7 +61,7 @@ struct Derived {
 }
 
 /// What one [`DesiredIndex::sync`] changed.
-#[derive(Debug, Default, PartialEq, Eq)]
+#[derive(Debug, Default)]
 pub struct Changes {
     /// Frontends whose entry (winner's spec, or presence) changed, with the
     /// internal twin of every external one (its master's flag follows).
@@ -73,6 +73,9 @@ pub struct Changes {
     pub new_errors: Vec<ObjectError>,
     /// Services derived again (for the log).
     pub services: usize,
+    /// EndpointSlices new or changed, and gone, in this sync.
+    pub slices: Vec<Arc<EndpointSlice>>,
+    pub gone_slices: Vec<Arc<EndpointSlice>>,
 }
 
 impl Changes {
@@ -106,6 +109,10 @@ pub struct DesiredIndex {
     orphans: usize,
     orphans_of: HashMap<Key, usize>,
     unlabeled: usize,
+    /// Backends over all desired frontends, and the frontends with source ranges:
+    /// what the agent reports and syncs after each change, kept as they change.
+    backends: usize,
+    restricted: BTreeSet<Frontend>,
 }
 
 /// How many conflict losers a claim list of `len` has.
@@ -133,6 +140,18 @@ impl DesiredIndex {
     /// The desired state of everything synced so far.
     pub fn desired(&self) -> &DesiredState {
         &self.desired
+    }
+
+    /// [`DesiredState::backend_count`], without counting.
+    pub fn backend_count(&self) -> usize {
+        self.backends
+    }
+
+    /// The desired frontends that have `loadBalancerSourceRanges`.
+    pub fn restricted(&self) -> impl Iterator<Item = (&Frontend, &FrontendSpec)> {
+        self.restricted
+            .iter()
+            .filter_map(|f| self.desired.frontends.get_key_value(f))
     }
 
     /// Problems of the objects as they stand: each Service's own, the losers of
@@ -205,17 +224,23 @@ impl DesiredIndex {
             .filter(|(p, _)| !next.contains(p))
             .map(|(p, k)| (*p, k.clone()))
             .collect();
+        let mut gone_slices = Vec::new();
         for (p, key) in gone {
             self.slice_ptrs.remove(&p);
             match self.slices.remove(&key) {
-                Some((Some(owner), _)) => {
+                Some((Some(owner), old)) => {
                     self.unlink_slice(&owner, &key);
                     touched.insert(owner);
+                    gone_slices.push(old);
                 }
-                Some((None, _)) => self.unlabeled -= 1,
+                Some((None, old)) => {
+                    self.unlabeled -= 1;
+                    gone_slices.push(old);
+                }
                 None => {}
             }
         }
+        let mut new_slices = Vec::new();
         for slice in &objects.slices {
             if self.slice_ptrs.contains_key(&ptr(slice)) {
                 continue;
@@ -252,10 +277,13 @@ impl DesiredIndex {
             }
             self.slice_ptrs.insert(ptr(slice), key.clone());
             self.slices.insert(key, (owner, slice.clone()));
+            new_slices.push(slice.clone());
         }
 
         let mut changes = Changes {
             services: touched.len(),
+            slices: new_slices,
+            gone_slices,
             ..Changes::default()
         };
         for key in touched {
@@ -398,6 +426,12 @@ impl DesiredIndex {
         let before = match &now {
             Some(spec) => self.desired.frontends.insert(frontend, spec.clone()),
             None => self.desired.frontends.remove(&frontend),
+        };
+        let count = |spec: &Option<FrontendSpec>| spec.as_ref().map_or(0, |s| s.backends.len());
+        self.backends = self.backends - count(&before) + count(&now);
+        match now.as_ref().is_some_and(|s| s.source_ranges.is_some()) {
+            true => self.restricted.insert(frontend),
+            false => self.restricted.remove(&frontend),
         };
         if before != now {
             changes.frontends.insert(frontend);
@@ -608,6 +642,7 @@ mod tests {
                 prop_assert_eq!(&index.desired().frontends, &full.frontends, "after {:?}", e);
                 prop_assert_eq!(&index.desired().health_checks, &full.health_checks, "after {:?}", e);
                 prop_assert_eq!(index.error_count(), index.error_count_by_walking(), "after {:?}", e);
+                prop_assert_eq!(index.backend_count(), full.backend_count(), "after {:?}", e);
                 for (f, spec) in full.frontends.iter() {
                     if before.frontends.get(f) != Some(spec) {
                         prop_assert!(changes.frontends.contains(f), "{:?} changed but not reported after {:?}", f, e);
