@@ -131,7 +131,9 @@ impl FileCache {
         self.objects()
     }
 
-    /// Everything cached, in path order; `unreadable` lists the broken files.
+    /// Everything cached, in path order, each file's objects as one shared part
+    /// (an unchanged file is the same part as before); `unreadable` lists the
+    /// broken files.
     fn objects(&self) -> Objects {
         let mut all = Objects::default();
         for cached in self.0.values() {
@@ -139,7 +141,9 @@ impl FileCache {
                 all.unreadable.push(e.clone());
             }
             if let Some(objects) = &cached.objects {
-                all.append(Objects::clone(objects));
+                all.nodes.extend(objects.nodes.iter().cloned());
+                all.errors.extend(objects.errors.iter().cloned());
+                all.parts.push(objects.clone());
             }
         }
         all
@@ -288,8 +292,13 @@ pub fn watch(path: PathBuf) -> Result<watch::Receiver<Option<Arc<Objects>>>, Wat
                     report_unreadable(&unreadable, &objects.unreadable);
                     unreadable = objects.unreadable.clone();
                     info!(
-                        services = objects.services.len(),
-                        endpoint_slices = objects.slices.len(),
+                        services = objects
+                            .parts
+                            .iter()
+                            .map(|p| p.services.len())
+                            .sum::<usize>(),
+                        endpoint_slices =
+                            objects.parts.iter().map(|p| p.slices.len()).sum::<usize>(),
                         problems = objects.errors.len(),
                         unreadable_files = objects.unreadable.len(),
                         read_ms = started.elapsed().as_millis() as u64,
@@ -322,8 +331,7 @@ mod tests {
 
     fn names(objects: &Objects) -> Vec<String> {
         objects
-            .services
-            .iter()
+            .all_services()
             .filter_map(|s| s.metadata.name.clone())
             .collect()
     }

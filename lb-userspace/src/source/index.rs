@@ -98,9 +98,11 @@ pub struct DesiredIndex {
     claims: HashMap<Frontend, BTreeMap<Key, FrontendSpec>>,
     health_claims: HashMap<u16, BTreeMap<Key, HealthCheck>>,
     desired: DesiredState,
-    /// The allocation of every object held, and its key.
+    /// The allocation of every object held from the flat lists, and its key.
     service_ptrs: FxHashMap<usize, Key>,
     slice_ptrs: FxHashMap<usize, Key>,
+    /// The parts held, by allocation.
+    parts: FxHashMap<usize, Arc<Objects>>,
     /// The problem count, kept as objects change (recounting walks everything):
     /// Services' own problems, conflict losers, slices naming a missing Service
     /// (by the Service they name) and slices naming none.
@@ -189,44 +191,89 @@ impl DesiredIndex {
         let mut touched: BTreeSet<Key> = BTreeSet::new();
         let mut new_errors = Vec::new();
 
-        // Services: gone ones first (a changed Service is a gone allocation and a
-        // new one under the same key).
+        // What left and what came, by allocation: parts whole, flat objects one by
+        // one. Nothing is named until it is known to have changed.
+        let next_parts: FxHashSet<usize> = objects.parts.iter().map(ptr).collect();
+        let gone_parts: Vec<Arc<Objects>> = self
+            .parts
+            .iter()
+            .filter(|(p, _)| !next_parts.contains(p))
+            .map(|(_, part)| part.clone())
+            .collect();
+        for part in &gone_parts {
+            self.parts.remove(&ptr(part));
+        }
+        let mut new_parts = Vec::new();
+        for part in &objects.parts {
+            if self.parts.insert(ptr(part), part.clone()).is_none() {
+                new_parts.push(part.clone());
+            }
+        }
+
         let next: FxHashSet<usize> = objects.services.iter().map(ptr).collect();
-        let gone: Vec<(usize, Key)> = self
+        let mut gone_services: Vec<(usize, Key)> = self
             .service_ptrs
             .iter()
             .filter(|(p, _)| !next.contains(p))
             .map(|(p, k)| (*p, k.clone()))
             .collect();
-        for (p, key) in gone {
-            self.service_ptrs.remove(&p);
-            self.services.remove(&key);
-            touched.insert(key);
+        for (p, _) in &gone_services {
+            self.service_ptrs.remove(p);
         }
+        for svc in gone_parts.iter().flat_map(|part| part.services.iter()) {
+            gone_services.push((ptr(svc), key_of(&svc.metadata)));
+        }
+        let mut new_services: Vec<&Arc<Service>> = Vec::new();
         for svc in &objects.services {
-            if self.service_ptrs.contains_key(&ptr(svc)) {
-                continue;
+            if !self.service_ptrs.contains_key(&ptr(svc)) {
+                self.service_ptrs.insert(ptr(svc), key_of(&svc.metadata));
+                new_services.push(svc);
             }
+        }
+        new_services.extend(new_parts.iter().flat_map(|part| part.services.iter()));
+
+        // Gone first: a changed object is a gone allocation and a new one.
+        for (p, key) in gone_services {
+            if self.services.get(&key).is_some_and(|held| ptr(held) == p) {
+                self.services.remove(&key);
+                touched.insert(key);
+            }
+        }
+        for svc in new_services {
             let key = key_of(&svc.metadata);
             // Two objects under one key: the later one is what a full derivation
             // (keyed the same way) would keep.
-            if let Some(old) = self.services.insert(key.clone(), svc.clone()) {
-                self.service_ptrs.remove(&ptr(&old));
-            }
-            self.service_ptrs.insert(ptr(svc), key.clone());
+            self.services.insert(key.clone(), svc.clone());
             touched.insert(key);
         }
 
         let next: FxHashSet<usize> = objects.slices.iter().map(ptr).collect();
-        let gone: Vec<(usize, Key)> = self
+        let mut gone: Vec<(usize, Key)> = self
             .slice_ptrs
             .iter()
             .filter(|(p, _)| !next.contains(p))
             .map(|(p, k)| (*p, k.clone()))
             .collect();
+        for (p, _) in &gone {
+            self.slice_ptrs.remove(p);
+        }
+        for slice in gone_parts.iter().flat_map(|part| part.slices.iter()) {
+            gone.push((ptr(slice), key_of(&slice.metadata)));
+        }
+        let mut new_slices_in: Vec<&Arc<EndpointSlice>> = Vec::new();
+        for slice in &objects.slices {
+            if !self.slice_ptrs.contains_key(&ptr(slice)) {
+                self.slice_ptrs.insert(ptr(slice), key_of(&slice.metadata));
+                new_slices_in.push(slice);
+            }
+        }
+        new_slices_in.extend(new_parts.iter().flat_map(|part| part.slices.iter()));
+
         let mut gone_slices = Vec::new();
         for (p, key) in gone {
-            self.slice_ptrs.remove(&p);
+            if self.slices.get(&key).is_none_or(|(_, held)| ptr(held) != p) {
+                continue;
+            }
             match self.slices.remove(&key) {
                 Some((Some(owner), old)) => {
                     self.unlink_slice(&owner, &key);
@@ -241,13 +288,9 @@ impl DesiredIndex {
             }
         }
         let mut new_slices = Vec::new();
-        for slice in &objects.slices {
-            if self.slice_ptrs.contains_key(&ptr(slice)) {
-                continue;
-            }
+        for slice in new_slices_in {
             let key = key_of(&slice.metadata);
-            if let Some((old_owner, old)) = self.slices.remove(&key) {
-                self.slice_ptrs.remove(&ptr(&old));
+            if let Some((old_owner, _)) = self.slices.remove(&key) {
                 match old_owner {
                     Some(old_owner) => {
                         self.unlink_slice(&old_owner, &key);
@@ -275,7 +318,6 @@ impl DesiredIndex {
                     ));
                 }
             }
-            self.slice_ptrs.insert(ptr(slice), key.clone());
             self.slices.insert(key, (owner, slice.clone()));
             new_slices.push(slice.clone());
         }
@@ -578,6 +620,9 @@ mod tests {
     struct World {
         services: BTreeMap<u8, Arc<Service>>,
         slices: BTreeMap<u8, Arc<EndpointSlice>>,
+        /// As the file source would hold them: three "files" (objects by id
+        /// modulo 3), each the same part as long as none of its objects changed.
+        parts: [Option<(Vec<usize>, Arc<Objects>)>; 3],
     }
 
     impl World {
@@ -621,6 +666,38 @@ mod tests {
                 ..Objects::default()
             }
         }
+
+        fn objects_in_parts(&mut self) -> Objects {
+            let mut all = Objects::default();
+            for (i, cached) in self.parts.iter_mut().enumerate() {
+                let part = Objects {
+                    services: self
+                        .services
+                        .iter()
+                        .filter(|(id, _)| usize::from(**id) % 3 == i)
+                        .map(|(_, s)| s.clone())
+                        .collect(),
+                    slices: self
+                        .slices
+                        .iter()
+                        .filter(|(id, _)| usize::from(**id) % 3 == i)
+                        .map(|(_, s)| s.clone())
+                        .collect(),
+                    ..Objects::default()
+                };
+                let ptrs: Vec<usize> = part
+                    .services
+                    .iter()
+                    .map(ptr)
+                    .chain(part.slices.iter().map(ptr))
+                    .collect();
+                if cached.as_ref().is_none_or(|(held, _)| *held != ptrs) {
+                    *cached = Some((ptrs, Arc::new(part)));
+                }
+                all.parts.push(cached.as_ref().expect("just set").1.clone());
+            }
+            all
+        }
     }
 
     proptest! {
@@ -630,15 +707,20 @@ mod tests {
         /// derivation of all objects gives, and what it reports as changed is
         /// exactly where the two consecutive full derivations differ.
         #[test]
-        fn the_index_agrees_with_a_full_derivation(events in proptest::collection::vec(event(), 1..40)) {
+        fn the_index_agrees_with_a_full_derivation(
+            events in proptest::collection::vec(event(), 1..40),
+            in_parts: bool,
+        ) {
             let mut world = World::default();
             let mut index = DesiredIndex::new(opts());
             let mut before = DesiredState::default();
             for e in &events {
                 world.apply(e);
-                let objects = world.objects();
+                let objects = if in_parts { world.objects_in_parts() } else { world.objects() };
                 let changes = index.sync(&objects);
-                let (full, _) = build_desired(&objects.services, &objects.slices, &opts());
+                let services: Vec<Arc<Service>> = objects.all_services().cloned().collect();
+                let slices: Vec<Arc<EndpointSlice>> = objects.all_slices().cloned().collect();
+                let (full, _) = build_desired(&services, &slices, &opts());
                 prop_assert_eq!(&index.desired().frontends, &full.frontends, "after {:?}", e);
                 prop_assert_eq!(&index.desired().health_checks, &full.health_checks, "after {:?}", e);
                 prop_assert_eq!(index.error_count(), index.error_count_by_walking(), "after {:?}", e);

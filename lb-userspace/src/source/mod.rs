@@ -320,6 +320,29 @@ pub struct Objects {
     /// Manifest files that could not be read (files only). Their objects are not
     /// in this snapshot unless an earlier read of the same file put them there.
     pub unreadable: Vec<FileError>,
+    /// More Services and EndpointSlices, held in parts shared with the source's
+    /// cache (the file source: one part per file). A part that is the same
+    /// allocation as in the previous snapshot holds the same objects, so a
+    /// consumer skips it whole: a change costs the files it touched, not a walk
+    /// over every object. Only the services and slices of a part count; its
+    /// nodes, errors and unreadable files are already in the lists above.
+    pub parts: Vec<Arc<Objects>>,
+}
+
+impl Objects {
+    /// Every Service: the flat list, then each part's.
+    pub fn all_services(&self) -> impl Iterator<Item = &Arc<Service>> {
+        self.services
+            .iter()
+            .chain(self.parts.iter().flat_map(|p| p.services.iter()))
+    }
+
+    /// Every EndpointSlice: the flat list, then each part's.
+    pub fn all_slices(&self) -> impl Iterator<Item = &Arc<EndpointSlice>> {
+        self.slices
+            .iter()
+            .chain(self.parts.iter().flat_map(|p| p.slices.iter()))
+    }
 }
 
 /// The source as a whole could not be read.
