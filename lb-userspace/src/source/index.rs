@@ -225,8 +225,9 @@ impl DesiredIndex {
         }
         let mut new_services: Vec<&Arc<Service>> = Vec::new();
         for svc in &objects.services {
-            if !self.service_ptrs.contains_key(&ptr(svc)) {
-                self.service_ptrs.insert(ptr(svc), key_of(&svc.metadata));
+            if let std::collections::hash_map::Entry::Vacant(e) = self.service_ptrs.entry(ptr(svc))
+            {
+                e.insert(key_of(&svc.metadata));
                 new_services.push(svc);
             }
         }
@@ -262,8 +263,9 @@ impl DesiredIndex {
         }
         let mut new_slices_in: Vec<&Arc<EndpointSlice>> = Vec::new();
         for slice in &objects.slices {
-            if !self.slice_ptrs.contains_key(&ptr(slice)) {
-                self.slice_ptrs.insert(ptr(slice), key_of(&slice.metadata));
+            if let std::collections::hash_map::Entry::Vacant(e) = self.slice_ptrs.entry(ptr(slice))
+            {
+                e.insert(key_of(&slice.metadata));
                 new_slices_in.push(slice);
             }
         }
