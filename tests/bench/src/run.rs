@@ -38,6 +38,37 @@ use lb_tests::topology::{pod_ip, pod_ip6, pod_name, Topology, GATEWAY6, SERVICE_
 use lb_tests::util::unique_name;
 
 pub const ENDPOINTS_PER_SERVICE: usize = 10;
+/// Changes timed per scale for the change-latency distribution, and the churn of
+/// other Services meanwhile (the measurement: >= 200 changes under 50/s).
+pub const MEASURED_CHANGES: usize = 200;
+pub const CHURN_PER_SEC: u64 = 50;
+/// Services `churn.yaml` holds (each write moves one of them to another endpoint).
+const CHURN_SERVICES: u64 = 20;
+
+/// `churn.yaml` after `writes` writes: CHURN_SERVICES Services (cluster IPs in
+/// 10.97.0.0/24, never connected to), the one the write is about on an endpoint
+/// derived from the write count.
+fn churn_manifests(writes: u64) -> String {
+    documents((0..CHURN_SERVICES).map(|j| {
+        // How often service j was moved by writes 0..=writes: write w moves w % N.
+        let moves = if writes >= j {
+            (writes - j) / CHURN_SERVICES + 1
+        } else {
+            0
+        };
+        let ep = Ipv4Addr::from(
+            u32::from(Ipv4Addr::new(10, 130, 0, 1)) + (j * 1000 + moves % 1000) as u32,
+        );
+        let svc = Service::new(
+            &format!("churn-{j}"),
+            Ipv4Addr::new(10, 97, 0, 1 + j as u8),
+            vec![ServicePort::tcp("rr", SVC_PORT.into(), RR_PORT.into())],
+        );
+        let slice =
+            EndpointSlice::for_service(&svc, vec![Endpoint::ready(&format!("churn-{j}-0"), ep)]);
+        format!("{}---\n{}", svc.to_yaml(), slice.to_yaml())
+    }))
+}
 pub const SVC_PORT: u16 = 80;
 pub const NODE_PORT: u16 = 30080;
 const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 1);
@@ -68,6 +99,9 @@ pub struct Config {
     pub tc_path: bool,
     /// Only these datapaths (empty: all).
     pub only: Vec<String>,
+    /// Time MEASURED_CHANGES changes under churn (full runs; `--change-distribution`).
+    #[serde(default)]
+    pub change_distribution: bool,
 }
 
 impl Config {
@@ -97,6 +131,7 @@ impl Config {
             cpu: cpus - 1,
             tc_path: true,
             only: Vec::new(),
+            change_distribution: !quick,
         }
     }
 }
@@ -178,6 +213,13 @@ pub struct ControlResult {
     pub program_secs: Option<f64>,
     /// One EndpointSlice change to the first connection reaching the new backend.
     pub change_ms: Option<f64>,
+    /// The same over `changes_measured` changes under churn of other Services.
+    #[serde(default)]
+    pub change_p50_ms: Option<f64>,
+    #[serde(default)]
+    pub change_p99_ms: Option<f64>,
+    #[serde(default)]
+    pub changes_measured: usize,
     pub agent_vmhwm_kib: Option<u64>,
     pub rules_bytes: Option<usize>,
     pub note: String,
@@ -317,29 +359,30 @@ fn svc_name(i: usize) -> String {
 /// The S Services: S-1 with 10 unreachable endpoints, the measured one (last) with
 /// one real endpoint `backend`.
 fn services(s: usize, backend: Ipv4Addr) -> Vec<SvcPort> {
-    (0..s)
-        .map(|i| {
-            let measured = i + 1 == s;
-            SvcPort {
-                namespace: lb_tests::manifests::NAMESPACE.into(),
-                name: if measured {
-                    "measured".into()
-                } else {
-                    svc_name(i)
-                },
-                port_name: "rr".into(),
-                cluster_ip: vip(i),
-                port: SVC_PORT,
-                target_port: RR_PORT,
-                node_port: measured.then_some(NODE_PORT),
-                endpoints: if measured {
-                    vec![backend]
-                } else {
-                    (0..ENDPOINTS_PER_SERVICE).map(|j| fake_ep(i, j)).collect()
-                },
-            }
-        })
-        .collect()
+    (0..s).map(|i| service_at(s, i, backend)).collect()
+}
+
+/// Service `i` of the S (the measured one is the last).
+fn service_at(s: usize, i: usize, backend: Ipv4Addr) -> SvcPort {
+    let measured = i + 1 == s;
+    SvcPort {
+        namespace: lb_tests::manifests::NAMESPACE.into(),
+        name: if measured {
+            "measured".into()
+        } else {
+            svc_name(i)
+        },
+        port_name: "rr".into(),
+        cluster_ip: vip(i),
+        port: SVC_PORT,
+        target_port: RR_PORT,
+        node_port: measured.then_some(NODE_PORT),
+        endpoints: if measured {
+            vec![backend]
+        } else {
+            (0..ENDPOINTS_PER_SERVICE).map(|j| fake_ep(i, j)).collect()
+        },
+    }
 }
 
 fn manifest_of(svc: &SvcPort) -> String {
@@ -723,6 +766,18 @@ impl Env {
         to: SocketAddr,
         change: impl FnOnce() -> Result<()>,
     ) -> Result<f64> {
+        self.change_latency_until(ns, cg, to, &pod_name(1), change)
+    }
+
+    /// [`Env::change_latency`] until backend `until` answers.
+    fn change_latency_until(
+        &self,
+        ns: &NetNs,
+        cg: bool,
+        to: SocketAddr,
+        until: &str,
+        change: impl FnOnce() -> Result<()>,
+    ) -> Result<f64> {
         let mut sp = Spawner::new(&self.exe).netns(ns)?;
         if cg {
             sp = sp.cgroup(&self.cgroup)?;
@@ -735,7 +790,7 @@ impl Env {
                 "--mode",
                 "watch",
                 "--until",
-                &pod_name(1),
+                until,
                 "--secs",
                 "60",
             ])
@@ -821,6 +876,9 @@ impl Env {
             endpoints_per_service: ENDPOINTS_PER_SERVICE,
             program_secs: Some(took.as_secs_f64()),
             change_ms,
+            change_p50_ms: None,
+            change_p99_ms: None,
+            changes_measured: 0,
             agent_vmhwm_kib: None,
             rules_bytes: Some(rules.len()),
             note,
@@ -857,6 +915,9 @@ impl Env {
             endpoints_per_service: ENDPOINTS_PER_SERVICE,
             program_secs: Some(took.as_secs_f64()),
             change_ms: Some(change_ms),
+            change_p50_ms: None,
+            change_p99_ms: None,
+            changes_measured: 0,
             agent_vmhwm_kib: None,
             rules_bytes: Some(rules.len()),
             note: "nft -f of the whole table (one transaction)".into(),
@@ -869,9 +930,11 @@ impl Env {
         write_manifests(self.manifests.path(), s)
     }
 
+    /// Rewrites `measured.yaml` with `backend`. Inside the timed window of a change:
+    /// builds the measured Service alone (building all S first took tens of ms at
+    /// 100k and was counted as the agent's latency before).
     fn set_measured_backend(&self, s: usize, backend: Ipv4Addr) -> Result<()> {
-        let mut m = services(s, backend).pop().context("no services")?;
-        m.endpoints = vec![backend];
+        let m = service_at(s.max(1), s.max(1) - 1, backend);
         self.manifests.write("measured.yaml", &manifest_of(&m))
     }
 
@@ -929,6 +992,65 @@ impl Env {
         Ok((agent, ready, pid))
     }
 
+    /// [`MEASURED_CHANGES`] changes of the measured Service's endpoint (pod-a and
+    /// pod-b in turn), each timed from just before its manifest write to the first
+    /// connection that reaches the new backend, while a thread rewrites
+    /// `churn.yaml` (other Services, one endpoint moved per write)
+    /// [`CHURN_PER_SEC`] times a second. The latencies in ms, sorted.
+    fn change_distribution(&self, s: usize, ns: &NetNs, to: SocketAddr) -> Result<Vec<f64>> {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let churn_file = self.manifests.path().join("churn.yaml");
+        let churn = std::thread::spawn({
+            let stop = stop.clone();
+            let file = churn_file.clone();
+            move || -> Result<u64> {
+                // LB_BENCH_CHURN_PER_SEC overrides the rate, to tell the churn's
+                // share of the latency from the rest.
+                let rate = std::env::var("LB_BENCH_CHURN_PER_SEC")
+                    .ok()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .unwrap_or(CHURN_PER_SEC)
+                    .max(1);
+                let period = Duration::from_micros(1_000_000 / rate);
+                let mut writes = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let next = Instant::now() + period;
+                    let tmp = file.with_extension("tmp");
+                    fs::write(&tmp, churn_manifests(writes))?;
+                    fs::rename(&tmp, &file)?;
+                    writes += 1;
+                    std::thread::sleep(next.saturating_duration_since(Instant::now()));
+                }
+                Ok(writes)
+            }
+        });
+        let mut samples = Vec::with_capacity(MEASURED_CHANGES);
+        let measured = (|| -> Result<()> {
+            for k in 0..MEASURED_CHANGES {
+                lb_tests::interrupt::check()?;
+                let target = if k % 2 == 0 { 1 } else { 0 };
+                let ms = self.change_latency_until(ns, true, to, &pod_name(target), || {
+                    self.set_measured_backend(s, pod_ip(target))
+                })?;
+                samples.push(ms);
+            }
+            Ok(())
+        })();
+        stop.store(true, Ordering::Relaxed);
+        let writes = churn
+            .join()
+            .map_err(|_| anyhow::anyhow!("churn thread panicked"))??;
+        let _ = fs::remove_file(&churn_file);
+        measured?;
+        println!(
+            "  socket-lb  S={s:<6} {} changes under {writes} churn writes",
+            samples.len()
+        );
+        samples.sort_by(f64::total_cmp);
+        Ok(samples)
+    }
+
     pub fn ours(&self, s: usize, res: &mut Results, peers_too: bool) -> Result<()> {
         let _ = peers_too;
         self.write_manifests(s)?;
@@ -960,6 +1082,28 @@ impl Env {
         }
         let change_ms =
             self.change_latency(ns, true, to, || self.set_measured_backend(s, pod_ip(1)))?;
+        if std::env::var_os("LB_BENCH_SHOW_CHANGES").is_some() {
+            for line in agent
+                .log()
+                .iter()
+                .filter(|l| l.contains("lb_userspace::agent") || l.contains("manifests read"))
+            {
+                println!("    agent: {}", line.trim());
+            }
+        }
+        let distribution = if self.cfg.change_distribution {
+            self.change_distribution(s, ns, to)?
+        } else {
+            Vec::new()
+        };
+        let quantile =
+            |q: f64| (!distribution.is_empty()).then(|| crate::netio::percentile(&distribution, q));
+        if let (Some(p50), Some(p99)) = (quantile(0.5), quantile(0.99)) {
+            println!(
+                "  socket-lb  S={s:<6} change -> datapath: p50 {p50:.2} ms, p99 {p99:.2} ms ({} changes)",
+                distribution.len()
+            );
+        }
         let hwm = vm_hwm_kib(pid);
         res.control.push(ControlResult {
             datapath: "socket-lb".into(),
@@ -967,6 +1111,9 @@ impl Env {
             endpoints_per_service: ENDPOINTS_PER_SERVICE,
             program_secs: Some(listed),
             change_ms: Some(change_ms),
+            change_p50_ms: quantile(0.5),
+            change_p99_ms: quantile(0.99),
+            changes_measured: distribution.len(),
             agent_vmhwm_kib: hwm,
             rules_bytes: None,
             note: "agent start (load, parse, sync, attach) until it logs `ready and serving`, then checked with `lb services --json`; change = manifest file rewrite (agent polls every 200 ms)".into(),
@@ -1026,6 +1173,9 @@ impl Env {
             endpoints_per_service: ENDPOINTS_PER_SERVICE,
             program_secs: Some(listed),
             change_ms: None,
+            change_p50_ms: None,
+            change_p99_ms: None,
+            changes_measured: 0,
             agent_vmhwm_kib: vm_hwm_kib(pid),
             rules_bytes: None,
             note: "agent in the node namespace, devices and addresses found by the agent (no interface flags)".into(),
