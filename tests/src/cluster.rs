@@ -787,6 +787,33 @@ impl Cluster {
         Hold::new(child)
     }
 
+    /// A Service without endpoints at `to` (a TCP and a UDP port of that number)
+    /// refuses the external client at once, as kube-proxy's REJECT: three TCP
+    /// connects get ECONNREFUSED (a RST), three connected UDP sockets get
+    /// ECONNREFUSED (an ICMP / ICMPv6 port unreachable).
+    pub fn expect_refused(&self, to: impl Into<SocketAddr>) -> Result<()> {
+        let to: SocketAddr = to.into();
+        let r = self.whoami(self.client(), to, 3, false, Duration::from_secs(2))?;
+        if r.tally.errors_of("ECONNREFUSED") != 3 {
+            bail!(
+                "TCP to {to} without endpoints: {r:#?}\n{}",
+                self.all_stats()
+            );
+        }
+        let r: crate::probe::UdpConnectedReport = self.probe_in(
+            self.client(),
+            &["udp-connected", "--to", &to.to_string(), "--count", "3"].map(String::from),
+            Duration::from_secs(30),
+        )?;
+        if r.tally.errors_of("ECONNREFUSED") != 3 {
+            bail!(
+                "connected UDP to {to} without endpoints: {r:#?}\n{}",
+                self.all_stats()
+            );
+        }
+        Ok(())
+    }
+
     /// Send `bytes` through a bulk port `to` from `ns` and verify the echo.
     pub fn bulk(
         &self,

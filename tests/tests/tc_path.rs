@@ -768,21 +768,5 @@ fn service_without_endpoints_is_refused() -> Result<()> {
     cluster.wait_frontend(0, np, "TCP", "internal", &[] as &[SocketAddrV4])?;
     cluster.wait_frontend(0, np, "UDP", "internal", &[] as &[SocketAddrV4])?;
 
-    let r = cluster.whoami(cluster.client(), np, 3, false, CONNECT_TIMEOUT)?;
-    ensure!(
-        r.tally.errors_of("ECONNREFUSED") == 3,
-        "TCP to {np} without endpoints: {r:#?}\n{}",
-        cluster.all_stats()
-    );
-    let r: lb_tests::probe::UdpConnectedReport = cluster.probe_in(
-        cluster.client(),
-        &["udp-connected", "--to", &np.to_string(), "--count", "3"].map(String::from),
-        Duration::from_secs(30),
-    )?;
-    ensure!(
-        r.tally.errors_of("ECONNREFUSED") == 3,
-        "connected UDP to {np} without endpoints: {r:#?}\n{}",
-        cluster.all_stats()
-    );
-    Ok(())
+    cluster.expect_refused(np)
 }

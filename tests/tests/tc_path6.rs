@@ -20,7 +20,6 @@ use lb_tests::cluster::{
     CLIENT_IP6, DROP_CONNECT_TIMEOUT, WHOAMI_PORT,
 };
 use lb_tests::manifests::{Service, ServicePort};
-use lb_tests::probe::UdpConnectedReport;
 use lb_tests::{cargo_tools, lb_binary};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -321,23 +320,7 @@ fn ipv6_service_without_endpoints_is_refused() -> Result<()> {
     cluster.wait_frontend(0, np, "TCP", "internal", &[] as &[SocketAddr])?;
     cluster.wait_frontend(0, np, "UDP", "internal", &[] as &[SocketAddr])?;
 
-    let r = cluster.whoami(cluster.client(), np, 3, false, CONNECT_TIMEOUT)?;
-    ensure!(
-        r.tally.errors_of("ECONNREFUSED") == 3,
-        "TCP to {np} without endpoints: {r:#?}\n{}",
-        cluster.all_stats()
-    );
-    let r: UdpConnectedReport = cluster.probe_in(
-        cluster.client(),
-        &["udp-connected", "--to", &np.to_string(), "--count", "3"].map(String::from),
-        Duration::from_secs(30),
-    )?;
-    ensure!(
-        r.tally.errors_of("ECONNREFUSED") == 3,
-        "connected UDP to {np} without endpoints: {r:#?}\n{}",
-        cluster.all_stats()
-    );
-    Ok(())
+    cluster.expect_refused(np)
 }
 
 /// PMTU through the NodePort: node2's route to its pods allows 1280 bytes, the
