@@ -13,6 +13,7 @@ use crate::{ebpf, setup};
 
 pub fn bench(workspace: &Path, quick: bool, extra: &[String]) -> Result<()> {
     setup::setup(workspace)?;
+    setup::bench_packages()?;
     let object = ebpf::build(workspace, false)?;
     run::run(workspace_cargo(workspace, &object).args(["build", "--workspace", "--bins"]))?;
     // Release builds of what is measured: the client/server (their own cost is in every

@@ -26,6 +26,10 @@ pub const PACKAGES: &[&str] = &[
     "iproute2",
 ];
 
+/// What `cargo xtask bench` needs on top: kube-proxy's iptables and nftables modes
+/// are measured beside ours (iptables-restore on the nf_tables backend, nft).
+pub const BENCH_PACKAGES: &[&str] = &["iptables", "nftables"];
+
 pub const BPF_LINKER_VERSION: &str = "0.13.0";
 const BPF_LINKER_SERIES: &str = "0.13.";
 pub const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
@@ -53,7 +57,7 @@ pub fn setup(workspace: &Path) -> Result<()> {
         return Ok(());
     }
     let root = is_root();
-    packages(root)?;
+    packages(PACKAGES, root)?;
     bpf_linker(workspace)?;
     bpffs(root)?;
     Ok(())
@@ -106,10 +110,20 @@ fn installed_versions(names: &[&str]) -> Result<BTreeMap<String, String>> {
     Ok(found)
 }
 
-fn packages(root: bool) -> Result<()> {
-    let installed = installed_versions(PACKAGES)?;
+/// Installs the bench's extra packages (Debian 12 only; elsewhere they are named).
+pub fn bench_packages() -> Result<()> {
+    let os = std::fs::read_to_string("/etc/os-release").unwrap_or_default();
+    if !is_debian_12(&os) || which("dpkg-query").is_none() {
+        println!("setup: install by hand: {}", BENCH_PACKAGES.join(" "));
+        return Ok(());
+    }
+    packages(BENCH_PACKAGES, is_root())
+}
+
+fn packages(wanted: &[&str], root: bool) -> Result<()> {
+    let installed = installed_versions(wanted)?;
     let mut missing = Vec::new();
-    for name in PACKAGES {
+    for name in wanted {
         match installed.get(*name) {
             Some(version) => println!("ok {name} ({version})"),
             None if root => println!("installing {name}"),
