@@ -41,9 +41,23 @@ const NODE_PORT: u16 = 30080;
 /// programs' route lookups (see `fib.rs`) then see only what the test sets up, and
 /// nothing of the host's.
 struct Fixture {
-    layout: PinLayout,
     ebpf: Ebpf,
     maps: PinnedMaps,
+    /// Last: the pins go once the program and map handles are closed.
+    _pins: PinGuard,
+}
+
+/// Removes a fixture's pin directory however the test ends, also when building
+/// the fixture failed half-way (a program the verifier refuses is loaded after
+/// the maps are pinned).
+struct PinGuard(PinLayout);
+
+impl Drop for PinGuard {
+    fn drop(&mut self) {
+        if let Ok(Some(lock)) = loader::lock_for_cleanup(&self.0) {
+            let _ = loader::cleanup(&self.0, &lock);
+        }
+    }
 }
 
 impl Fixture {
@@ -67,6 +81,7 @@ impl Fixture {
         );
         let layout = PinLayout::new(std::path::Path::new(sys::BPFFS_ROOT).join(name));
         sys::ensure_bpffs(layout.root()).expect("bpffs");
+        let pins = PinGuard(layout.clone());
         let object = loader::kernel_object(None).expect("kernel object embedded");
         let sizes = MapSizes {
             conntrack: 1024,
@@ -80,7 +95,11 @@ impl Fixture {
             prog.load().expect("verifier accepts the TC program");
         }
         let maps = PinnedMaps::open(&layout).expect("open pinned maps");
-        Fixture { layout, ebpf, maps }
+        Fixture {
+            ebpf,
+            maps,
+            _pins: pins,
+        }
     }
 
     fn program(&mut self, desired: &DesiredState) {
@@ -118,14 +137,6 @@ impl Fixture {
 
     fn stat(&self, index: u32) -> u64 {
         self.maps.stats().unwrap()[index as usize].1
-    }
-}
-
-impl Drop for Fixture {
-    fn drop(&mut self) {
-        if let Ok(Some(lock)) = loader::lock_for_cleanup(&self.layout) {
-            let _ = loader::cleanup(&self.layout, &lock);
-        }
     }
 }
 
