@@ -4,13 +4,17 @@
 //! packet and the outer header are rewritten as the reply direction of the flow
 //! would be, or the client's stack could not match the error to its socket.
 
-use aya_ebpf::programs::TcContext;
-use lb_common::{CtKey, CT_DIR_REPLY};
+use aya_ebpf::{
+    bindings::{TC_ACT_OK, TC_ACT_SHOT},
+    programs::TcContext,
+};
+use lb_common::{stat, CtKey, IpAddrBe, CT_DIR_REPLY};
 
 use crate::{
-    csum,
+    csum, fib,
     maps::LB_CT,
     packet::{IcmpError, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF},
+    stats,
 };
 
 /// Stores through which skb->csum (CHECKSUM_COMPLETE) stays right.
@@ -20,10 +24,36 @@ use crate::hdr::{
     IP_SRC as IP_SRC_IN_HDR,
 };
 
+/// The verdict for an ICMP error, as `icmp6::handle` gives for ICMPv6: rewritten
+/// and sent on to the client when it belongs to one of our flows (forwarded by the
+/// program when its new source is this node's); left alone otherwise; dropped and
+/// counted when a helper failed half-way, as its checksums no longer hold.
+#[inline(always)]
+pub fn handle(ctx: &TcContext, error: &IcmpError) -> i32 {
+    match translate(ctx, error) {
+        Ok(Some((source, destination))) => {
+            stats::bump(stat::TC_CT_HIT);
+            if source != error.saddr {
+                let (source, destination) =
+                    (IpAddrBe::from_v4(source), IpAddrBe::from_v4(destination));
+                if let Some(verdict) = fib::redirect(ctx, &source, &destination, false) {
+                    return verdict;
+                }
+            }
+            TC_ACT_OK
+        }
+        Ok(None) => TC_ACT_OK,
+        Err(_) => {
+            stats::bump(stat::TC_MALFORMED);
+            TC_ACT_SHOT
+        }
+    }
+}
+
 /// `Ok(Some((source, destination)))`, the new outer addresses, when the error
 /// belonged to one of our flows and was rewritten.
 #[inline(always)]
-pub fn translate(ctx: &TcContext, e: &IcmpError) -> Result<Option<(u32, u32)>, i64> {
+fn translate(ctx: &TcContext, e: &IcmpError) -> Result<Option<(u32, u32)>, i64> {
     // The quoted packet went from our side towards the backend; its answers carry
     // the reverse tuple, which is the flow's reply-direction conntrack key.
     let key = CtKey {

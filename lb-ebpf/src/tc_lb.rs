@@ -53,27 +53,7 @@ pub fn handle(ctx: &TcContext, scope: u8) -> i32 {
     let flow = match packet::parse(ctx) {
         Parsed::Flow(flow) => flow,
         Parsed::Ignored => return TC_ACT_OK,
-        Parsed::IcmpError(error) => {
-            return match icmp::translate(ctx, &error) {
-                Ok(Some((source, destination))) => {
-                    stats::bump(stat::TC_CT_HIT);
-                    if source != error.saddr {
-                        let (source, destination) =
-                            (IpAddrBe::from_v4(source), IpAddrBe::from_v4(destination));
-                        if let Some(verdict) = fib::redirect(ctx, &source, &destination, false) {
-                            return verdict;
-                        }
-                    }
-                    TC_ACT_OK
-                }
-                Ok(None) => TC_ACT_OK,
-                // Half rewritten: its checksums no longer hold.
-                Err(_) => {
-                    stats::bump(stat::TC_MALFORMED);
-                    TC_ACT_SHOT
-                }
-            };
-        }
+        Parsed::IcmpError(error) => return icmp::handle(ctx, &error),
         Parsed::Icmp6Error => return icmp6::handle(ctx),
         Parsed::Fragment(fragment) => return frag::follow(ctx, &fragment),
         Parsed::Malformed => {
