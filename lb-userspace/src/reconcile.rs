@@ -123,6 +123,21 @@ impl IdAllocator {
     }
 }
 
+/// The backend and frontend id allocators for a table: every id it names is in use.
+fn allocators(table: &MapSnapshot, capacity: Capacity) -> (IdAllocator, IdAllocator) {
+    let slot_ids = table
+        .services
+        .iter()
+        .filter(|(k, _)| k.backend_slot != 0)
+        .map(|(_, v)| v.backend_id);
+    let backend_ids = IdAllocator::new(table.backends.keys().copied().chain(slot_ids), u32::MAX);
+    let rev_nat_ids = IdAllocator::new(
+        table.services.values().map(|v| v.rev_nat_id),
+        capacity.frontend_ids,
+    );
+    (backend_ids, rev_nat_ids)
+}
+
 /// What the agent wrote, kept between changes with what planning one change needs
 /// without walking the whole table: the ids in use. Built once from a snapshot
 /// (start, relist, repair: O(table)); then each change costs its own entries.
@@ -135,17 +150,7 @@ pub struct KnownTable {
 
 impl KnownTable {
     pub fn new(snapshot: MapSnapshot, capacity: Capacity) -> Self {
-        let slot_ids = snapshot
-            .services
-            .iter()
-            .filter(|(k, _)| k.backend_slot != 0)
-            .map(|(_, v)| v.backend_id);
-        let backend_ids =
-            IdAllocator::new(snapshot.backends.keys().copied().chain(slot_ids), u32::MAX);
-        let rev_nat_ids = IdAllocator::new(
-            snapshot.services.values().map(|v| v.rev_nat_id),
-            capacity.frontend_ids,
-        );
+        let (backend_ids, rev_nat_ids) = allocators(&snapshot, capacity);
         KnownTable {
             snapshot,
             backend_ids,
@@ -237,21 +242,11 @@ pub fn plan_changes(
         }
     }
     let placeholder = || IdAllocator::new([], 0);
-    let mut planner = Planner {
-        desired,
-        current: &known.snapshot,
-        capacity,
-        ops: Vec::new(),
-        rejected: Vec::new(),
-        services_used: known.snapshot.services.len() as u64,
-        backends_used: known.snapshot.backends.len() as u64,
-        backend_ids: std::mem::replace(&mut known.backend_ids, placeholder()),
-        rev_nat_ids: std::mem::replace(&mut known.rev_nat_ids, placeholder()),
-        claimed_backends: HashSet::new(),
-        claimed_rev_nat_ids: HashSet::new(),
-        refs,
-        deleted: HashSet::new(),
-    };
+    let ids = (
+        std::mem::replace(&mut known.backend_ids, placeholder()),
+        std::mem::replace(&mut known.rev_nat_ids, placeholder()),
+    );
+    let mut planner = Planner::new(desired, &known.snapshot, capacity, refs, ids);
     // Upserts first, removals after them, as in a full plan.
     for (frontend, entries) in &groups {
         if let Some(spec) = desired.frontends.get(frontend) {
@@ -325,29 +320,8 @@ pub fn plan(desired: &DesiredState, current: &MapSnapshot, capacity: Capacity) -
             entries.slots.insert(key.backend_slot, *value);
         }
     }
-    let slot_ids = current
-        .services
-        .iter()
-        .filter(|(k, _)| k.backend_slot != 0)
-        .map(|(_, v)| v.backend_id);
-    let mut planner = Planner {
-        desired,
-        current,
-        capacity,
-        ops: Vec::new(),
-        rejected: Vec::new(),
-        services_used: current.services.len() as u64,
-        backends_used: current.backends.len() as u64,
-        backend_ids: IdAllocator::new(current.backends.keys().copied().chain(slot_ids), u32::MAX),
-        rev_nat_ids: IdAllocator::new(
-            current.services.values().map(|v| v.rev_nat_id),
-            capacity.frontend_ids,
-        ),
-        claimed_backends: HashSet::new(),
-        claimed_rev_nat_ids: HashSet::new(),
-        refs,
-        deleted: HashSet::new(),
-    };
+    let ids = allocators(current, capacity);
+    let mut planner = Planner::new(desired, current, capacity, refs, ids);
 
     for (frontend, spec) in &desired.frontends {
         let entries = groups
@@ -392,7 +366,31 @@ fn group_backend_writes(ops: &mut [MapOp]) {
     ops[..puts].sort_by_key(|op| !matches!(op, MapOp::PutBackend { .. }));
 }
 
-impl Planner<'_> {
+impl<'a> Planner<'a> {
+    fn new(
+        desired: &'a DesiredState,
+        current: &'a MapSnapshot,
+        capacity: Capacity,
+        refs: HashMap<u32, usize>,
+        (backend_ids, rev_nat_ids): (IdAllocator, IdAllocator),
+    ) -> Self {
+        Planner {
+            desired,
+            current,
+            capacity,
+            ops: Vec::new(),
+            rejected: Vec::new(),
+            services_used: current.services.len() as u64,
+            backends_used: current.backends.len() as u64,
+            backend_ids,
+            rev_nat_ids,
+            claimed_backends: HashSet::new(),
+            claimed_rev_nat_ids: HashSet::new(),
+            refs,
+            deleted: HashSet::new(),
+        }
+    }
+
     fn upsert(&mut self, frontend: &Frontend, spec: &FrontendSpec, entries: &Entries) {
         let n = spec.backends.len();
         if n > MAX_BACKENDS_PER_FRONTEND {
