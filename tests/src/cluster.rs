@@ -787,6 +787,44 @@ impl Cluster {
         Hold::new(child)
     }
 
+    /// `count` TCP connections from `ns` to `to` are all answered, by exactly the
+    /// pods of `expect`, each seeing only its given source address; the client
+    /// sees `to` as its peer and, with `port_kept`, keeps its own port. The report.
+    pub fn expect_answers(
+        &self,
+        ns: &NetNs,
+        to: impl Into<SocketAddr>,
+        count: u32,
+        expect: &[(&str, IpAddr)],
+        port_kept: bool,
+    ) -> Result<WhoamiReport> {
+        let to: SocketAddr = to.into();
+        let r = self.whoami(ns, to, count, false, Duration::from_secs(2))?;
+        let fail = |what: String| anyhow::anyhow!("{to}: {what}: {r:#?}\n{}", self.all_stats());
+        if r.tally.answered != count || !r.tally.errors.is_empty() {
+            return Err(fail(format!("{} of {count} answered", r.tally.answered)));
+        }
+        let pods: std::collections::BTreeSet<&str> = expect.iter().map(|(p, _)| *p).collect();
+        if r.tally.names() != pods {
+            return Err(fail(format!(
+                "answered by {:?}, not {pods:?}",
+                r.tally.names()
+            )));
+        }
+        for (pod, source) in expect {
+            if r.seen_ips(pod) != [*source].into() {
+                return Err(fail(format!("{pod} must see {source} as the source")));
+            }
+        }
+        if port_kept && !r.answers.iter().all(|a| a.port_kept()) {
+            return Err(fail("the client's port was free but not kept".into()));
+        }
+        if r.peers() != [to.to_string().as_str()].into() {
+            return Err(fail("the client must see the frontend as its peer".into()));
+        }
+        Ok(r)
+    }
+
     /// A Service without endpoints at `to` (a TCP and a UDP port of that number)
     /// refuses the external client at once, as kube-proxy's REJECT: three TCP
     /// connects get ECONNREFUSED (a RST), three connected UDP sockets get

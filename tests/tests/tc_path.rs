@@ -69,23 +69,9 @@ fn no_args(_: usize) -> Vec<String> {
 /// 10 connections from the external client to `np` are all answered by `pod`, which
 /// sees them from `source`; the client keeps its port and sees `np` as its peer.
 fn answers_from(cluster: &Cluster, np: SocketAddrV4, pod: &str, source: Ipv4Addr) -> Result<()> {
-    let r = cluster.whoami(cluster.client(), np, 10, false, CONNECT_TIMEOUT)?;
-    let stats = cluster.all_stats();
-    ensure!(
-        r.tally.answered == 10 && r.tally.errors.is_empty(),
-        "{r:#?}\n{stats}"
-    );
-    ensure!(r.tally.names() == [pod].into(), "{r:#?}");
-    ensure!(
-        r.seen_ips(pod) == set(&[source]),
-        "{pod} must see {source} as the source: {r:#?}"
-    );
-    ensure!(
-        r.answers.iter().all(|a| a.port_kept()),
-        "the client's port was free but not kept: {r:#?}"
-    );
-    ensure!(r.peers() == [np.to_string().as_str()].into(), "{r:#?}");
-    Ok(())
+    cluster
+        .expect_answers(cluster.client(), np, 10, &[(pod, source.into())], true)
+        .map(drop)
 }
 
 fn set(items: &[Ipv4Addr]) -> BTreeSet<IpAddr> {
@@ -199,19 +185,8 @@ fn external_ip_and_load_balancer_ip_reach_backends() -> Result<()> {
         let to = SocketAddrV4::new(ip, 80);
         cluster.wait_frontend(0, to, "TCP", "internal", &both)?;
         // 40 independent choices: missing a backend has probability 2 * 2^-40.
-        let r = cluster.whoami(cluster.client(), to, 40, false, CONNECT_TIMEOUT)?;
-        let stats = cluster.all_stats();
-        ensure!(
-            r.tally.answered == 40 && r.tally.errors.is_empty(),
-            "{to}: {r:#?}\n{stats}"
-        );
-        ensure!(r.tally.names() == ["pod-a", "pod-b"].into(), "{to}: {r:#?}");
-        ensure!(r.seen_ips("pod-a") == set(&[CLIENT_IP]), "{to}: {r:#?}");
-        ensure!(r.seen_ips("pod-b") == set(&[node1_ip()]), "{to}: {r:#?}");
-        ensure!(
-            r.peers() == [to.to_string().as_str()].into(),
-            "{to}: {r:#?}"
-        );
+        let expect = [("pod-a", CLIENT_IP.into()), ("pod-b", node1_ip().into())];
+        cluster.expect_answers(cluster.client(), to, 40, &expect, false)?;
     }
     Ok(())
 }
@@ -283,16 +258,9 @@ fn cluster_ip_from_unhooked_pod_goes_through_tc() -> Result<()> {
     )?;
     let client = cluster.pod("client")?;
 
-    let r = cluster.whoami(client.netns(), to, 40, false, CONNECT_TIMEOUT)?;
+    let expect = [("pod-a", client.ip().into()), ("pod-b", node1_ip().into())];
+    cluster.expect_answers(client.netns(), to, 40, &expect, false)?;
     let stats = cluster.all_stats();
-    ensure!(
-        r.tally.answered == 40 && r.tally.errors.is_empty(),
-        "{r:#?}\n{stats}"
-    );
-    ensure!(r.tally.names() == ["pod-a", "pod-b"].into(), "{r:#?}");
-    ensure!(r.peers() == [to.to_string().as_str()].into(), "{r:#?}");
-    ensure!(r.seen_ips("pod-a") == set(&[client.ip()]), "{r:#?}");
-    ensure!(r.seen_ips("pod-b") == set(&[node1_ip()]), "{r:#?}");
     // The socket hooks played no part: node1's counters show only TC translations.
     ensure!(
         cluster.stat(0, "translated")? == 0 && cluster.stat(0, "tc_new_flow")? >= 40,

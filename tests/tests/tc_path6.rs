@@ -78,26 +78,9 @@ fn answers_from(
     pod: &str,
     source: IpAddr,
 ) -> Result<()> {
-    let r = cluster.whoami(cluster.client(), to, count, false, CONNECT_TIMEOUT)?;
-    let stats = cluster.all_stats();
-    ensure!(
-        r.tally.answered == count && r.tally.errors.is_empty(),
-        "{to}: {r:#?}\n{stats}"
-    );
-    ensure!(r.tally.names() == [pod].into(), "{to}: {r:#?}");
-    ensure!(
-        r.seen_ips(pod) == set(&[source]),
-        "{to}: {pod} must see {source} as the source: {r:#?}"
-    );
-    ensure!(
-        r.answers.iter().all(|a| a.port_kept()),
-        "{to}: the client's port was free but not kept: {r:#?}"
-    );
-    ensure!(
-        r.peers() == [to.to_string().as_str()].into(),
-        "{to}: {r:#?}"
-    );
-    Ok(())
+    cluster
+        .expect_answers(cluster.client(), to, count, &[(pod, source)], true)
+        .map(drop)
 }
 
 /// NodePorts on node1's IPv6 address: to the local backend the client's own IPv6
@@ -148,15 +131,8 @@ fn dual_stack_node_port_serves_each_family_with_its_own_backends() -> Result<()>
         (np6, CLIENT_IP6.into(), node_ip6(0).into()),
     ] {
         // 40 independent choices: missing a backend has probability 2 * 2^-40.
-        let r = cluster.whoami(cluster.client(), to, 40, false, CONNECT_TIMEOUT)?;
-        let stats = cluster.all_stats();
-        ensure!(
-            r.tally.answered == 40 && r.tally.errors.is_empty(),
-            "{to}: {r:#?}\n{stats}"
-        );
-        ensure!(r.tally.names() == ["pod-a", "pod-b"].into(), "{to}: {r:#?}");
-        ensure!(r.seen_ips("pod-a") == set(&[client]), "{to}: {r:#?}");
-        ensure!(r.seen_ips("pod-b") == set(&[node]), "{to}: {r:#?}");
+        let expect = [("pod-a", client), ("pod-b", node)];
+        cluster.expect_answers(cluster.client(), to, 40, &expect, false)?;
     }
     Ok(())
 }
@@ -213,25 +189,8 @@ fn ipv6_external_ip_and_load_balancer_ip_reach_backends() -> Result<()> {
     for ip in [external_ip, lb_ip] {
         let to = SocketAddr::V6(SocketAddrV6::new(ip, 80, 0, 0));
         cluster.wait_frontend(0, to, "TCP", "internal", &both)?;
-        let r = cluster.whoami(cluster.client(), to, 40, false, CONNECT_TIMEOUT)?;
-        let stats = cluster.all_stats();
-        ensure!(
-            r.tally.answered == 40 && r.tally.errors.is_empty(),
-            "{to}: {r:#?}\n{stats}"
-        );
-        ensure!(r.tally.names() == ["pod-a", "pod-b"].into(), "{to}: {r:#?}");
-        ensure!(
-            r.seen_ips("pod-a") == set(&[CLIENT_IP6.into()]),
-            "{to}: {r:#?}"
-        );
-        ensure!(
-            r.seen_ips("pod-b") == set(&[node_ip6(0).into()]),
-            "{to}: {r:#?}"
-        );
-        ensure!(
-            r.peers() == [to.to_string().as_str()].into(),
-            "{to}: {r:#?}"
-        );
+        let expect = [("pod-a", CLIENT_IP6.into()), ("pod-b", node_ip6(0).into())];
+        cluster.expect_answers(cluster.client(), to, 40, &expect, false)?;
     }
     Ok(())
 }
