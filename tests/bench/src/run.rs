@@ -999,50 +999,49 @@ impl Env {
     /// [`CHURN_PER_SEC`] times a second. The latencies in ms, sorted.
     fn change_distribution(&self, s: usize, ns: &NetNs, to: SocketAddr) -> Result<Vec<f64>> {
         use std::sync::atomic::{AtomicBool, Ordering};
-        let stop = std::sync::Arc::new(AtomicBool::new(false));
-        let churn_file = self.manifests.path().join("churn.yaml");
-        let churn = std::thread::spawn({
-            let stop = stop.clone();
-            let file = churn_file.clone();
-            move || -> Result<u64> {
-                // LB_BENCH_CHURN_PER_SEC overrides the rate, to tell the churn's
-                // share of the latency from the rest.
-                let rate = std::env::var("LB_BENCH_CHURN_PER_SEC")
-                    .ok()
-                    .and_then(|v| v.parse::<u64>().ok())
-                    .unwrap_or(CHURN_PER_SEC)
-                    .max(1);
-                let period = Duration::from_micros(1_000_000 / rate);
+        // LB_BENCH_CHURN_PER_SEC overrides the rate, to tell the churn's share of
+        // the latency from the rest.
+        let rate = std::env::var("LB_BENCH_CHURN_PER_SEC")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(CHURN_PER_SEC)
+            .max(1);
+        let period = Duration::from_micros(1_000_000 / rate);
+        let stop = AtomicBool::new(false);
+        let mut samples = Vec::with_capacity(MEASURED_CHANGES);
+        let (measured, writes) = std::thread::scope(|scope| {
+            // Written as every manifest of the bench is (staged, then renamed in).
+            let churn = scope.spawn(|| -> Result<u64> {
                 let mut writes = 0u64;
                 while !stop.load(Ordering::Relaxed) {
                     let next = Instant::now() + period;
-                    let tmp = file.with_extension("tmp");
-                    fs::write(&tmp, churn_manifests(writes))?;
-                    fs::rename(&tmp, &file)?;
+                    self.manifests
+                        .write("churn.yaml", &churn_manifests(writes))?;
                     writes += 1;
                     std::thread::sleep(next.saturating_duration_since(Instant::now()));
                 }
                 Ok(writes)
-            }
+            });
+            let measured = (|| -> Result<()> {
+                for k in 0..MEASURED_CHANGES {
+                    lb_tests::interrupt::check()?;
+                    let target = if k % 2 == 0 { 1 } else { 0 };
+                    let ms = self.change_latency_until(ns, true, to, &pod_name(target), || {
+                        self.set_measured_backend(s, pod_ip(target))
+                    })?;
+                    samples.push(ms);
+                }
+                Ok(())
+            })();
+            stop.store(true, Ordering::Relaxed);
+            let writes = churn
+                .join()
+                .map_err(|_| anyhow::anyhow!("churn thread panicked"));
+            (measured, writes)
         });
-        let mut samples = Vec::with_capacity(MEASURED_CHANGES);
-        let measured = (|| -> Result<()> {
-            for k in 0..MEASURED_CHANGES {
-                lb_tests::interrupt::check()?;
-                let target = if k % 2 == 0 { 1 } else { 0 };
-                let ms = self.change_latency_until(ns, true, to, &pod_name(target), || {
-                    self.set_measured_backend(s, pod_ip(target))
-                })?;
-                samples.push(ms);
-            }
-            Ok(())
-        })();
-        stop.store(true, Ordering::Relaxed);
-        let writes = churn
-            .join()
-            .map_err(|_| anyhow::anyhow!("churn thread panicked"))??;
-        let _ = fs::remove_file(&churn_file);
+        let _ = self.manifests.remove("churn.yaml");
         measured?;
+        let writes = writes??;
         println!(
             "  socket-lb  S={s:<6} {} changes under {writes} churn writes",
             samples.len()
