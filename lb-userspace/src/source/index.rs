@@ -126,6 +126,40 @@ fn ptr<T>(object: &Arc<T>) -> usize {
     Arc::as_ptr(object) as usize
 }
 
+/// The objects of one kind that left (allocation, key) and that came since the
+/// last sync: flat ones one by one against `held` (updated), those of parts whole.
+/// Only what came is named.
+fn arrivals<'a, T>(
+    held: &mut FxHashMap<usize, Key>,
+    flat: &'a [Arc<T>],
+    gone_parts: &'a [Arc<Objects>],
+    new_parts: &'a [Arc<Objects>],
+    of_part: fn(&Objects) -> &Vec<Arc<T>>,
+    key: fn(&T) -> Key,
+) -> (Vec<(usize, Key)>, Vec<&'a Arc<T>>) {
+    let next: FxHashSet<usize> = flat.iter().map(ptr).collect();
+    let mut gone: Vec<(usize, Key)> = held
+        .iter()
+        .filter(|(p, _)| !next.contains(p))
+        .map(|(p, k)| (*p, k.clone()))
+        .collect();
+    for (p, _) in &gone {
+        held.remove(p);
+    }
+    for object in gone_parts.iter().flat_map(|part| of_part(part).iter()) {
+        gone.push((ptr(object), key(object)));
+    }
+    let mut came = Vec::new();
+    for object in flat {
+        if let std::collections::hash_map::Entry::Vacant(e) = held.entry(ptr(object)) {
+            e.insert(key(object));
+            came.push(object);
+        }
+    }
+    came.extend(new_parts.iter().flat_map(|part| of_part(part).iter()));
+    (gone, came)
+}
+
 impl DesiredIndex {
     /// An empty index for `opts`; [`DesiredIndex::sync`] fills it.
     pub fn new(opts: SourceOptions) -> Self {
@@ -210,29 +244,14 @@ impl DesiredIndex {
             }
         }
 
-        let next: FxHashSet<usize> = objects.services.iter().map(ptr).collect();
-        let mut gone_services: Vec<(usize, Key)> = self
-            .service_ptrs
-            .iter()
-            .filter(|(p, _)| !next.contains(p))
-            .map(|(p, k)| (*p, k.clone()))
-            .collect();
-        for (p, _) in &gone_services {
-            self.service_ptrs.remove(p);
-        }
-        for svc in gone_parts.iter().flat_map(|part| part.services.iter()) {
-            gone_services.push((ptr(svc), key_of(&svc.metadata)));
-        }
-        let mut new_services: Vec<&Arc<Service>> = Vec::new();
-        for svc in &objects.services {
-            if let std::collections::hash_map::Entry::Vacant(e) = self.service_ptrs.entry(ptr(svc))
-            {
-                e.insert(key_of(&svc.metadata));
-                new_services.push(svc);
-            }
-        }
-        new_services.extend(new_parts.iter().flat_map(|part| part.services.iter()));
-
+        let (gone_services, new_services) = arrivals(
+            &mut self.service_ptrs,
+            &objects.services,
+            &gone_parts,
+            &new_parts,
+            |part| &part.services,
+            |svc| key_of(&svc.metadata),
+        );
         // Gone first: a changed object is a gone allocation and a new one.
         for (p, key) in gone_services {
             if self.services.get(&key).is_some_and(|held| ptr(held) == p) {
@@ -248,28 +267,14 @@ impl DesiredIndex {
             touched.insert(key);
         }
 
-        let next: FxHashSet<usize> = objects.slices.iter().map(ptr).collect();
-        let mut gone: Vec<(usize, Key)> = self
-            .slice_ptrs
-            .iter()
-            .filter(|(p, _)| !next.contains(p))
-            .map(|(p, k)| (*p, k.clone()))
-            .collect();
-        for (p, _) in &gone {
-            self.slice_ptrs.remove(p);
-        }
-        for slice in gone_parts.iter().flat_map(|part| part.slices.iter()) {
-            gone.push((ptr(slice), key_of(&slice.metadata)));
-        }
-        let mut new_slices_in: Vec<&Arc<EndpointSlice>> = Vec::new();
-        for slice in &objects.slices {
-            if let std::collections::hash_map::Entry::Vacant(e) = self.slice_ptrs.entry(ptr(slice))
-            {
-                e.insert(key_of(&slice.metadata));
-                new_slices_in.push(slice);
-            }
-        }
-        new_slices_in.extend(new_parts.iter().flat_map(|part| part.slices.iter()));
+        let (gone, new_slices_in) = arrivals(
+            &mut self.slice_ptrs,
+            &objects.slices,
+            &gone_parts,
+            &new_parts,
+            |part| &part.slices,
+            |slice| key_of(&slice.metadata),
+        );
 
         let mut gone_slices = Vec::new();
         for (p, key) in gone {
