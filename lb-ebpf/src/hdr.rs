@@ -73,4 +73,4 @@ pub const NEXTHDR_ESP: u8 = IpProto::Esp as u8;
 const _: () = assert!(ETH_HLEN == 14 && IP_HLEN == 20 && IP6_HLEN == 40);
 const _: () = assert!(TCP_HLEN == 20 && UDP_HLEN == 8 && ICMP_HLEN == 8 && ICMP6_HLEN == 8);
 const _: () = assert!(IP_CSUM == 10 && IP6_SRC == 8 && TCP_CSUM == 16 && TCP_DOFF_FLAGS == 12);
-const _: () = assert!(L4_DPORT == TCP_DPORT);
+const _: () = assert!(L4_DPORT == TCP_DPORT && ICMP_HLEN == ICMP6_HLEN && ICMP_CSUM == ICMP6_CSUM);

@@ -191,6 +191,19 @@ fn swapped_mac(ctx: &TcContext) -> Result<[u8; 12], ()> {
     Ok(mac)
 }
 
+/// An ICMP or ICMPv6 error header (both 8 bytes, the checksum at the same place)
+/// of `kind`/`code` quoting `quote`; `pseudo`: the sum of the pseudo header
+/// (ICMPv6), or 0 (ICMP has none).
+#[inline(always)]
+fn unreachable_header(kind: u8, code: u8, pseudo: u32, quote: &[u8]) -> [u8; ICMP_HLEN] {
+    let mut icmp = [0u8; ICMP_HLEN];
+    icmp[0] = kind;
+    icmp[1] = code;
+    let csum = !fold(pseudo + sum(&icmp) + sum(quote));
+    put(&mut icmp, hdr::ICMP_CSUM, &csum.to_be_bytes());
+    icmp
+}
+
 /// Rewrites a UDP datagram into the ICMP port unreachable answering it, from the
 /// frontend it was sent to, and redirects it back. Only a header without options
 /// is quoted (else `Err`: the caller drops, as before).
@@ -208,11 +221,8 @@ pub fn udp_unreachable(ctx: &TcContext, flow: &Flow) -> Result<i32, ()> {
         IP_HLEN + ICMP_HLEN + QUOTE4,
         false,
     );
-    let mut icmp = [0u8; ICMP_HLEN];
-    icmp[0] = ICMP_DEST_UNREACH;
-    icmp[1] = ICMP_PORT_UNREACH;
-    let icmp_csum = !fold(sum(&icmp) + sum(&quote));
-    put(&mut icmp, hdr::ICMP_CSUM, &icmp_csum.to_be_bytes());
+    // ICMP's checksum has no pseudo header.
+    let icmp = unreachable_header(ICMP_DEST_UNREACH, ICMP_PORT_UNREACH, 0, &quote);
     reply(ctx, &mac, &ip, &icmp, &quote)
 }
 
@@ -232,13 +242,9 @@ pub fn udp_unreachable6(ctx: &TcContext, flow: &Flow) -> Result<i32, ()> {
         IPPROTO_ICMPV6,
         ICMP6_HLEN + QUOTE6,
     );
-    let mut icmp = [0u8; ICMP6_HLEN];
-    icmp[0] = ICMPV6_DEST_UNREACH;
-    icmp[1] = ICMPV6_PORT_UNREACH;
     let pseudo =
         sum(&ip[hdr::IP6_SRC..IP6_HLEN]) + IPPROTO_ICMPV6 as u32 + (ICMP6_HLEN + QUOTE6) as u32;
-    let icmp_csum = !fold(pseudo + sum(&icmp) + sum(&quote));
-    put(&mut icmp, hdr::ICMP6_CSUM, &icmp_csum.to_be_bytes());
+    let icmp = unreachable_header(ICMPV6_DEST_UNREACH, ICMPV6_PORT_UNREACH, pseudo, &quote);
     reply(ctx, &mac, &ip, &icmp, &quote)
 }
 
