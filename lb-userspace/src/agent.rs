@@ -26,6 +26,7 @@ use crate::reconcile::{self, KnownTable};
 use crate::source::index::{Changes, DesiredIndex};
 use crate::source::{self, files, kube, Objects, SourceOptions};
 use crate::source_ranges;
+use crate::stale_sockets;
 use crate::sys::{self, SysError};
 use crate::table;
 use crate::tc_links::{TcLinks, TcLinksError};
@@ -83,6 +84,9 @@ pub struct AgentConfig {
     /// Wait for another agent holding the pin directory to stop, instead of
     /// failing (a rolling update's new agent).
     pub wait_for_lock: bool,
+    /// Close TCP connections to endpoints that left their Service (UDP sockets
+    /// always are).
+    pub terminate_tcp: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -109,6 +113,8 @@ pub enum AgentError {
     Source(#[from] source::SourceError),
     #[error(transparent)]
     Pins(#[from] pins::PinsError),
+    #[error(transparent)]
+    Reaper(#[from] stale_sockets::ReaperError),
     #[error("cannot install signal handler: {0}")]
     Signal(#[source] std::io::Error),
 }
@@ -172,6 +178,14 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     );
     let mut attached = false;
     let mut maps = PinnedMaps::open(&config.pin)?;
+    let reaper = stale_sockets::Reaper::spawn(
+        stale_sockets::ReaperConfig {
+            pin: config.pin.clone(),
+            cgroup: config.cgroup.clone(),
+            close_tcp: config.terminate_tcp,
+        },
+        status.clone(),
+    )?;
     // Frontend names by id, as of the last sync: a scrape reads only the counter
     // maps, never the whole service table.
     let frontend_names: Arc<Mutex<BTreeMap<u32, String>>> = Arc::default();
@@ -421,6 +435,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                     index.backend_count(),
                 );
                 status.record_programmed(&changes.slices, &changes.gone_slices);
+                reaper.send(outcome.departed);
             }
             Err(SyncError::Attach(e)) => return Err(e.into()),
             Err(SyncError::Maps(e)) => {
@@ -684,6 +699,7 @@ fn record_table(
         read_kernel,
     } = written;
     let mut frontend_names = NamesUpdate::Unchanged;
+    let touched = stale_sockets::Touched::before(table.snapshot(), &plan.ops);
     if incremental {
         let patch = table::frontend_names_patch(table.snapshot(), &plan.ops);
         let gone: Vec<u32> = patch
@@ -716,6 +732,7 @@ fn record_table(
         services_used: table.snapshot().services.len(),
         backends_used: table.snapshot().backends.len(),
         frontend_names,
+        departed: touched.departed(table.snapshot()),
     };
     *known = Some(table);
     Ok(outcome)
@@ -734,4 +751,6 @@ struct SyncOutcome {
     services_used: usize,
     backends_used: usize,
     frontend_names: NamesUpdate,
+    /// Backends that left frontends of the socket hooks.
+    departed: Vec<stale_sockets::Departed>,
 }

@@ -15,6 +15,7 @@ pub mod pins;
 pub mod reconcile;
 pub mod source;
 pub mod source_ranges;
+pub mod stale_sockets;
 pub mod sys;
 pub mod table;
 pub mod tc_links;

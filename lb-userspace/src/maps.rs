@@ -9,7 +9,8 @@ use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap};
 use aya::sys::SyscallError;
 use lb_common::{
-    map_names, stat, Backend, CtKey, CtValue, ServiceKey, ServiceValue, SourceRangeKey, SvcStats,
+    map_names, stat, Backend, CtKey, CtValue, ServiceKey, ServiceValue, SockRevNatKey,
+    SockRevNatValue, SourceRangeKey, SvcStats,
 };
 
 use crate::codec::{self, Capacity, MapOp, MapSnapshot, SourceRange};
@@ -39,6 +40,45 @@ pub enum MapsError {
         #[source]
         source: MapError,
     },
+}
+
+/// `LB_SOCK_REVNAT`: which backend the socket hooks sent each socket to, through
+/// which frontend. Read by whoever closes the sockets of removed endpoints.
+pub struct SockRevNatMap(HashMap<MapData, SockRevNatKey, SockRevNatValue>);
+
+impl SockRevNatMap {
+    pub fn open(layout: &PinLayout) -> Result<Self, MapsError> {
+        let (map, _, _) = open(layout, map_names::SOCK_REVNAT)?;
+        HashMap::try_from(map)
+            .map(SockRevNatMap)
+            .map_err(|source| MapsError::Open {
+                path: layout.map_path(map_names::SOCK_REVNAT),
+                source,
+            })
+    }
+
+    /// Every entry. Entries that the hooks add or the LRU evicts meanwhile may be
+    /// missed or listed: what is read is what existed at some point of the walk.
+    pub fn entries(&self) -> Result<Vec<(SockRevNatKey, SockRevNatValue)>, MapsError> {
+        self.0
+            .iter()
+            .map(|entry| {
+                entry.map_err(|source| MapsError::Read {
+                    map: map_names::SOCK_REVNAT,
+                    source,
+                })
+            })
+            .collect()
+    }
+
+    /// Removes one entry; one already evicted is fine.
+    pub fn remove(&mut self, key: &SockRevNatKey) -> Result<(), MapsError> {
+        ignore_missing(self.0.remove(key)).map_err(|source| MapsError::Write {
+            map: map_names::SOCK_REVNAT,
+            op: format!("delete {key:?}"),
+            source,
+        })
+    }
 }
 
 /// Handles on the pinned maps of one agent.

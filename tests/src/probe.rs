@@ -89,6 +89,22 @@ pub struct HoldHello {
     pub local: Option<String>,
 }
 
+/// One line of `lb-probe udp-follow`: the backend that answered (printed when it
+/// differs from the last one), or a failed call (after which the probe connects a
+/// new socket to the same address).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FollowEvent {
+    /// Milliseconds since the probe started.
+    pub at_ms: u64,
+    /// Which socket of the probe (counting from 0).
+    pub socket: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer: Option<String>,
+    /// The call that failed and its errno name (`send ECONNABORTED`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
 /// One answer of an lb-echo `--whoami-port`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, PartialOrd, Ord)]
 pub struct WhoamiAnswer {

@@ -8,10 +8,10 @@ use std::time::Duration;
 use anyhow::{ensure, Context, Result};
 use serde::de::DeserializeOwned;
 
-use crate::agent::{Agent, READY_TIMEOUT};
+use crate::agent::{Agent, AgentSpec, READY_TIMEOUT};
 use crate::cgroup::Cgroup;
 use crate::manifests::{ManifestDir, NODE_NAME};
-use crate::probe::{HoldHello, TcpReport, UdpConnectedReport, UdpReport};
+use crate::probe::{FollowEvent, HoldHello, TcpReport, UdpConnectedReport, UdpReport};
 use crate::process::{Child, Spawner};
 use crate::topology::Topology;
 use crate::util::{require_root, unique_name};
@@ -101,9 +101,21 @@ impl Testbed {
         self.start_agent_on(lb, &dir)
     }
 
+    /// Start the agent on the manifest dir with extra flags; wait until it is ready.
+    pub fn start_agent_with(&mut self, lb: &Path, args: &[&str]) -> Result<&Agent> {
+        let dir = self.manifests.path().to_path_buf();
+        let spec = AgentSpec::new(&dir, &self.cgroup, NODE_NAME).args(args.iter().copied());
+        let agent = Agent::start_with(lb, &spec)?;
+        self.wait_started(agent)
+    }
+
     /// Start the agent on another services file or dir and wait until it is ready.
     pub fn start_agent_on(&mut self, lb: &Path, services: &Path) -> Result<&Agent> {
         let agent = Agent::start(lb, services, &self.cgroup, NODE_NAME)?;
+        self.wait_started(agent)
+    }
+
+    fn wait_started(&mut self, agent: Agent) -> Result<&Agent> {
         // Stored before waiting, so a failed start is still cleaned up by Drop.
         let agent = self.agent.insert(agent);
         if let Err(e) = agent.wait_ready(READY_TIMEOUT) {
@@ -189,6 +201,55 @@ impl Testbed {
             .stdin_piped()
             .spawn()?;
         Hold::new(child)
+    }
+}
+
+impl Testbed {
+    /// Start `lb-probe udp-follow` to `to` from client `client`; waits for its first
+    /// answer.
+    pub fn udp_follow(&self, client: usize, to: impl Into<SocketAddr>) -> Result<Follow> {
+        let child = self
+            .probe_cmd(client)?
+            .args(["udp-follow", "--to", &to.into().to_string()])
+            .stdin_piped()
+            .spawn()?;
+        let mut follow = Follow {
+            child,
+            next_line: 0,
+        };
+        let first = follow.next(HOLD_TIMEOUT)?;
+        ensure!(first.answer.is_some(), "udp-follow began with {first:?}");
+        follow.next_line = 0;
+        Ok(follow)
+    }
+}
+
+/// A running `lb-probe udp-follow`: its events, line by line.
+pub struct Follow {
+    child: Child,
+    next_line: usize,
+}
+
+impl Follow {
+    /// The next event, waiting at most `timeout` for it.
+    pub fn next(&mut self, timeout: Duration) -> Result<FollowEvent> {
+        let line = self.child.stdout.wait_line(self.next_line, timeout)?;
+        self.next_line += 1;
+        serde_json::from_str(&line)
+            .with_context(|| format!("unexpected line from lb-probe udp-follow: {line}"))
+    }
+
+    /// Stops the probe (stdin EOF) and checks it ended cleanly.
+    pub fn close(mut self) -> Result<()> {
+        self.child.close_stdin();
+        match self.child.wait_timeout(HOLD_TIMEOUT)? {
+            Some(status) if status.success() => Ok(()),
+            Some(status) => anyhow::bail!(
+                "lb-probe udp-follow exited with {status}: {}",
+                self.child.stderr.text()
+            ),
+            None => anyhow::bail!("lb-probe udp-follow did not exit within {HOLD_TIMEOUT:?}"),
+        }
     }
 }
 

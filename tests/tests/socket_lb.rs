@@ -10,11 +10,13 @@
 //! builds it; or set LB_BIN).
 
 use std::collections::BTreeSet;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use lb_tests::agent::{find_frontend, ServiceEntry, SYNC_TIMEOUT};
 use lb_tests::manifests::{documents, Conditions, Endpoint, EndpointSlice, Service, ServicePort};
+use lb_tests::testbed::Hold;
 use lb_tests::topology::Pod;
 use lb_tests::{cargo_tools, lb_binary, Testbed, ECHO_TCP_PORT, ECHO_UDP_PORT};
 
@@ -457,5 +459,169 @@ fn datapath_outlives_the_agent_until_cleanup() -> Result<()> {
         r.tally.errors_of("EHOSTUNREACH") == 3,
         "after lb cleanup: {r:#?}"
     );
+    Ok(())
+}
+
+/// The backends `LB_SOCK_REVNAT` names: the sockets the hooks translated, as the
+/// agent's map has them.
+fn revnat_backends(bed: &Testbed) -> Result<BTreeSet<SocketAddr>> {
+    use aya::maps::{HashMap, Map, MapData};
+    use lb_common::{map_names, SockRevNatKey, SockRevNatValue, PIN_LAYOUT_VERSION};
+    let path = bed
+        .agent()
+        .pin_dir()
+        .join(format!("v{PIN_LAYOUT_VERSION}"))
+        .join(map_names::SOCK_REVNAT);
+    let data = MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))?;
+    let map: HashMap<_, SockRevNatKey, SockRevNatValue> =
+        HashMap::try_from(Map::from_map_data(data)?)?;
+    map.keys()
+        .map(|key| {
+            let key = key?;
+            let port = u16::from_be_bytes(key.port.to_ne_bytes());
+            Ok(SocketAddr::new(key.address.into(), port))
+        })
+        .collect()
+}
+
+/// Waits (bounded) until `done` holds, re-checking every 20 ms.
+fn eventually(what: &str, timeout: Duration, done: impl Fn() -> Result<bool>) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    while !done()? {
+        ensure!(Instant::now() < deadline, "{what}: not within {timeout:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+/// Holds TCP connections to `to` until one reaches `backend` (bounded: 40 tries,
+/// each missing with probability 2/3 or less).
+fn hold_to(bed: &Testbed, to: SocketAddrV4, backend: &str) -> Result<Hold> {
+    for _ in 0..40 {
+        let held = bed.hold(0, to)?;
+        if held.backend == backend {
+            return Ok(held);
+        }
+        held.close()?;
+    }
+    anyhow::bail!("40 connections to {to} and none reached {backend}")
+}
+
+/// g. A connected UDP socket stays with the backend its `connect()` got. When that
+/// endpoint leaves the Service, the agent closes the socket within 1 s of the
+/// change: the client's next call fails, it reconnects through the Service and
+/// reaches a remaining backend. A TCP connection to the same endpoint is left open
+/// (as kube-proxy leaves it). Unconnected sockets never pick the endpoint again and
+/// their reverse-translation entries for it are deleted.
+#[test]
+fn connected_udp_to_a_removed_endpoint_is_closed_and_reconnects() -> Result<()> {
+    let svc = web_service("web", VIP);
+    let bed = setup(3, 1, std::slice::from_ref(&svc))?;
+    let (dns, http) = (Frontend::dns(VIP), Frontend::http(VIP));
+    wait_backends(&bed, dns, bed.topo.pods())?;
+
+    let mut follow = bed.udp_follow(0, dns.addr())?;
+    let gone = follow
+        .next(Duration::from_secs(5))?
+        .answer
+        .context("udp-follow's first line is an answer")?;
+    let gone_pod = bed
+        .topo
+        .pods()
+        .iter()
+        .find(|p| p.name() == gone)
+        .context("the answer names a pod")?;
+    let gone_addr = SocketAddr::new(gone_pod.ip().into(), ECHO_UDP_PORT);
+    let mut held = hold_to(&bed, http.addr(), &gone)?;
+    // Unconnected sockets: 60 picks, each missing `gone` with probability 2/3.
+    let r = bed.udp(0, dns.addr(), 60, 1)?;
+    ensure!(r.tally.backends.contains_key(&gone), "{r:#?}");
+    ensure!(revnat_backends(&bed)?.contains(&gone_addr));
+
+    let remaining: Vec<&Pod> = bed
+        .topo
+        .pods()
+        .iter()
+        .filter(|p| p.name() != gone)
+        .collect();
+    let changed = Instant::now();
+    publish(
+        &bed,
+        &svc,
+        endpoints(remaining.iter().copied(), Conditions::READY),
+    )?;
+    let closed = follow.next(Duration::from_secs(1).saturating_sub(changed.elapsed()))?;
+    let errno = closed.error.as_deref().unwrap_or_default();
+    // ECONNABORTED when the socket was closed under a call; a send after it finds the
+    // socket unconnected (EDESTADDRREQ).
+    ensure!(
+        closed.socket == 0 && (errno.ends_with("ECONNABORTED") || errno.ends_with("EDESTADDRREQ")),
+        "expected the connected socket to fail within 1 s of the change: {closed:?}"
+    );
+    let again = follow.next(Duration::from_secs(5))?;
+    ensure!(
+        again.socket == 1
+            && again
+                .answer
+                .as_deref()
+                .is_some_and(|a| a != gone && pod_names(bed.topo.pods()).contains(a)),
+        "the reconnected socket should reach a remaining backend: {again:?}"
+    );
+    follow.close()?;
+
+    let reply = held
+        .echo("after")
+        .context("the TCP connection was closed")?;
+    ensure!(
+        reply == format!("{gone} after"),
+        "held connection answered {reply:?}"
+    );
+
+    eventually(
+        "the reverse entries of the removed endpoint deleted",
+        Duration::from_secs(2),
+        || Ok(!revnat_backends(&bed)?.contains(&gone_addr)),
+    )?;
+    let r = bed.udp(0, dns.addr(), 60, 1)?;
+    ensure!(r.tally.answered == 60, "{r:#?}");
+    ensure!(
+        !r.tally.backends.contains_key(&gone),
+        "{gone} still chosen: {r:#?}"
+    );
+    Ok(())
+}
+
+/// h. With --terminate-tcp-to-removed-endpoints, a TCP connection to an endpoint
+/// that left the Service is closed too; one to a remaining endpoint is not.
+#[test]
+fn tcp_to_a_removed_endpoint_is_closed_with_the_flag() -> Result<()> {
+    let lb = lb_binary()?;
+    let svc = web_service("web", VIP);
+    let mut bed = Testbed::new(cargo_tools!(), 2, 1)?;
+    publish(&bed, &svc, endpoints(bed.topo.pods(), Conditions::READY))?;
+    bed.start_agent_with(&lb, &["--terminate-tcp-to-removed-endpoints"])?;
+    let http = Frontend::http(VIP);
+    wait_backends(&bed, http, bed.topo.pods())?;
+
+    let (gone, kept) = (&bed.topo.pods()[0], &bed.topo.pods()[1]);
+    let mut to_gone = hold_to(&bed, http.addr(), gone.name())?;
+    let mut to_kept = hold_to(&bed, http.addr(), kept.name())?;
+    let changed = Instant::now();
+    publish(&bed, &svc, endpoints([kept], Conditions::READY))?;
+    wait_backends(&bed, http, [kept])?;
+    // The close comes just after the change: echo until the connection fails.
+    let mut failed = None;
+    while failed.is_none() && changed.elapsed() < Duration::from_secs(1) {
+        match to_gone.echo("ping") {
+            Ok(reply) => ensure!(reply == format!("{} ping", gone.name()), "{reply:?}"),
+            Err(e) => failed = Some(e),
+        }
+    }
+    ensure!(
+        failed.is_some(),
+        "the connection to the removed endpoint still answers 1 s after the change"
+    );
+    let reply = to_kept.echo("after")?;
+    ensure!(reply == format!("{} after", kept.name()), "{reply:?}");
     Ok(())
 }

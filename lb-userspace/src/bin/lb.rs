@@ -168,6 +168,11 @@ struct AgentArgs {
     /// (the DaemonSet sets it, so a rolling update's new agent takes over).
     #[arg(long)]
     wait_for_lock: bool,
+    /// When an endpoint leaves its Service, also close the TCP connections the socket
+    /// hooks made to it (their peers get a RST). Connected UDP sockets to it are
+    /// always closed; kube-proxy, like the default here, leaves TCP connections be.
+    #[arg(long)]
+    terminate_tcp_to_removed_endpoints: bool,
 }
 
 // Ranges of the numeric agent flags, checked while parsing: a zero interval makes
@@ -427,6 +432,7 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
         metrics_addr: args.metrics_bind_address,
         healthz_timeout: Duration::from_secs(args.healthz_timeout_secs),
         wait_for_lock: args.wait_for_lock,
+        terminate_tcp: args.terminate_tcp_to_removed_endpoints,
         consistency_interval: Duration::from_secs(args.consistency_check_interval_secs),
     };
     let runtime = tokio::runtime::Builder::new_current_thread()

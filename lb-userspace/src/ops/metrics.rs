@@ -61,6 +61,11 @@ struct PathLabel {
     path: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProtocolLabel {
+    protocol: String,
+}
+
 /// The registry and the handles the agent updates.
 pub(super) struct Metrics {
     registry: Registry,
@@ -70,6 +75,7 @@ pub(super) struct Metrics {
     syncs: Counter,
     pub(super) sync_errors: Counter,
     pub(super) drift_repairs: Counter,
+    stale_sockets_closed: Family<ProtocolLabel, Counter>,
     pub(super) object_errors: Gauge,
     files_unreadable: Gauge,
     file_unreadable: Family<PathLabel, Gauge>,
@@ -124,6 +130,14 @@ impl Metrics {
             "Consistency checks that found the kernel maps differing from what the agent \
              wrote (an entry changed behind its back) and rewrote them",
             drift_repairs.clone(),
+        );
+        let stale_sockets_closed = Family::<ProtocolLabel, Counter>::default();
+        registry.register(
+            "lb_stale_sockets_closed",
+            "Sockets the agent closed because the endpoint the socket hooks had \
+             connected them to left its Service (UDP always; TCP with \
+             --terminate-tcp-to-removed-endpoints)",
+            stale_sockets_closed.clone(),
         );
         let object_errors = Gauge::default();
         registry.register(
@@ -201,6 +215,7 @@ impl Metrics {
             syncs,
             sync_errors,
             drift_repairs,
+            stale_sockets_closed,
             object_errors,
             files_unreadable,
             file_unreadable,
@@ -232,6 +247,14 @@ impl Metrics {
         self.kube_proxy_last_sync.set(at);
         self.frontends.set(frontends as i64);
         self.backends.set(backends as i64);
+    }
+
+    pub(super) fn record_stale_sockets_closed(&self, protocol: &str, count: u64) {
+        self.stale_sockets_closed
+            .get_or_create(&ProtocolLabel {
+                protocol: protocol.to_owned(),
+            })
+            .inc_by(count);
     }
 
     pub(super) fn set_unreadable_files(&self, files: &[(PathBuf, String)]) {

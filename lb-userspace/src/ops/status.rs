@@ -203,6 +203,12 @@ impl AgentStatus {
         self.metrics.drift_repairs.inc();
     }
 
+    /// Sockets of `protocol` closed because their endpoint left its Service.
+    pub fn record_stale_sockets_closed(&self, protocol: crate::model::Protocol, count: u64) {
+        self.metrics
+            .record_stale_sockets_closed(&protocol.to_string(), count);
+    }
+
     /// Objects skipped by the last interpretation (invalid Services, slices, files).
     pub fn record_object_errors(&self, count: usize) {
         self.metrics.object_errors.set(count as i64);

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use lb_tests::probe::{
-    BulkReport, HoldHello, PatternStream, Tally, TcpReport, UdpConnectedReport, UdpEchoReport,
-    UdpReport, WhoamiAnswer, WhoamiReport,
+    BulkReport, FollowEvent, HoldHello, PatternStream, Tally, TcpReport, UdpConnectedReport,
+    UdpEchoReport, UdpReport, WhoamiAnswer, WhoamiReport,
 };
 use lb_tests::util::io_error_name;
 
@@ -69,6 +69,18 @@ enum Mode {
     Hold {
         #[arg(long)]
         to: SocketAddr,
+    },
+    /// One connected UDP socket sending a datagram every INTERVAL_MS: prints a JSON
+    /// line (FollowEvent) when the answering backend changes or a call fails; after a
+    /// failure it connects a new socket to the same address, as a DNS client does.
+    /// Ends on stdin EOF, or after MAX_SECS.
+    UdpFollow {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long, default_value_t = 20)]
+        interval_ms: u64,
+        #[arg(long, default_value_t = 60)]
+        max_secs: u64,
     },
     /// N requests to an lb-echo `--whoami-port`: each a new TCP connection, or with
     /// --udp a datagram from a new unconnected socket. Reports who answered and the
@@ -125,6 +137,15 @@ fn main() -> ExitCode {
         } => udp(to, count, per_socket).and_then(|r| print_json(&r)),
         Mode::UdpConnected { to, count } => udp_connected(to, count).and_then(|r| print_json(&r)),
         Mode::Hold { to } => hold(to),
+        Mode::UdpFollow {
+            to,
+            interval_ms,
+            max_secs,
+        } => udp_follow(
+            to,
+            Duration::from_millis(interval_ms),
+            Duration::from_secs(max_secs),
+        ),
         Mode::Whoami {
             to,
             count,
@@ -362,6 +383,62 @@ fn hold(to: SocketAddr) -> Result<()> {
         let mut out = io::stdout().lock();
         writeln!(out, "{reply}")?;
         out.flush()?;
+    }
+    Ok(())
+}
+
+fn udp_follow(to: SocketAddr, interval: Duration, max: Duration) -> Result<()> {
+    let started = Instant::now();
+    let stdin_closed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let closed = stdin_closed.clone();
+    std::thread::spawn(move || {
+        let _ = io::copy(&mut io::stdin().lock(), &mut io::sink());
+        closed.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    let print = |socket: u32, answer: Option<String>, error: Option<String>| {
+        print_json(&FollowEvent {
+            at_ms: started.elapsed().as_millis() as u64,
+            socket,
+            answer,
+            error,
+        })
+    };
+    let connect = || -> Result<UdpSocket> {
+        let socket = new_udp_socket(to)?;
+        socket
+            .connect(to)
+            .with_context(|| format!("connect {to}"))?;
+        Ok(socket)
+    };
+    let mut socket_no = 0;
+    let mut socket = connect()?;
+    let mut last: Option<String> = None;
+    let mut buf = [0u8; 2048];
+    while !stdin_closed.load(std::sync::atomic::Ordering::Relaxed) && started.elapsed() < max {
+        let answer = socket
+            .send(b"ping")
+            .map_err(|e| ("send", e))
+            .and_then(|_| socket.recv(&mut buf).map_err(|e| ("recv", e)));
+        match answer {
+            Ok(n) => {
+                let name = String::from_utf8_lossy(&buf[..n]).trim().to_string();
+                if last.as_ref() != Some(&name) {
+                    print(socket_no, Some(name.clone()), None)?;
+                    last = Some(name);
+                }
+            }
+            // A lost datagram: report it, keep the socket.
+            Err((op, e)) if e.kind() == io::ErrorKind::WouldBlock => {
+                print(socket_no, None, Some(format!("{op} {}", io_error_name(&e))))?;
+            }
+            Err((op, e)) => {
+                print(socket_no, None, Some(format!("{op} {}", io_error_name(&e))))?;
+                socket_no += 1;
+                socket = connect()?;
+                last = None;
+            }
+        }
+        std::thread::sleep(interval);
     }
     Ok(())
 }

@@ -1,0 +1,54 @@
+//! The network namespaces a cgroup's processes live in, and running work inside one.
+
+use std::collections::HashSet;
+use std::fs::File;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+use nix::sched::CloneFlags;
+
+/// One handle per network namespace that a process in `cgroup` (or a cgroup below
+/// it) is in. Processes that exit while the tree is read are skipped; a cgroup the
+/// agent cannot read is skipped too (its sockets stay as they are).
+pub fn of_cgroup(cgroup: &Path) -> Vec<File> {
+    let mut seen = HashSet::new();
+    let mut namespaces = Vec::new();
+    let mut dirs = vec![cgroup.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) else {
+            continue;
+        };
+        for pid in procs.lines().filter_map(|l| l.trim().parse::<u32>().ok()) {
+            let Ok(ns) = File::open(format!("/proc/{pid}/ns/net")) else {
+                continue;
+            };
+            let Ok(meta) = ns.metadata() else { continue };
+            if seen.insert((meta.dev(), meta.ino())) {
+                namespaces.push(ns);
+            }
+        }
+        if let Ok(children) = std::fs::read_dir(&dir) {
+            dirs.extend(
+                children
+                    .flatten()
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                    .map(|e| e.path()),
+            );
+        }
+    }
+    namespaces
+}
+
+/// Runs `work` on a thread of its own that first enters `netns`, so the agent's
+/// other threads stay where they are; sockets `work` opens belong to `netns`.
+pub fn run_in<T: Send>(netns: &File, work: impl FnOnce() -> T + Send) -> std::io::Result<T> {
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                nix::sched::setns(netns, CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)?;
+                Ok(work())
+            })
+            .join()
+            .unwrap_or_else(|_| Err(std::io::Error::other("the namespace thread panicked")))
+    })
+}
