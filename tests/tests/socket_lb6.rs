@@ -9,6 +9,7 @@
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Result};
 use lb_tests::agent::{find_frontend, SYNC_TIMEOUT};
@@ -216,4 +217,64 @@ fn ipv6_only_affinity_and_refusal() -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Connected UDP sockets of both kinds the IPv6 hooks serve, an IPv6 one to the
+/// IPv6 VIP and an AF_INET6 one to the IPv4 VIP's mapped address, are closed within
+/// 1 s of their endpoint leaving the Service, and reconnect to the other endpoint.
+#[test]
+fn connected_udp_of_both_families_follows_endpoint_removal() -> Result<()> {
+    let lb = lb_binary()?;
+    let mut bed = Testbed::new(cargo_tools!(), 2, 1)?;
+    let svc = Service::new("web", VIP4, ports()).dual_stack(VIP6);
+    {
+        let pods: Vec<&Pod> = bed.topo.pods().iter().collect();
+        publish(
+            &bed,
+            &svc,
+            Some(v4_endpoints(&pods)),
+            Some(v6_endpoints(&pods)),
+        )?;
+    }
+    let udp_backends = |v6: bool, pods: &[&Pod]| -> Vec<SocketAddr> {
+        pods.iter()
+            .map(|p| match v6 {
+                true => SocketAddr::new(p.ip6().unwrap().into(), ECHO_UDP_PORT),
+                false => SocketAddr::new(p.ip().into(), ECHO_UDP_PORT),
+            })
+            .collect()
+    };
+    bed.start_agent(&lb)?;
+    let pods: Vec<&Pod> = bed.topo.pods().iter().collect();
+    wait_backends(&bed, VIP6.into(), 53, "UDP", &udp_backends(true, &pods))?;
+    wait_backends(&bed, VIP4.into(), 53, "UDP", &udp_backends(false, &pods))?;
+
+    let mut six = bed.udp_follow(0, SocketAddr::new(VIP6.into(), 53))?;
+    let mut mapped = bed.udp_follow(0, SocketAddr::new(VIP4.to_ipv6_mapped().into(), 53))?;
+    let wait = Duration::from_secs(5);
+    let six_gone = six.next(wait)?.answer.unwrap_or_default();
+    let mapped_gone = mapped.next(wait)?.answer.unwrap_or_default();
+    let kept =
+        |gone: &str| -> Vec<&Pod> { pods.iter().copied().filter(|p| p.name() != gone).collect() };
+    let changed = Instant::now();
+    publish(
+        &bed,
+        &svc,
+        Some(v4_endpoints(&kept(&mapped_gone))),
+        Some(v6_endpoints(&kept(&six_gone))),
+    )?;
+    for (follow, gone) in [(&mut six, &six_gone), (&mut mapped, &mapped_gone)] {
+        let closed = follow.next(Duration::from_secs(1).saturating_sub(changed.elapsed()))?;
+        ensure!(
+            closed.socket == 0 && closed.error.is_some(),
+            "expected the socket to {gone} to fail within 1 s of the change: {closed:?}"
+        );
+        let again = follow.next(wait)?;
+        ensure!(
+            again.socket == 1 && again.answer.as_deref() == Some(kept(gone)[0].name()),
+            "the reconnected socket should reach the other endpoint: {again:?}"
+        );
+    }
+    six.close()?;
+    mapped.close()
 }
