@@ -15,9 +15,10 @@
 //! chose and the frontend the socket asked for, so exactly those sockets are closed,
 //! never one that reached the pod's address on its own. Sockets live in their
 //! owners' network namespaces; the agent looks in each namespace that a process of
-//! the hooked cgroup is in. Needs `CONFIG_INET_DIAG_DESTROY` (Linux 4.5 and later;
-//! distribution kernels mostly set it); without it the agent says so once and such
-//! sockets stay where they are, as before. Unconnected UDP sockets need nothing
+//! the hooked cgroup is in. Needs a kernel built with `CONFIG_INET_DIAG_DESTROY`
+//! (no kfunc or BPF iterator support, unlike `bpf_sock_destroy`, which needs 6.5);
+//! without it the agent says so once and such sockets stay where they are, as
+//! before. Unconnected UDP sockets need nothing
 //! closed: they pick among the remaining backends on their next send; their
 //! reverse-translation entries for the removed endpoint are deleted.
 //!
