@@ -551,6 +551,10 @@ fn connected_udp_to_a_removed_endpoint_is_closed_and_reconnects() -> Result<()> 
         endpoints(remaining.iter().copied(), Conditions::READY),
     )?;
     let closed = follow.next(Duration::from_secs(1).saturating_sub(changed.elapsed()))?;
+    eprintln!(
+        "socket closed {:?} after the change: {closed:?}",
+        changed.elapsed()
+    );
     let errno = closed.error.as_deref().unwrap_or_default();
     // ECONNABORTED when the socket was closed under a call; a send after it finds the
     // socket unconnected (EDESTADDRREQ).

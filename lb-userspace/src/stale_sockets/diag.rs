@@ -107,8 +107,8 @@ impl Diag {
         }
     }
 
-    /// Destroys `socket` (matched by its addresses and cookie): its owner's next
-    /// call fails with ECONNABORTED; a TCP peer gets a RST. The kernel's errno on
+    /// Destroys `socket` (matched by its addresses and cookie): a call blocked on it
+    /// fails with ECONNABORTED; a TCP peer gets a RST. The kernel's errno on
     /// failure: ENOENT when the socket is gone, EOPNOTSUPP without
     /// CONFIG_INET_DIAG_DESTROY.
     pub fn destroy(&mut self, protocol: Protocol, socket: &Listed) -> Result<(), DiagError> {

@@ -6,7 +6,8 @@
 //! talking to the removed endpoint for as long as it lives (DNS clients, QUIC,
 //! statsd). So when an endpoint leaves a Service, the agent closes the sockets the
 //! hooks connected to it through that Service, with sock_diag's `SOCK_DESTROY`
-//! (what `ss -K` does): the owner's next call fails with ECONNABORTED and it
+//! (what `ss -K` does): a call blocked on the socket fails with ECONNABORTED, the
+//! next send with EDESTADDRREQ (a UDP socket is left unconnected), and the owner
 //! reconnects through the Service. TCP connections are left alone unless
 //! `--terminate-tcp-to-removed-endpoints` says otherwise (kube-proxy leaves them
 //! too); closing one sends its peer a RST.
