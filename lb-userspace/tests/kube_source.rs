@@ -20,22 +20,28 @@ const QUIET: Duration = Duration::from_millis(400);
 const PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
 const HEADLESS: &str = "service.kubernetes.io/headless";
 
-fn names<T: kube::ResourceExt>(objects: &[std::sync::Arc<T>]) -> Vec<String> {
-    objects
-        .iter()
+/// Names in namespace/name order: the source publishes Services and slices in
+/// shards, whose order is not the names'.
+fn names<'a, T: kube::ResourceExt + 'a>(
+    objects: impl IntoIterator<Item = &'a std::sync::Arc<T>>,
+) -> Vec<String> {
+    let mut names: Vec<String> = objects
+        .into_iter()
         .map(|o| match o.namespace() {
             Some(ns) => format!("{ns}/{}", o.name_any()),
             None => o.name_any(),
         })
-        .collect()
+        .collect();
+    names.sort();
+    names
 }
 
 fn services(o: &Objects) -> Vec<String> {
-    names(&o.services)
+    names(o.all_services())
 }
 
 fn slices(o: &Objects) -> Vec<String> {
-    names(&o.slices)
+    names(o.all_slices())
 }
 
 fn nodes(o: &Objects) -> Vec<String> {
@@ -45,8 +51,7 @@ fn nodes(o: &Objects) -> Vec<String> {
 /// The endpoint addresses of slice `name`, `None` when there is no such slice.
 fn addresses(o: &Objects, name: &str) -> Option<Vec<String>> {
     let slice = o
-        .slices
-        .iter()
+        .all_slices()
         .find(|s| s.metadata.name.as_deref() == Some(name))?;
     Some(
         slice
@@ -419,7 +424,10 @@ async fn requests_use_kube_proxys_label_selectors() {
 
     // A Service labelled for another proxy later leaves the selection.
     server.apply(Res::Services, service("a", "10.96.0.1", &other));
-    let seen = until(&mut rx, "Service a gone", |o| o.services.is_empty()).await;
+    let seen = until(&mut rx, "Service a gone", |o| {
+        o.all_services().next().is_none()
+    })
+    .await;
     assert_eq!(slices(seen.last().unwrap()), ["default/a-1"]);
     assert_eq!(server.delivered(Res::Services, "DELETED", "a"), 1);
 

@@ -127,8 +127,8 @@ fn ptr<T>(object: &Arc<T>) -> usize {
 }
 
 /// The objects of one kind that left (allocation, key) and that came since the
-/// last sync: flat ones one by one against `held` (updated), those of parts whole.
-/// Only what came is named.
+/// last sync: flat ones one by one against `held` (updated), those of parts by
+/// comparing each replaced part with the parts that came. Only what came is named.
 fn arrivals<'a, T>(
     held: &mut FxHashMap<usize, Key>,
     flat: &'a [Arc<T>],
@@ -146,7 +146,12 @@ fn arrivals<'a, T>(
     for (p, _) in &gone {
         held.remove(p);
     }
-    for object in gone_parts.iter().flat_map(|part| of_part(part).iter()) {
+    // A part replaced by another may share objects with it (the API source rebuilds
+    // the shard of a change from the same allocations): only the difference counts.
+    let in_parts = |parts: &'a [Arc<Objects>]| parts.iter().flat_map(move |p| of_part(p).iter());
+    let kept_in: FxHashSet<usize> = in_parts(new_parts).map(ptr).collect();
+    let held_in: FxHashSet<usize> = in_parts(gone_parts).map(ptr).collect();
+    for object in in_parts(gone_parts).filter(|o| !kept_in.contains(&ptr(o))) {
         gone.push((ptr(object), key(object)));
     }
     let mut came = Vec::new();
@@ -156,7 +161,7 @@ fn arrivals<'a, T>(
             came.push(object);
         }
     }
-    came.extend(new_parts.iter().flat_map(|part| of_part(part).iter()));
+    came.extend(in_parts(new_parts).filter(|o| !held_in.contains(&ptr(o))));
     (gone, came)
 }
 
@@ -777,5 +782,21 @@ mod tests {
         assert_eq!(changes.services, 1);
         assert_eq!(changes.frontends.len(), 1);
         assert!(index.sync(&world.objects()).is_empty(), "nothing changed");
+
+        // In parts (as the API source's shards): the replaced part shares its other
+        // objects with the one before, and only the changed one counts.
+        let mut index = DesiredIndex::new(opts());
+        assert_eq!(index.sync(&world.objects_in_parts()).services, 6);
+        world.apply(&Event::PutSlice {
+            n: 4,
+            s: Some(4),
+            pods: vec![3],
+            ports: vec![80],
+        });
+        let changes = index.sync(&world.objects_in_parts());
+        assert_eq!(changes.services, 1);
+        assert_eq!(changes.slices.len(), 1);
+        assert_eq!(changes.gone_slices.len(), 1);
+        assert!(index.sync(&world.objects_in_parts()).is_empty());
     }
 }

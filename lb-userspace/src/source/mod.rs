@@ -21,6 +21,7 @@ pub mod files;
 pub mod index;
 pub mod kube;
 mod lean;
+mod shards;
 pub mod yaml;
 
 pub use desired::{build_desired, NodePortRange, SourceOptions, LABEL_ZONE};

@@ -1,0 +1,247 @@
+//! The API source's cache of one kind: objects by namespace and name, spread over a
+//! fixed number of shards, each published as one part of [`Objects`]. A watch
+//! event changes one object, so it rebuilds one shard's part; the consumer skips
+//! every other part by its allocation. A change then costs its shard (about 1/256
+//! of the objects), where a snapshot of the whole cache would cost every object.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+
+use kube::Resource;
+
+/// Shards per kind: at 100k Services and 100k slices, a change rebuilds a part of
+/// about 400 objects of each kind.
+pub const SHARDS: usize = 256;
+
+type Key = (String, String);
+
+fn key_of<K: Resource>(object: &K) -> Key {
+    let meta = object.meta();
+    (
+        meta.namespace.clone().unwrap_or_default(),
+        meta.name.clone().unwrap_or_default(),
+    )
+}
+
+fn shard_of(key: &Key) -> usize {
+    let mut hasher = rustc_hash::FxHasher::default();
+    key.hash(&mut hasher);
+    (hasher.finish() % SHARDS as u64) as usize
+}
+
+/// Both hold a version, and it is the same: the object did not change.
+fn same_version<K: Resource>(a: &K, b: &K) -> bool {
+    match (&a.meta().resource_version, &b.meta().resource_version) {
+        (Some(a), Some(b)) => a == b,
+        _ => false,
+    }
+}
+
+/// One kind's objects, in shards, with the shards changed since they were last taken.
+#[derive(Debug)]
+pub struct ShardedStore<K> {
+    shards: Vec<BTreeMap<Key, Arc<K>>>,
+    dirty: BTreeSet<usize>,
+    /// The objects of a relist under way, by key.
+    relist: Option<HashMap<Key, K>>,
+}
+
+impl<K: Resource> Default for ShardedStore<K> {
+    fn default() -> Self {
+        ShardedStore {
+            shards: (0..SHARDS).map(|_| BTreeMap::new()).collect(),
+            dirty: BTreeSet::new(),
+            relist: None,
+        }
+    }
+}
+
+impl<K: Resource> ShardedStore<K> {
+    /// An object added or changed (a watch event). False when the same version is
+    /// held already.
+    pub fn apply(&mut self, object: K) -> bool {
+        let key = key_of(&object);
+        let shard = shard_of(&key);
+        if self.shards[shard]
+            .get(&key)
+            .is_some_and(|held| same_version(held.as_ref(), &object))
+        {
+            return false;
+        }
+        self.shards[shard].insert(key, Arc::new(object));
+        self.dirty.insert(shard);
+        true
+    }
+
+    /// An object deleted. False when it was not held.
+    pub fn delete(&mut self, object: &K) -> bool {
+        let key = key_of(object);
+        let shard = shard_of(&key);
+        let removed = self.shards[shard].remove(&key).is_some();
+        if removed {
+            self.dirty.insert(shard);
+        }
+        removed
+    }
+
+    /// A (re)list begins: what it returns will replace the cache when it is done.
+    /// Until then the cache stays as it was.
+    pub fn relist_begin(&mut self) {
+        self.relist = Some(HashMap::new());
+    }
+
+    pub fn relist_item(&mut self, object: K) {
+        self.relist
+            .get_or_insert_with(HashMap::new)
+            .insert(key_of(&object), object);
+    }
+
+    /// The relist replaces the cache: objects it did not return are deleted, those
+    /// of a new version replaced; those of the same version stay as they were (the
+    /// same allocation). False when nothing changed.
+    pub fn relist_done(&mut self) -> bool {
+        let mut buckets: Vec<HashMap<Key, K>> = (0..SHARDS).map(|_| HashMap::new()).collect();
+        for (key, object) in self.relist.take().unwrap_or_default() {
+            buckets[shard_of(&key)].insert(key, object);
+        }
+        let mut changed = false;
+        for (index, (shard, mut listed)) in self.shards.iter_mut().zip(buckets).enumerate() {
+            let before = shard.len();
+            shard.retain(|key, held| {
+                listed
+                    .get(key)
+                    .is_some_and(|fresh| same_version(held.as_ref(), fresh))
+            });
+            let mut touched = shard.len() != before;
+            for key in shard.keys() {
+                listed.remove(key);
+            }
+            // What remains is new, or of a new version.
+            touched |= !listed.is_empty();
+            for (key, object) in listed {
+                shard.insert(key, Arc::new(object));
+            }
+            if touched {
+                self.dirty.insert(index);
+                changed = true;
+            }
+        }
+        changed
+    }
+
+    /// Shards changed since the last call.
+    pub fn take_dirty(&mut self) -> BTreeSet<usize> {
+        std::mem::take(&mut self.dirty)
+    }
+
+    /// One shard's objects, in namespace/name order.
+    pub fn shard(&self, index: usize) -> impl Iterator<Item = &Arc<K>> {
+        self.shards[index].values()
+    }
+
+    /// Every object, in shard order.
+    pub fn all(&self) -> impl Iterator<Item = &Arc<K>> {
+        self.shards.iter().flat_map(|s| s.values())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::core::v1::Service;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+    use super::*;
+
+    fn svc(name: &str, version: &str) -> Service {
+        Service {
+            metadata: ObjectMeta {
+                namespace: Some("default".into()),
+                name: Some(name.into()),
+                resource_version: Some(version.into()),
+                ..ObjectMeta::default()
+            },
+            ..Service::default()
+        }
+    }
+
+    fn names(store: &ShardedStore<Service>) -> BTreeSet<String> {
+        store
+            .all()
+            .map(|s| {
+                format!(
+                    "{}@{}",
+                    s.metadata.name.as_deref().unwrap(),
+                    s.metadata.resource_version.as_deref().unwrap()
+                )
+            })
+            .collect()
+    }
+
+    fn shard_of_name(name: &str) -> usize {
+        shard_of(&("default".to_owned(), name.to_owned()))
+    }
+
+    #[test]
+    fn a_change_dirties_only_its_shard() {
+        let mut store = ShardedStore::default();
+        for i in 0..1000 {
+            assert!(store.apply(svc(&format!("s{i}"), "1")));
+        }
+        assert!(store.take_dirty().len() > SHARDS / 2);
+        assert!(store.apply(svc("s7", "2")));
+        assert_eq!(store.take_dirty(), [shard_of_name("s7")].into());
+        // The same version again (a resumed watch repeating itself): no change.
+        assert!(!store.apply(svc("s7", "2")));
+        assert!(store.delete(&svc("s8", "1")));
+        assert!(!store.delete(&svc("s8", "1")));
+        assert_eq!(store.take_dirty(), [shard_of_name("s8")].into());
+        assert_eq!(store.all().count(), 999);
+    }
+
+    #[test]
+    fn a_relist_replaces_the_cache_and_keeps_unchanged_objects() {
+        let mut store = ShardedStore::default();
+        for name in ["a", "b", "c"] {
+            store.apply(svc(name, "1"));
+        }
+        store.take_dirty();
+        let b = store
+            .all()
+            .find(|s| s.metadata.name.as_deref() == Some("b"))
+            .unwrap()
+            .clone();
+
+        // Nothing new: nothing changes, no shard is dirty.
+        store.relist_begin();
+        for name in ["a", "b", "c"] {
+            store.relist_item(svc(name, "1"));
+        }
+        assert!(!store.relist_done());
+        assert!(store.take_dirty().is_empty());
+
+        // During the relist the cache is unchanged; after it, a is gone, c changed,
+        // d came, and b is the same allocation.
+        store.relist_begin();
+        store.relist_item(svc("b", "1"));
+        store.relist_item(svc("c", "5"));
+        store.relist_item(svc("d", "6"));
+        assert_eq!(
+            names(&store),
+            ["a@1", "b@1", "c@1"].map(String::from).into()
+        );
+        assert!(store.relist_done());
+        assert_eq!(
+            names(&store),
+            ["b@1", "c@5", "d@6"].map(String::from).into()
+        );
+        let dirty = store.take_dirty();
+        let expected: BTreeSet<usize> = ["a", "c", "d"].iter().map(|n| shard_of_name(n)).collect();
+        assert_eq!(dirty, expected);
+        let b_now = store
+            .all()
+            .find(|s| s.metadata.name.as_deref() == Some("b"))
+            .unwrap();
+        assert!(Arc::ptr_eq(&b, b_now));
+    }
+}
