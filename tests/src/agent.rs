@@ -282,6 +282,8 @@ pub struct AgentSpec<'a> {
     pub node_name: &'a str,
     pub netns: Option<&'a NetNs>,
     pub extra_args: Vec<String>,
+    /// Follow the API server this kubeconfig names instead of `services`.
+    pub kubeconfig: Option<&'a Path>,
 }
 
 impl<'a> AgentSpec<'a> {
@@ -292,7 +294,13 @@ impl<'a> AgentSpec<'a> {
             node_name,
             netns: None,
             extra_args: Vec::new(),
+            kubeconfig: None,
         }
+    }
+
+    pub fn kubeconfig(mut self, path: &'a Path) -> Self {
+        self.kubeconfig = Some(path);
+        self
     }
 
     pub fn netns(mut self, ns: &'a NetNs) -> Self {
@@ -365,10 +373,12 @@ impl Agent {
                 // visible (see process.rs for why not `ip netns exec`).
                 spawner = spawner.netns(ns)?;
             }
+            spawner = spawner.arg("agent");
+            spawner = match spec.kubeconfig {
+                Some(kubeconfig) => spawner.arg("--kubeconfig").arg(kubeconfig),
+                None => spawner.arg("--services-file").arg(spec.services),
+            };
             spawner
-                .arg("agent")
-                .arg("--services-file")
-                .arg(spec.services)
                 .arg("--cgroup")
                 .arg(spec.cgroup.path())
                 .arg("--pin-dir")

@@ -311,38 +311,56 @@ impl kube::runtime::utils::Backoff for RecoveryBackoff {
     }
 }
 
-/// When to publish: at once after a quiet spell; during a burst (a change arriving
-/// within `max` of the last publish) after a wait that starts at [`Self::MIN`] and
-/// doubles with each busy publish, bounded by `max`. The agent's channel keeps only
-/// the newest snapshot, so a slow sync coalesces further on its own.
+/// When to publish: at once, unless changes come in a burst (each within
+/// [`Self::BURST_GAP`] of the one before, as when a Deployment's pods all move),
+/// during which the wait grows from `BURST_GAP`, doubling with each change of the
+/// burst, bounded by `max`. A steady churn of a few hundred changes a second is
+/// not a burst: each of its changes is published at once (a snapshot costs the
+/// shard it touched). The agent's channel keeps only the newest snapshot, so a
+/// slow sync coalesces further on its own.
 #[derive(Debug)]
 struct Coalescer {
     max: Duration,
-    wait: Duration,
+    last_change: Option<Instant>,
     last_publish: Option<Instant>,
+    /// Changes of the current burst after its first.
+    burst: u32,
 }
 
 impl Coalescer {
-    const MIN: Duration = Duration::from_millis(2);
+    const BURST_GAP: Duration = Duration::from_millis(2);
 
     fn new(max: Duration) -> Self {
         Self {
             max,
-            wait: Duration::ZERO,
+            last_change: None,
             last_publish: None,
+            burst: 0,
         }
     }
 
-    /// When a change arriving at `now` (with nothing pending) is to be published.
-    fn due(&mut self, now: Instant) -> Instant {
-        match self.last_publish {
-            Some(last) if now.duration_since(last) < self.max => {
-                self.wait = (self.wait * 2).clamp(Self::MIN, self.max);
-                (last + self.wait).max(now)
-            }
-            _ => {
-                self.wait = Duration::ZERO;
-                now
+    /// A change arrived at `now`.
+    fn changed(&mut self, now: Instant) {
+        let close = self
+            .last_change
+            .is_some_and(|last| now.duration_since(last) < Self::BURST_GAP);
+        self.burst = if close {
+            self.burst.saturating_add(1)
+        } else {
+            0
+        };
+        self.last_change = Some(now);
+    }
+
+    /// When the changes pending since `now` are to be published.
+    fn due(&self, now: Instant) -> Instant {
+        match (self.burst, self.last_publish) {
+            (0, _) | (_, None) => now,
+            (n, Some(last)) => {
+                let wait = Self::BURST_GAP
+                    .saturating_mul(1 << (n - 1).min(16))
+                    .min(self.max);
+                (last + wait).max(now)
             }
         }
     }
@@ -471,8 +489,10 @@ async fn follow(
                         listed[kind.index()] = true;
                     }
                 }
+                let now = Instant::now();
+                coalescer.changed(now);
                 if due.is_none() {
-                    due = Some(Box::pin(tokio::time::sleep_until(coalescer.due(Instant::now()))));
+                    due = Some(Box::pin(tokio::time::sleep_until(coalescer.due(now))));
                 }
             }
             () = async { due.as_mut().expect("guarded").await }, if ready && due.is_some() => {
@@ -573,28 +593,38 @@ mod tests {
     #[test]
     fn changes_wait_only_during_bursts() {
         let max = Duration::from_millis(100);
+        let ms = Duration::from_millis;
         let mut c = Coalescer::new(max);
         let t0 = Instant::now();
         // Quiet: at once.
+        c.changed(t0);
         assert_eq!(c.due(t0), t0);
         c.published(t0);
-        // A burst: the wait doubles from 2 ms, bounded by max.
+        // A steady churn of 50 changes a second is not a burst.
         let mut now = t0;
-        let mut waits = Vec::new();
-        for _ in 0..8 {
-            now += Duration::from_millis(1);
-            let due = c.due(now);
-            waits.push(due.duration_since(now));
-            c.published(due);
-            now = due;
+        for _ in 0..10 {
+            now += ms(20);
+            c.changed(now);
+            assert_eq!(c.due(now), now);
+            c.published(now);
         }
-        assert_eq!(waits[0], Duration::from_millis(1));
+        // A burst (changes 0.1 ms apart): the wait after the last publish doubles
+        // from 2 ms with each change, bounded by max.
+        let start = now;
+        let mut waits = Vec::new();
+        for _ in 0..12 {
+            now += Duration::from_micros(100);
+            c.changed(now);
+            waits.push(c.due(now).duration_since(start));
+        }
+        assert_eq!(waits[0], ms(2));
+        assert_eq!(waits[1], ms(4));
         assert!(waits.windows(2).all(|w| w[0] <= w[1]), "{waits:?}");
-        assert!(waits.iter().all(|w| *w <= max), "{waits:?}");
-        assert_eq!(*waits.last().unwrap(), max - Duration::from_millis(1));
-        // After a quiet spell: at once again.
-        let later = now + max;
-        assert_eq!(c.due(later), later);
+        assert_eq!(*waits.last().unwrap(), max);
+        // The first change after a gap is published at once again.
+        now += ms(30);
+        c.changed(now);
+        assert_eq!(c.due(now), now);
     }
 
     #[test]

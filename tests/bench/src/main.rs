@@ -11,6 +11,7 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
+mod api;
 mod kubeproxy;
 mod netio;
 mod report;
@@ -45,7 +46,8 @@ enum Cmd {
         /// Only these scales (comma-separated), e.g. `1,1000`.
         #[arg(long, value_delimiter = ',')]
         scales: Vec<usize>,
-        /// Only these datapaths (comma-separated: iptables, nftables, socket-lb, tc-nodeport).
+        /// Only these datapaths (comma-separated: iptables, nftables, socket-lb, socket-lb6,
+        /// tc-nodeport, tc-nodeport6, socket-lb-api).
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
         /// Time 200 endpoint changes under churn at every scale (on in full runs).

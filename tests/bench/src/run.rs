@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
+use crate::api::ApiSource;
 use crate::kubeproxy::{self, ProxyConfig, SvcPort};
 use crate::netio::{monotonic_ns, ClientReport, BULK_PORT, RR_PORT};
 use lb_tests::agent::{Agent, AgentSpec, READY_TIMEOUT};
@@ -50,24 +51,41 @@ const CHURN_SERVICES: u64 = 20;
 /// derived from the write count.
 fn churn_manifests(writes: u64) -> String {
     documents((0..CHURN_SERVICES).map(|j| {
-        // How often service j was moved by writes 0..=writes: write w moves w % N.
-        let moves = if writes >= j {
-            (writes - j) / CHURN_SERVICES + 1
-        } else {
-            0
-        };
-        let ep = Ipv4Addr::from(
-            u32::from(Ipv4Addr::new(10, 130, 0, 1)) + (j * 1000 + moves % 1000) as u32,
-        );
+        let c = churn_service(j, writes);
         let svc = Service::new(
-            &format!("churn-{j}"),
-            Ipv4Addr::new(10, 97, 0, 1 + j as u8),
+            &c.name,
+            c.cluster_ip,
             vec![ServicePort::tcp("rr", SVC_PORT.into(), RR_PORT.into())],
         );
-        let slice =
-            EndpointSlice::for_service(&svc, vec![Endpoint::ready(&format!("churn-{j}-0"), ep)]);
+        let slice = EndpointSlice::for_service(
+            &svc,
+            vec![Endpoint::ready(&format!("{}-0", c.name), c.endpoints[0])],
+        );
         format!("{}---\n{}", svc.to_yaml(), slice.to_yaml())
     }))
+}
+
+/// Churn Service `j` after `writes` writes: write w moves Service w % N to another
+/// endpoint.
+fn churn_service(j: u64, writes: u64) -> SvcPort {
+    // How often service j was moved by writes 0..=writes.
+    let moves = if writes >= j {
+        (writes - j) / CHURN_SERVICES + 1
+    } else {
+        0
+    };
+    let ep =
+        Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 130, 0, 1)) + (j * 1000 + moves % 1000) as u32);
+    SvcPort {
+        namespace: lb_tests::manifests::NAMESPACE.into(),
+        name: format!("churn-{j}"),
+        port_name: "rr".into(),
+        cluster_ip: Ipv4Addr::new(10, 97, 0, 1 + j as u8),
+        port: SVC_PORT,
+        target_port: RR_PORT,
+        node_port: None,
+        endpoints: vec![ep],
+    }
 }
 pub const SVC_PORT: u16 = 80;
 pub const NODE_PORT: u16 = 30080;
@@ -940,6 +958,16 @@ impl Env {
 
     /// Start an agent; the time until `lb services --json` lists all S frontends.
     fn start_agent(&self, s: usize, tc: bool) -> Result<(Agent, f64, u64)> {
+        self.start_agent_from(s, tc, None)
+    }
+
+    /// [`Env::start_agent`], following the API server `kubeconfig` names when given.
+    fn start_agent_from(
+        &self,
+        s: usize,
+        tc: bool,
+        kubeconfig: Option<&Path>,
+    ) -> Result<(Agent, f64, u64)> {
         let size = (s * (ENDPOINTS_PER_SERVICE + 2) + 4096)
             .max(65_536)
             .to_string();
@@ -954,6 +982,9 @@ impl Env {
         if tc {
             // As on a real node: the agent finds the devices and addresses itself.
             spec = spec.netns(self.topo.node());
+        }
+        if let Some(path) = kubeconfig {
+            spec = spec.kubeconfig(path);
         }
         let spec = spec.args(args);
         let t = Instant::now();
@@ -997,7 +1028,15 @@ impl Env {
     /// connection that reaches the new backend, while a thread rewrites
     /// `churn.yaml` (other Services, one endpoint moved per write)
     /// [`CHURN_PER_SEC`] times a second. The latencies in ms, sorted.
-    fn change_distribution(&self, s: usize, ns: &NetNs, to: SocketAddr) -> Result<Vec<f64>> {
+    fn change_distribution(
+        &self,
+        label: &str,
+        s: usize,
+        ns: &NetNs,
+        to: SocketAddr,
+        churn_write: &(dyn Fn(u64) -> Result<()> + Sync),
+        set_backend: &dyn Fn(Ipv4Addr) -> Result<()>,
+    ) -> Result<Vec<f64>> {
         use std::sync::atomic::{AtomicBool, Ordering};
         // LB_BENCH_CHURN_PER_SEC overrides the rate, to tell the churn's share of
         // the latency from the rest.
@@ -1015,8 +1054,7 @@ impl Env {
                 let mut writes = 0u64;
                 while !stop.load(Ordering::Relaxed) {
                     let next = Instant::now() + period;
-                    self.manifests
-                        .write("churn.yaml", &churn_manifests(writes))?;
+                    churn_write(writes)?;
                     writes += 1;
                     std::thread::sleep(next.saturating_duration_since(Instant::now()));
                 }
@@ -1027,7 +1065,7 @@ impl Env {
                     lb_tests::interrupt::check()?;
                     let target = if k % 2 == 0 { 1 } else { 0 };
                     let ms = self.change_latency_until(ns, true, to, &pod_name(target), || {
-                        self.set_measured_backend(s, pod_ip(target))
+                        set_backend(pod_ip(target))
                     })?;
                     samples.push(ms);
                 }
@@ -1039,11 +1077,10 @@ impl Env {
                 .map_err(|_| anyhow::anyhow!("churn thread panicked"));
             (measured, writes)
         });
-        let _ = self.manifests.remove("churn.yaml");
         measured?;
         let writes = writes??;
         println!(
-            "  socket-lb  S={s:<6} {} changes under {writes} churn writes",
+            "  {label:<10} S={s:<6} {} changes under {writes} churn writes",
             samples.len()
         );
         samples.sort_by(f64::total_cmp);
@@ -1081,17 +1118,13 @@ impl Env {
         }
         let change_ms =
             self.change_latency(ns, true, to, || self.set_measured_backend(s, pod_ip(1)))?;
-        if std::env::var_os("LB_BENCH_SHOW_CHANGES").is_some() {
-            for line in agent
-                .log()
-                .iter()
-                .filter(|l| l.contains("lb_userspace::agent") || l.contains("manifests read"))
-            {
-                println!("    agent: {}", line.trim());
-            }
-        }
+        show_changes(&agent);
         let distribution = if self.cfg.change_distribution {
-            self.change_distribution(s, ns, to)?
+            let churn = |writes| self.manifests.write("churn.yaml", &churn_manifests(writes));
+            let set = |ip| self.set_measured_backend(s, ip);
+            let samples = self.change_distribution("socket-lb", s, ns, to, &churn, &set);
+            let _ = self.manifests.remove("churn.yaml");
+            samples?
         } else {
             Vec::new()
         };
@@ -1115,7 +1148,7 @@ impl Env {
             changes_measured: distribution.len(),
             agent_vmhwm_kib: hwm,
             rules_bytes: None,
-            note: "agent start (load, parse, sync, attach) until it logs `ready and serving`, then checked with `lb services --json`; change = manifest file rewrite (agent polls every 200 ms)".into(),
+            note: "agent start (load, parse, sync, attach) until it logs `ready and serving`, then checked with `lb services --json`; change = manifest file rewrite (inotify)".into(),
             agent_phases: agent_phases(&agent.log()),
         });
         drop(agent);
@@ -1132,6 +1165,69 @@ impl Env {
                 eprintln!("tc path S={s} failed: {e:#}");
             }
         }
+        Ok(())
+    }
+
+    /// The socket-LB agent following the fake API server: list -> ready (agent start
+    /// to `ready and serving`), one change, the change distribution under churn,
+    /// and the agent's peak RSS.
+    pub fn ours_api(&self, s: usize, res: &mut Results) -> Result<()> {
+        let s = s.max(1);
+        let api = ApiSource::start(&self.tmp.0)?;
+        let loading = Instant::now();
+        api.load(&services(s, pod_ip(0)));
+        println!(
+            "  socket-lb-api S={s:<6} fake API server loaded in {:.1} s",
+            loading.elapsed().as_secs_f64()
+        );
+        let (agent, listed, pid) = self.start_agent_from(s, false, Some(api.kubeconfig()))?;
+        println!("  socket-lb-api S={s:<6} agent listed and programmed in {listed:.2} s");
+        let to = self.vip_addr(s);
+        let ns = self.topo.client().netns();
+        let set = |ip| {
+            api.put_slice(&service_at(s, s - 1, ip));
+            Ok(())
+        };
+        let change_ms = self.change_latency(ns, true, to, || set(pod_ip(1)))?;
+        let distribution = if self.cfg.change_distribution {
+            let churn = |writes: u64| {
+                let j = writes % CHURN_SERVICES;
+                let svc = churn_service(j, writes);
+                // The Service once, then only its slice: one event per write.
+                if writes < CHURN_SERVICES {
+                    api.put(&svc);
+                } else {
+                    api.put_slice(&svc);
+                }
+                Ok(())
+            };
+            self.change_distribution("socket-lb-api", s, ns, to, &churn, &set)?
+        } else {
+            Vec::new()
+        };
+        show_changes(&agent);
+        let quantile =
+            |q: f64| (!distribution.is_empty()).then(|| crate::netio::percentile(&distribution, q));
+        if let (Some(p50), Some(p99)) = (quantile(0.5), quantile(0.99)) {
+            println!(
+                "  socket-lb-api S={s:<6} change -> datapath: p50 {p50:.2} ms, p99 {p99:.2} ms ({} changes)",
+                distribution.len()
+            );
+        }
+        res.control.push(ControlResult {
+            datapath: "socket-lb-api".into(),
+            services: s,
+            endpoints_per_service: ENDPOINTS_PER_SERVICE,
+            program_secs: Some(listed),
+            change_ms: Some(change_ms),
+            change_p50_ms: quantile(0.5),
+            change_p99_ms: quantile(0.99),
+            changes_measured: distribution.len(),
+            agent_vmhwm_kib: vm_hwm_kib(pid),
+            rules_bytes: None,
+            note: "agent start until `ready and serving` (BPF load, list of S Services and S slices from the fake API server in pages of 500, sync, attach); change = one EndpointSlice written to the fake API server (watch event)".into(),
+            agent_phases: agent_phases(&agent.log()),
+        });
         Ok(())
     }
 
@@ -1186,6 +1282,21 @@ impl Env {
 }
 
 /// The last `n` lines.
+/// With LB_BENCH_SHOW_CHANGES set, prints the agent's log lines about its syncs
+/// (run the bench with LB_LOG=lb_userspace=debug for each change's timings).
+fn show_changes(agent: &Agent) {
+    if std::env::var_os("LB_BENCH_SHOW_CHANGES").is_none() {
+        return;
+    }
+    for line in agent
+        .log()
+        .iter()
+        .filter(|l| l.contains("lb_userspace::agent") || l.contains("manifests read"))
+    {
+        println!("    agent: {}", line.trim());
+    }
+}
+
 fn tail(lines: &[String], n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
@@ -1302,7 +1413,13 @@ pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
                 });
             }
         }
-        if let Err(e) = env.ours(s, &mut res, peers) {
+        let file_rows = ["socket-lb", "socket-lb6", "tc-nodeport", "tc-nodeport6"];
+        let ours = if file_rows.iter().any(|d| cfg.wants(d)) {
+            env.ours(s, &mut res, peers)
+        } else {
+            Ok(())
+        };
+        if let Err(e) = ours {
             let msg = format!("{e:#}");
             let first = msg.lines().next().unwrap_or_default().to_string();
             if msg.contains("cannot hold") {
@@ -1319,6 +1436,12 @@ pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
                 msg.chars().take(3000).collect::<String>()
             ));
             eprintln!("ours S={s} failed: {first}");
+        }
+        if cfg.wants("socket-lb-api") {
+            if let Err(e) = env.ours_api(s, &mut res) {
+                res.errors.push(format!("socket-lb-api S={s}: {e:#}"));
+                eprintln!("socket-lb-api S={s} failed: {e:#}");
+            }
         }
         lb_tests::interrupt::check()?;
     }

@@ -531,6 +531,10 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>) {
         tokio::select! {
             accepted = listener.accept() => {
                 let Ok((stream, _)) = accepted else { continue };
+                // As the real API server (Go sets TCP_NODELAY on every connection):
+                // a watch event is a small write that must not wait for the ACK of
+                // the one before (Nagle with delayed ACKs held events up to 40 ms).
+                let _ = stream.set_nodelay(true);
                 let shared = shared.clone();
                 connections.spawn(async move {
                     let service = service_fn(move |req| handle(shared.clone(), req));
