@@ -321,7 +321,8 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         let changes = interpret(&current, &mut index, &status);
         let derived = started.elapsed();
         let desired = index.desired();
-        if known_table.is_none() || changes.services > 1 {
+        // Starts, relists and bulk changes; single changes are in the debug line below.
+        if known_table.is_none() || changes.services >= 1000 {
             info!(
                 desired_ms = started.elapsed().as_millis() as u64,
                 services = changes.services,

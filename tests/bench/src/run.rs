@@ -47,7 +47,7 @@ pub const CHURN_PER_SEC: u64 = 50;
 const CHURN_SERVICES: u64 = 20;
 
 /// `churn.yaml` after `writes` writes: CHURN_SERVICES Services (cluster IPs in
-/// 10.97.0.0/24, never connected to), the one the write is about on an endpoint
+/// 10.98.0.0/24, never connected to), the one the write is about on an endpoint
 /// derived from the write count.
 fn churn_manifests(writes: u64) -> String {
     documents((0..CHURN_SERVICES).map(|j| {
@@ -80,7 +80,8 @@ fn churn_service(j: u64, writes: u64) -> SvcPort {
         namespace: lb_tests::manifests::NAMESPACE.into(),
         name: format!("churn-{j}"),
         port_name: "rr".into(),
-        cluster_ip: Ipv4Addr::new(10, 97, 0, 1 + j as u8),
+        // Past the S Services' cluster IPs (10.96.0.100 + i reaches 10.97.134.x at 100k).
+        cluster_ip: Ipv4Addr::new(10, 98, 0, 1 + j as u8),
         port: SVC_PORT,
         target_port: RR_PORT,
         node_port: None,

@@ -20,7 +20,7 @@
 //! `resourceVersion`/`resourceVersionMatch` on lists (always the latest state),
 //! namespaced paths, other verbs, and authentication.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::convert::Infallible;
 use std::io;
 use std::net::SocketAddr;
@@ -126,12 +126,16 @@ struct Change {
 #[derive(Default)]
 struct Store {
     objects: BTreeMap<(String, String), Value>,
+    /// Each object as a list item (JSON without kind and apiVersion), encoded when
+    /// it is written, as the real API server's watch cache keeps objects encoded:
+    /// a list is then a concatenation, not a serialization of every object.
+    encoded: BTreeMap<(String, String), Bytes>,
     history: Vec<Change>,
     /// Watches from a resourceVersion older than this get 410 Expired.
     compacted: u64,
     watchers: Vec<Watcher>,
     /// Remaining items of paged lists, by continue token: (list rv, items).
-    pages: HashMap<String, (u64, Vec<Value>)>,
+    pages: HashMap<String, (u64, VecDeque<Bytes>)>,
 }
 
 #[derive(Default)]
@@ -254,9 +258,15 @@ impl FakeApiServer {
         fields.insert("kind".into(), json!(res.kind()));
         fields.insert("apiVersion".into(), json!(res.api_version()));
 
-        state.stores[res.index()]
-            .objects
-            .insert(key, object.clone());
+        let mut item = object.clone();
+        let fields = item.as_object_mut().expect("object");
+        // Items of typed lists carry no kind and apiVersion.
+        fields.remove("kind");
+        fields.remove("apiVersion");
+        let item = Bytes::from(serde_json::to_vec(&item).expect("serializable"));
+        let store = &mut state.stores[res.index()];
+        store.encoded.insert(key.clone(), item);
+        store.objects.insert(key, object.clone());
         record(&mut state, res, rv, old, Some(object));
         rv
     }
@@ -267,6 +277,7 @@ impl FakeApiServer {
         state.rv += 1;
         let rv = state.rv;
         let key = (namespace.to_owned(), name.to_owned());
+        state.stores[res.index()].encoded.remove(&key);
         let mut old = state.stores[res.index()]
             .objects
             .remove(&key)
@@ -615,18 +626,12 @@ fn list(
             }
         },
         None => {
-            let items = state.stores[res.index()]
+            let store = &state.stores[res.index()];
+            let items = store
                 .objects
-                .values()
-                .filter(|o| labels.matches_labels(o) && fields.matches_fields(o))
-                .map(|o| {
-                    // Items of typed lists carry no kind and apiVersion.
-                    let mut o = o.clone();
-                    let fields = o.as_object_mut().expect("object");
-                    fields.remove("kind");
-                    fields.remove("apiVersion");
-                    o
-                })
+                .iter()
+                .filter(|(_, o)| labels.matches_labels(o) && fields.matches_fields(o))
+                .map(|(key, _)| store.encoded[key].clone())
                 .collect();
             (current, items)
         }
@@ -636,24 +641,42 @@ fn list(
         .and_then(|l| l.parse::<usize>().ok())
         .filter(|&l| l > 0)
         .unwrap_or(usize::MAX);
-    let mut items: Vec<Value> = items;
+    let mut rest: VecDeque<Bytes> = items;
+    let page: Vec<Bytes> = rest.drain(..limit.min(rest.len())).collect();
     let mut metadata = Map::new();
     metadata.insert("resourceVersion".into(), json!(rv.to_string()));
-    if items.len() > limit {
-        let rest = items.split_off(limit);
+    if !rest.is_empty() {
         state.next_token += 1;
         let token = format!("page-{}", state.next_token);
         metadata.insert("continue".into(), json!(token));
         metadata.insert("remainingItemCount".into(), json!(rest.len()));
         state.stores[res.index()].pages.insert(token, (rv, rest));
     }
-    let body = json!({
+    let head = json!({
         "kind": format!("{}List", res.kind()),
         "apiVersion": res.api_version(),
         "metadata": metadata,
-        "items": items,
     });
-    json_response(StatusCode::OK, &body)
+    // `{...head, "items": [page...]}`, from the items' stored encodings.
+    let mut body = serde_json::to_vec(&head).expect("serializable");
+    body.pop();
+    body.extend_from_slice(b",\"items\":[");
+    for (i, item) in page.iter().enumerate() {
+        if i > 0 {
+            body.push(b',');
+        }
+        body.extend_from_slice(item);
+    }
+    body.extend_from_slice(b"]}");
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "application/json")
+        .body(
+            Full::new(Bytes::from(body))
+                .map_err(|never| match never {})
+                .boxed(),
+        )
+        .expect("response")
 }
 
 fn start_watch(
