@@ -520,3 +520,37 @@ async fn a_relist_that_finds_nothing_new_publishes_nothing() {
     assert_eq!(server.calls_of(Res::Services, false).len(), 2);
     quiet(&mut rx, "the relist found the same objects").await;
 }
+
+/// A change republishes the part of its object only: every other part of the
+/// snapshot is the same allocation as before, so the agent skips it whole.
+#[tokio::test]
+async fn a_change_replaces_only_its_part() {
+    let server = FakeApiServer::start().await;
+    seed(&server);
+    for i in 0..200 {
+        let name = format!("s{i}");
+        server.apply(
+            Res::Services,
+            service(&name, &format!("10.96.1.{}", i % 250), &[]),
+        );
+    }
+    let (mut rx, first) = started(&server, KubeWatchOptions::default()).await;
+    assert_eq!(services(&first).len(), 201);
+
+    server.apply(Res::EndpointSlices, slice("a-1", "a", &["10.0.0.9"], &[]));
+    let seen = until(&mut rx, "a-1 changed", |o| {
+        addresses(o, "a-1").is_some_and(|a| a == ["10.0.0.9"])
+    })
+    .await;
+    let last = seen.last().expect("until returns what it saw");
+    assert_eq!(first.parts.len(), last.parts.len());
+    let replaced: Vec<usize> = (0..first.parts.len())
+        .filter(|&i| !Arc::ptr_eq(&first.parts[i], &last.parts[i]))
+        .collect();
+    assert_eq!(replaced.len(), 1, "parts replaced: {replaced:?}");
+    // The replaced part shares its unchanged objects with the one before.
+    let (before, after) = (&first.parts[replaced[0]], &last.parts[replaced[0]]);
+    for svc in &after.services {
+        assert!(before.services.iter().any(|b| Arc::ptr_eq(b, svc)));
+    }
+}

@@ -240,16 +240,22 @@ impl Follow {
     }
 
     /// Stops the probe (stdin EOF) and checks it ended cleanly.
-    pub fn close(mut self) -> Result<()> {
-        self.child.close_stdin();
-        match self.child.wait_timeout(HOLD_TIMEOUT)? {
-            Some(status) if status.success() => Ok(()),
-            Some(status) => anyhow::bail!(
-                "lb-probe udp-follow exited with {status}: {}",
-                self.child.stderr.text()
-            ),
-            None => anyhow::bail!("lb-probe udp-follow did not exit within {HOLD_TIMEOUT:?}"),
-        }
+    pub fn close(self) -> Result<()> {
+        close_probe(self.child, "udp-follow")
+    }
+}
+
+/// Ends an interactive `lb-probe MODE` the orderly way (stdin EOF) and checks that
+/// it exits cleanly in time.
+fn close_probe(mut child: Child, mode: &str) -> Result<()> {
+    child.close_stdin();
+    match child.wait_timeout(HOLD_TIMEOUT)? {
+        Some(status) if status.success() => Ok(()),
+        Some(status) => anyhow::bail!(
+            "lb-probe {mode} exited with {status}: {}",
+            child.stderr.text()
+        ),
+        None => anyhow::bail!("lb-probe {mode} did not exit within {HOLD_TIMEOUT:?}"),
     }
 }
 
@@ -295,16 +301,8 @@ impl Hold {
 
     /// Close the connection the orderly way (the probe sees EOF on stdin, closes its
     /// socket and exits); fails if the probe does not exit cleanly in time.
-    pub fn close(mut self) -> Result<()> {
-        self.child.close_stdin();
-        match self.child.wait_timeout(HOLD_TIMEOUT)? {
-            Some(status) if status.success() => Ok(()),
-            Some(status) => anyhow::bail!(
-                "lb-probe hold exited with {status}: {}",
-                self.child.stderr.text()
-            ),
-            None => anyhow::bail!("lb-probe hold did not exit within {HOLD_TIMEOUT:?}"),
-        }
+    pub fn close(self) -> Result<()> {
+        close_probe(self.child, "hold")
     }
 
     /// Send `line` over the held connection; return the backend's reply line.

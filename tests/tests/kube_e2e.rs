@@ -51,14 +51,8 @@ struct Kubeconfig {
 impl Kubeconfig {
     fn write(server: &FakeApiServer) -> Result<Self> {
         let path = std::env::temp_dir().join(format!("{}.yaml", unique_name("lb-kubeconfig")));
-        let text = format!(
-            "apiVersion: v1\nkind: Config\ncurrent-context: fake\n\
-             contexts:\n- name: fake\n  context: {{cluster: fake, user: fake}}\n\
-             clusters:\n- name: fake\n  cluster: {{server: \"{}\"}}\n\
-             users:\n- name: fake\n  user: {{}}\n",
-            server.url()
-        );
-        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(&path, server.kubeconfig())
+            .with_context(|| format!("writing {}", path.display()))?;
         Ok(Kubeconfig { path })
     }
 }

@@ -124,6 +124,15 @@ fn wait_backends<'a>(
         .clone())
 }
 
+/// The testbed's pods other than `gone`.
+fn pods_but<'a>(bed: &'a Testbed, gone: &str) -> Vec<&'a Pod> {
+    bed.topo
+        .pods()
+        .iter()
+        .filter(|p| p.name() != gone)
+        .collect()
+}
+
 fn pod_names(pods: &[Pod]) -> BTreeSet<&str> {
     pods.iter().map(Pod::name).collect()
 }
@@ -285,12 +294,7 @@ fn removed_backend_gets_no_new_connections_but_keeps_old_ones() -> Result<()> {
     let gone = held.backend.clone();
     ensure!(held.echo("before")? == format!("{gone} before"));
 
-    let remaining: Vec<&Pod> = bed
-        .topo
-        .pods()
-        .iter()
-        .filter(|p| p.name() != gone)
-        .collect();
+    let remaining = pods_but(&bed, &gone);
     ensure!(
         remaining.len() == 2,
         "held backend {gone} is not one of the pods"
@@ -538,12 +542,7 @@ fn connected_udp_to_a_removed_endpoint_is_closed_and_reconnects() -> Result<()> 
     ensure!(r.tally.backends.contains_key(&gone), "{r:#?}");
     ensure!(revnat_backends(&bed)?.contains(&gone_addr));
 
-    let remaining: Vec<&Pod> = bed
-        .topo
-        .pods()
-        .iter()
-        .filter(|p| p.name() != gone)
-        .collect();
+    let remaining = pods_but(&bed, &gone);
     let changed = Instant::now();
     publish(
         &bed,

@@ -42,14 +42,7 @@ impl ApiSource {
             .context("starting the fake API server's runtime")?;
         let server = runtime.block_on(FakeApiServer::start());
         let kubeconfig = dir.join("kubeconfig.yaml");
-        let text = format!(
-            "apiVersion: v1\nkind: Config\ncurrent-context: bench\n\
-             contexts:\n- name: bench\n  context: {{cluster: bench, user: bench}}\n\
-             clusters:\n- name: bench\n  cluster: {{server: \"{}\"}}\n\
-             users:\n- name: bench\n  user: {{}}\n",
-            server.url()
-        );
-        std::fs::write(&kubeconfig, text)
+        std::fs::write(&kubeconfig, server.kubeconfig())
             .with_context(|| format!("writing {}", kubeconfig.display()))?;
         Ok(ApiSource {
             kubeconfig,

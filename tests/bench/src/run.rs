@@ -1129,29 +1129,14 @@ impl Env {
         } else {
             Vec::new()
         };
-        let quantile =
-            |q: f64| (!distribution.is_empty()).then(|| crate::netio::percentile(&distribution, q));
-        if let (Some(p50), Some(p99)) = (quantile(0.5), quantile(0.99)) {
-            println!(
-                "  socket-lb  S={s:<6} change -> datapath: p50 {p50:.2} ms, p99 {p99:.2} ms ({} changes)",
-                distribution.len()
-            );
-        }
-        let hwm = vm_hwm_kib(pid);
-        res.control.push(ControlResult {
-            datapath: "socket-lb".into(),
-            services: s,
-            endpoints_per_service: ENDPOINTS_PER_SERVICE,
-            program_secs: Some(listed),
-            change_ms: Some(change_ms),
-            change_p50_ms: quantile(0.5),
-            change_p99_ms: quantile(0.99),
-            changes_measured: distribution.len(),
-            agent_vmhwm_kib: hwm,
-            rules_bytes: None,
-            note: "agent start (load, parse, sync, attach) until it logs `ready and serving`, then checked with `lb services --json`; change = manifest file rewrite (inotify)".into(),
-            agent_phases: agent_phases(&agent.log()),
-        });
+        res.control.push(control_row(
+            "socket-lb",
+            s,
+            (&agent, listed, pid),
+            change_ms,
+            &distribution,
+            "agent start (load, parse, sync, attach) until it logs `ready and serving`, then checked with `lb services --json`; change = manifest file rewrite (inotify)",
+        ));
         drop(agent);
         self.set_measured_backend(s, pod_ip(0))?;
         if s > 10_000 && listed > 60.0 {
@@ -1207,28 +1192,14 @@ impl Env {
             Vec::new()
         };
         show_changes(&agent);
-        let quantile =
-            |q: f64| (!distribution.is_empty()).then(|| crate::netio::percentile(&distribution, q));
-        if let (Some(p50), Some(p99)) = (quantile(0.5), quantile(0.99)) {
-            println!(
-                "  socket-lb-api S={s:<6} change -> datapath: p50 {p50:.2} ms, p99 {p99:.2} ms ({} changes)",
-                distribution.len()
-            );
-        }
-        res.control.push(ControlResult {
-            datapath: "socket-lb-api".into(),
-            services: s,
-            endpoints_per_service: ENDPOINTS_PER_SERVICE,
-            program_secs: Some(listed),
-            change_ms: Some(change_ms),
-            change_p50_ms: quantile(0.5),
-            change_p99_ms: quantile(0.99),
-            changes_measured: distribution.len(),
-            agent_vmhwm_kib: vm_hwm_kib(pid),
-            rules_bytes: None,
-            note: "agent start until `ready and serving` (BPF load, list of S Services and S slices from the fake API server in pages of 500, sync, attach); change = one EndpointSlice written to the fake API server (watch event)".into(),
-            agent_phases: agent_phases(&agent.log()),
-        });
+        res.control.push(control_row(
+            "socket-lb-api",
+            s,
+            (&agent, listed, pid),
+            change_ms,
+            &distribution,
+            "agent start until `ready and serving` (BPF load, list of S Services and S slices from the fake API server in pages of 500, sync, attach); change = one EndpointSlice written to the fake API server (watch event)",
+        ));
         Ok(())
     }
 
@@ -1283,6 +1254,42 @@ impl Env {
 }
 
 /// The last `n` lines.
+/// One agent's control-plane row: its start (`started`: the agent, seconds to
+/// ready, pid), one change, and the change distribution (sorted ms), whose
+/// quantiles are printed too.
+fn control_row(
+    datapath: &str,
+    s: usize,
+    started: (&Agent, f64, u64),
+    change_ms: f64,
+    distribution: &[f64],
+    note: &str,
+) -> ControlResult {
+    let (agent, listed, pid) = started;
+    let quantile =
+        |q: f64| (!distribution.is_empty()).then(|| crate::netio::percentile(distribution, q));
+    if let (Some(p50), Some(p99)) = (quantile(0.5), quantile(0.99)) {
+        println!(
+            "  {datapath:<10} S={s:<6} change -> datapath: p50 {p50:.2} ms, p99 {p99:.2} ms ({} changes)",
+            distribution.len()
+        );
+    }
+    ControlResult {
+        datapath: datapath.into(),
+        services: s,
+        endpoints_per_service: ENDPOINTS_PER_SERVICE,
+        program_secs: Some(listed),
+        change_ms: Some(change_ms),
+        change_p50_ms: quantile(0.5),
+        change_p99_ms: quantile(0.99),
+        changes_measured: distribution.len(),
+        agent_vmhwm_kib: vm_hwm_kib(pid),
+        rules_bytes: None,
+        note: note.into(),
+        agent_phases: agent_phases(&agent.log()),
+    }
+}
+
 /// With LB_BENCH_SHOW_CHANGES set, prints the agent's log lines about its syncs
 /// (run the bench with LB_LOG=lb_userspace=debug for each change's timings).
 fn show_changes(agent: &Agent) {

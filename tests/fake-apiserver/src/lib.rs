@@ -198,6 +198,17 @@ impl FakeApiServer {
         format!("http://{}", self.addr)
     }
 
+    /// A kubeconfig naming this server (plain HTTP, no credentials), as a file's text.
+    pub fn kubeconfig(&self) -> String {
+        format!(
+            "apiVersion: v1\nkind: Config\ncurrent-context: fake\n\
+             contexts:\n- name: fake\n  context: {{cluster: fake, user: fake}}\n\
+             clusters:\n- name: fake\n  cluster: {{server: \"{}\"}}\n\
+             users:\n- name: fake\n  user: {{}}\n",
+            self.url()
+        )
+    }
+
     /// A client for this server: plain HTTP, no credentials.
     pub fn client(&self) -> kube::Client {
         let config = kube::Config::new(self.url().parse().expect("url"));
