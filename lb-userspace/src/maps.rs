@@ -44,23 +44,42 @@ pub enum MapsError {
 
 /// `LB_SOCK_REVNAT`: which backend the socket hooks sent each socket to, through
 /// which frontend. Read by whoever closes the sockets of removed endpoints.
-pub struct SockRevNatMap(HashMap<MapData, SockRevNatKey, SockRevNatValue>);
+pub struct SockRevNatMap {
+    map: HashMap<MapData, SockRevNatKey, SockRevNatValue>,
+    fd: OwnedFd,
+}
 
 impl SockRevNatMap {
     pub fn open(layout: &PinLayout) -> Result<Self, MapsError> {
-        let (map, _, _) = open(layout, map_names::SOCK_REVNAT)?;
-        HashMap::try_from(map)
-            .map(SockRevNatMap)
-            .map_err(|source| MapsError::Open {
-                path: layout.map_path(map_names::SOCK_REVNAT),
+        let (map, _, fd) = open(layout, map_names::SOCK_REVNAT)?;
+        let map = HashMap::try_from(map).map_err(|source| MapsError::Open {
+            path: layout.map_path(map_names::SOCK_REVNAT),
+            source,
+        })?;
+        Ok(SockRevNatMap { map, fd })
+    }
+
+    /// The entry of one socket and backend, if any.
+    pub fn get(&self, key: &SockRevNatKey) -> Result<Option<SockRevNatValue>, MapsError> {
+        match self.map.get(key, 0) {
+            Ok(value) => Ok(Some(value)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(source) => Err(MapsError::Read {
+                map: map_names::SOCK_REVNAT,
                 source,
-            })
+            }),
+        }
     }
 
     /// Every entry. Entries that the hooks add or the LRU evicts meanwhile may be
     /// missed or listed: what is read is what existed at some point of the walk.
+    /// Read in batches (a full map of 262k entries one by one took about a second
+    /// of syscalls); entry by entry where the kernel has no batch lookup.
     pub fn entries(&self) -> Result<Vec<(SockRevNatKey, SockRevNatValue)>, MapsError> {
-        self.0
+        if let Ok(entries) = lookup_all_batched(self.fd.as_fd()) {
+            return Ok(entries);
+        }
+        self.map
             .iter()
             .map(|entry| {
                 entry.map_err(|source| MapsError::Read {
@@ -73,7 +92,7 @@ impl SockRevNatMap {
 
     /// Removes one entry; one already evicted is fine.
     pub fn remove(&mut self, key: &SockRevNatKey) -> Result<(), MapsError> {
-        ignore_missing(self.0.remove(key)).map_err(|source| MapsError::Write {
+        ignore_missing(self.map.remove(key)).map_err(|source| MapsError::Write {
             map: map_names::SOCK_REVNAT,
             op: format!("delete {key:?}"),
             source,
@@ -501,6 +520,55 @@ fn update_batch<K: bytemuck::Pod, V: bytemuck::Pod>(
         Ok(())
     } else {
         Err(io::Error::last_os_error())
+    }
+}
+
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+
+/// Every entry of a hash map, with `BPF_MAP_LOOKUP_BATCH` calls of up to
+/// [`BATCH_CHUNK`] entries. `K` and `V` are the map's key and value types.
+fn lookup_all_batched<K: bytemuck::Pod, V: bytemuck::Pod>(
+    map: BorrowedFd<'_>,
+) -> io::Result<Vec<(K, V)>> {
+    let mut all = Vec::new();
+    // The position between calls: a bucket number for hash maps (4 bytes), kept in
+    // a buffer as large as any key to be safe.
+    let (mut position, mut next) = ([0u8; 64], [0u8; 64]);
+    let mut first = true;
+    loop {
+        let mut keys = vec![K::zeroed(); BATCH_CHUNK];
+        let mut values = vec![V::zeroed(); BATCH_CHUNK];
+        let mut attr = BatchAttr {
+            in_batch: if first { 0 } else { position.as_ptr() as u64 },
+            out_batch: next.as_mut_ptr() as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: BATCH_CHUNK as u32,
+            map_fd: map.as_raw_fd() as u32,
+            ..Default::default()
+        };
+        // SAFETY: `attr` is a valid bpf_attr prefix of the size passed; the kernel
+        // writes at most `count` keys and values into arrays of that many, the next
+        // position into `next`, and the count read back into `attr`.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_LOOKUP_BATCH,
+                &mut attr as *mut BatchAttr,
+                std::mem::size_of::<BatchAttr>() as u32,
+            )
+        };
+        let error = (rc != 0).then(io::Error::last_os_error);
+        let read = (attr.count as usize).min(BATCH_CHUNK);
+        all.extend(keys.into_iter().zip(values).take(read));
+        match error {
+            None => {}
+            // The end of the map.
+            Some(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(all),
+            Some(e) => return Err(e),
+        }
+        position = next;
+        first = false;
     }
 }
 

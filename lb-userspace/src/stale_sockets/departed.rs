@@ -1,5 +1,5 @@
 //! Which backends left which frontends in one write, and which sockets that makes
-//! stale: pure functions over the service table and `LB_SOCK_REVNAT`.
+//! stale: pure functions over the service table and `LB_SOCK_REVNAT` entries.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
@@ -83,41 +83,82 @@ fn backends_of(table: &MapSnapshot, key: FrontendKey) -> Option<(u32, BTreeSet<S
     Some((master.rev_nat_id, backends))
 }
 
-/// A socket the hooks connected to a departed backend.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StaleSocket {
-    pub protocol: Protocol,
-    pub backend: SocketAddr,
+/// Departed backends, looked up by the backend a socket was sent to and the
+/// frontend it asked for (what `LB_SOCK_REVNAT` records).
+#[derive(Debug, Default)]
+pub struct Departures(HashMap<(u32, SocketAddr), Protocol>);
+
+impl Departures {
+    pub fn new(departed: &[Departed]) -> Self {
+        Departures(
+            departed
+                .iter()
+                .map(|d| ((d.rev_nat_id, d.backend), d.protocol))
+                .collect(),
+        )
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The protocols whose sockets are to be closed: UDP, and TCP with `close_tcp`.
+    pub fn protocols(&self, close_tcp: bool) -> BTreeSet<Protocol> {
+        self.0
+            .values()
+            .copied()
+            .filter(|p| *p == Protocol::Udp || close_tcp)
+            .collect()
+    }
+
+    /// Whether any departed backend is `backend` (a cheap filter before lookups).
+    pub fn has_backend(&self, backend: SocketAddr) -> bool {
+        self.0.keys().any(|(_, b)| *b == backend)
+    }
+
+    /// Whether a socket of `protocol` the hooks sent to `backend` through frontend
+    /// `rev_nat_id` is stale: that backend left that frontend. TCP counts only with
+    /// `close_tcp`: an open connection still needs its entry for `getpeername`.
+    pub fn is_stale(
+        &self,
+        rev_nat_id: u32,
+        backend: SocketAddr,
+        protocol: Protocol,
+        close_tcp: bool,
+    ) -> bool {
+        self.0
+            .get(&(rev_nat_id, backend))
+            .is_some_and(|p| *p == protocol && (protocol == Protocol::Udp || close_tcp))
+    }
+
+    /// Merges more departures in (a later pass takes both).
+    pub fn extend(&mut self, departed: &[Departed]) {
+        self.0.extend(
+            departed
+                .iter()
+                .map(|d| ((d.rev_nat_id, d.backend), d.protocol)),
+        );
+    }
 }
 
-/// The sockets `LB_SOCK_REVNAT` says the hooks sent to a departed backend through
-/// the frontend it left, by socket cookie, with the entries to delete: those of UDP
+/// The `LB_SOCK_REVNAT` entries left stale by `departures`, to delete: those of UDP
 /// sockets (a connected one is closed; an unconnected one picks among the remaining
-/// backends on its next send), and of TCP sockets only when they are closed too
-/// (`close_tcp`): an open connection still needs its entry for `getpeername`.
-pub fn stale_sockets(
+/// backends on its next send), and of TCP sockets only when they are closed too.
+pub fn stale_entries(
     entries: &[(SockRevNatKey, SockRevNatValue)],
-    departed: &[Departed],
+    departures: &Departures,
     close_tcp: bool,
-) -> (HashMap<u64, StaleSocket>, Vec<SockRevNatKey>) {
-    let wanted: HashMap<(u32, SocketAddr), Protocol> = departed
+) -> Vec<SockRevNatKey> {
+    entries
         .iter()
-        .map(|d| ((d.rev_nat_id, d.backend), d.protocol))
-        .collect();
-    let mut sockets = HashMap::new();
-    let mut forget = Vec::new();
-    for (key, value) in entries {
-        let backend = socket_addr(key.address, key.port);
-        let Some(&protocol) = wanted.get(&(value.rev_nat_id, backend)) else {
-            continue;
-        };
-        if protocol == Protocol::Tcp && !close_tcp {
-            continue;
-        }
-        sockets.insert(key.cookie, StaleSocket { protocol, backend });
-        forget.push(*key);
-    }
-    (sockets, forget)
+        .filter(|(key, value)| {
+            let backend = socket_addr(key.address, key.port);
+            [Protocol::Udp, Protocol::Tcp]
+                .into_iter()
+                .any(|p| departures.is_stale(value.rev_nat_id, backend, p, close_tcp))
+        })
+        .map(|(key, _)| *key)
+        .collect()
 }
 
 #[cfg(test)]
@@ -264,7 +305,7 @@ mod tests {
     #[test]
     fn stale_sockets_are_those_sent_to_the_backend_through_the_frontend_it_left() {
         let v6 = SocketAddr::new(IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 2)), 53);
-        let departed = [
+        let departures = Departures::new(&[
             Departed {
                 rev_nat_id: 7,
                 protocol: Protocol::Udp,
@@ -280,7 +321,7 @@ mod tests {
                 protocol: Protocol::Udp,
                 backend: v6,
             },
-        ];
+        ]);
         let entries = [
             revnat(1, pod(2), 7),  // UDP through the frontend pod 2 left: stale
             revnat(2, pod(1), 7),  // another backend of it: kept
@@ -288,23 +329,24 @@ mod tests {
             revnat(4, pod(2), 8),  // TCP: only with close_tcp
             revnat(5, v6, 9),      // IPv6 backends alike
         ];
-        let (sockets, forget) = stale_sockets(&entries, &departed, false);
-        let mut cookies: Vec<u64> = sockets.keys().copied().collect();
-        cookies.sort_unstable();
-        assert_eq!(cookies, [1, 5]);
         assert_eq!(
-            sockets[&1],
-            StaleSocket {
-                protocol: Protocol::Udp,
-                backend: pod(2),
-            }
+            stale_entries(&entries, &departures, false),
+            [entries[0].0, entries[4].0]
         );
-        assert_eq!(forget, [entries[0].0, entries[4].0]);
-
-        let (sockets, forget) = stale_sockets(&entries, &departed, true);
-        assert_eq!(sockets[&4].protocol, Protocol::Tcp);
-        assert_eq!(sockets.len(), 3);
-        assert_eq!(forget.len(), 3);
+        assert_eq!(
+            stale_entries(&entries, &departures, true),
+            [entries[0].0, entries[3].0, entries[4].0]
+        );
+        assert!(departures.is_stale(7, pod(2), Protocol::Udp, false));
+        assert!(!departures.is_stale(7, pod(2), Protocol::Tcp, true));
+        assert!(!departures.is_stale(8, pod(2), Protocol::Tcp, false));
+        assert!(departures.is_stale(8, pod(2), Protocol::Tcp, true));
+        assert!(departures.has_backend(v6) && !departures.has_backend(pod(1)));
+        assert_eq!(departures.protocols(false), [Protocol::Udp].into());
+        assert_eq!(
+            departures.protocols(true),
+            [Protocol::Tcp, Protocol::Udp].into()
+        );
     }
 
     #[test]

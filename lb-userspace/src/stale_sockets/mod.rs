@@ -24,7 +24,12 @@
 //! reverse-translation entries for the removed endpoint are deleted.
 //!
 //! The work runs on a thread of its own after the change is in the maps: closing
-//! sockets never delays the next change.
+//! sockets never delays the next change. Closing needs no walk of the map: the
+//! namespaces' sockets are listed, and only those whose peer departed are looked up
+//! (by cookie and peer) in `LB_SOCK_REVNAT`; passes run at most every
+//! [`CLOSE_EVERY`], so a churn of endpoints costs a bounded share of a CPU. The
+//! entries of unconnected sockets are found by reading the whole map, which the
+//! sweep does at most every [`SWEEP_EVERY`] for what departed meanwhile.
 
 mod departed;
 mod diag;
@@ -33,16 +38,26 @@ mod netns;
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
 
+use lb_common::SockRevNatKey;
 use tracing::{debug, info, warn};
 
-pub use departed::{stale_sockets, Departed, StaleSocket, Touched};
-use diag::{Diag, DiagError, Listed, FAMILIES};
+pub use departed::{stale_entries, Departed, Departures, Touched};
+use diag::{Diag, DiagError, FAMILIES};
 
+use crate::codec::Be16;
 use crate::loader::PinLayout;
 use crate::maps::{MapsError, SockRevNatMap};
 use crate::model::Protocol;
 use crate::ops::AgentStatus;
+
+/// Least time between two passes that close sockets: departures meanwhile go
+/// into one pass. Well inside the second a client may take to notice.
+pub const CLOSE_EVERY: Duration = Duration::from_millis(100);
+/// Least time between two sweeps of `LB_SOCK_REVNAT` for the entries of departed
+/// backends (a batched read of the whole map: about 30 ms when it is full).
+pub const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReaperError {
@@ -73,18 +88,7 @@ impl Reaper {
         let (tx, rx) = mpsc::channel::<Vec<Departed>>();
         std::thread::Builder::new()
             .name("lb-stale-sockets".into())
-            .spawn(move || {
-                let mut unsupported_said = false;
-                while let Ok(mut departed) = rx.recv() {
-                    // Changes that came while the last pass ran go in one pass.
-                    departed.extend(rx.try_iter().flatten());
-                    let pass = reap(&mut map, &config, &departed);
-                    for (protocol, count) in &pass.closed {
-                        status.record_stale_sockets_closed(*protocol, *count);
-                    }
-                    report(&pass, &departed, &mut unsupported_said);
-                }
-            })
+            .spawn(move || run(&rx, &mut map, &config, &status))
             .map_err(ReaperError::Thread)?;
         Ok(Reaper { tx })
     }
@@ -98,106 +102,194 @@ impl Reaper {
     }
 }
 
-/// What one pass did.
+/// The closing thread: passes as departures come (at most every [`CLOSE_EVERY`]),
+/// sweeps at most every [`SWEEP_EVERY`]; ends when the agent drops the sender.
+fn run(
+    rx: &mpsc::Receiver<Vec<Departed>>,
+    map: &mut SockRevNatMap,
+    config: &ReaperConfig,
+    status: &AgentStatus,
+) {
+    let mut to_close = Departures::default();
+    let mut to_sweep = Departures::default();
+    let mut last_close: Option<Instant> = None;
+    let mut last_sweep: Option<Instant> = None;
+    let mut unsupported_said = false;
+    let take = |departed: Vec<Departed>, close: &mut Departures, sweep: &mut Departures| {
+        close.extend(&departed);
+        sweep.extend(&departed);
+    };
+    loop {
+        // Wait for departures; while some wait for a sweep, only until it is due.
+        let received = match last_sweep.filter(|_| !to_sweep.is_empty()) {
+            Some(last) => match rx
+                .recv_timeout((last + SWEEP_EVERY).saturating_duration_since(Instant::now()))
+            {
+                Ok(departed) => Some(departed),
+                Err(mpsc::RecvTimeoutError::Timeout) => None,
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            },
+            None if to_sweep.is_empty() => match rx.recv() {
+                Ok(departed) => Some(departed),
+                Err(_) => return,
+            },
+            None => None,
+        };
+        if let Some(departed) = received {
+            take(departed, &mut to_close, &mut to_sweep);
+        }
+        if !to_close.is_empty() {
+            if let Some(last) = last_close {
+                std::thread::sleep((last + CLOSE_EVERY).saturating_duration_since(Instant::now()));
+            }
+            for departed in rx.try_iter() {
+                take(departed, &mut to_close, &mut to_sweep);
+            }
+            let pass = close(map, config, &std::mem::take(&mut to_close));
+            last_close = Some(Instant::now());
+            for (protocol, count) in &pass.closed {
+                status.record_stale_sockets_closed(*protocol, *count);
+            }
+            report(&pass, &mut unsupported_said);
+        }
+        if !to_sweep.is_empty() && last_sweep.is_none_or(|last| last.elapsed() >= SWEEP_EVERY) {
+            let departures = std::mem::take(&mut to_sweep);
+            last_sweep = Some(Instant::now());
+            match sweep(map, &departures, config.close_tcp) {
+                Ok(0) => {}
+                Ok(n) => debug!(entries = n, "reverse entries of removed endpoints deleted"),
+                Err(e) => warn!("deleting reverse entries of removed endpoints: {e}"),
+            }
+        }
+    }
+}
+
+/// What one closing pass did.
 #[derive(Debug, Default)]
 struct Pass {
     closed: HashMap<Protocol, u64>,
-    /// Reverse-translation entries deleted.
-    forgotten: usize,
     /// What went wrong, per namespace or map; the rest of the pass went on.
     errors: Vec<String>,
     /// The kernel cannot destroy sockets (EOPNOTSUPP).
     unsupported: bool,
 }
 
-fn reap(map: &mut SockRevNatMap, config: &ReaperConfig, departed: &[Departed]) -> Pass {
+/// Closes, in every namespace of the hooked cgroup's processes, the sockets the
+/// hooks sent to a departed backend through the frontend it left, and deletes their
+/// reverse entries.
+fn close(map: &mut SockRevNatMap, config: &ReaperConfig, departures: &Departures) -> Pass {
     let mut pass = Pass::default();
-    let entries = match map.entries() {
-        Ok(entries) => entries,
-        Err(e) => {
-            pass.errors.push(e.to_string());
-            return pass;
-        }
-    };
-    let (stale, forget) = stale_sockets(&entries, departed, config.close_tcp);
-    if !stale.is_empty() {
-        let protocols: BTreeSet<Protocol> = stale.values().map(|s| s.protocol).collect();
-        for ns in netns::of_cgroup(&config.cgroup) {
-            match netns::run_in(&ns, || close_here(&stale, &protocols)) {
-                Ok(Ok(closed)) => {
-                    for (protocol, count) in closed {
-                        *pass.closed.entry(protocol).or_default() += count;
-                    }
+    let protocols = departures.protocols(config.close_tcp);
+    if protocols.is_empty() {
+        return pass;
+    }
+    let mut forget = Vec::new();
+    for ns in netns::of_cgroup(&config.cgroup) {
+        let found = netns::run_in(&ns, || {
+            close_here(map, departures, &protocols, config.close_tcp)
+        });
+        match found {
+            Ok(Ok((closed, keys))) => {
+                for (protocol, count) in closed {
+                    *pass.closed.entry(protocol).or_default() += count;
                 }
-                Ok(Err(DiagError::Io { source, .. }))
-                    if source.raw_os_error() == Some(libc::EOPNOTSUPP) =>
-                {
-                    pass.unsupported = true;
-                    break;
-                }
-                Ok(Err(e)) => pass.errors.push(e.to_string()),
-                Err(e) => pass
-                    .errors
-                    .push(format!("entering a network namespace: {e}")),
+                forget.extend(keys);
             }
+            Ok(Err(CloseError::Diag(DiagError::Io { source, .. })))
+                if source.raw_os_error() == Some(libc::EOPNOTSUPP) =>
+            {
+                pass.unsupported = true;
+                break;
+            }
+            Ok(Err(e)) => pass.errors.push(e.to_string()),
+            Err(e) => pass
+                .errors
+                .push(format!("entering a network namespace: {e}")),
         }
     }
     for key in &forget {
-        match map.remove(key) {
-            Ok(()) => pass.forgotten += 1,
-            Err(e) => pass.errors.push(e.to_string()),
+        if let Err(e) = map.remove(key) {
+            pass.errors.push(e.to_string());
         }
     }
     pass
 }
 
-/// In the current network namespace: closes each socket whose cookie is `stale`
-/// and whose peer is still the backend it was sent to.
+#[derive(Debug, thiserror::Error)]
+enum CloseError {
+    #[error(transparent)]
+    Diag(#[from] DiagError),
+    #[error(transparent)]
+    Maps(#[from] MapsError),
+}
+
+/// In the current network namespace: closes each socket whose peer departed and
+/// whose reverse entry (by cookie and peer) names the frontend it departed from.
+/// Returns what it closed and the entries to delete.
 fn close_here(
-    stale: &HashMap<u64, StaleSocket>,
+    map: &SockRevNatMap,
+    departures: &Departures,
     protocols: &BTreeSet<Protocol>,
-) -> Result<HashMap<Protocol, u64>, DiagError> {
+    close_tcp: bool,
+) -> Result<(HashMap<Protocol, u64>, Vec<SockRevNatKey>), CloseError> {
     let mut diag = Diag::open()?;
     let mut closed = HashMap::new();
+    let mut keys = Vec::new();
     for &protocol in protocols {
         for family in FAMILIES {
-            let listed = diag.list(family, protocol)?;
-            for socket in listed.iter().filter(|s| is_stale(stale, protocol, s)) {
-                match diag.destroy(protocol, socket) {
+            for socket in diag.list(family, protocol)? {
+                let peer = socket.peer();
+                if !departures.has_backend(peer) {
+                    continue;
+                }
+                let key = SockRevNatKey {
+                    cookie: socket.cookie(),
+                    address: peer.ip().into(),
+                    port: Be16::from_host(peer.port()).to_map(),
+                    ..SockRevNatKey::default()
+                };
+                let Some(value) = map.get(&key)? else {
+                    continue;
+                };
+                if !departures.is_stale(value.rev_nat_id, peer, protocol, close_tcp) {
+                    continue;
+                }
+                match diag.destroy(protocol, &socket) {
                     Ok(()) => *closed.entry(protocol).or_default() += 1,
                     // Closed by its owner since the listing.
                     Err(DiagError::Io { source, .. })
                         if source.raw_os_error() == Some(libc::ENOENT) => {}
-                    Err(e) => return Err(e),
+                    Err(e) => return Err(e.into()),
                 }
+                keys.push(key);
             }
         }
     }
-    Ok(closed)
+    Ok((closed, keys))
 }
 
-fn is_stale(stale: &HashMap<u64, StaleSocket>, protocol: Protocol, socket: &Listed) -> bool {
-    stale
-        .get(&socket.cookie())
-        .is_some_and(|s| s.protocol == protocol && s.backend == socket.peer())
+/// Deletes the reverse entries left by `departures` (those of unconnected sockets;
+/// closed sockets' went with them). Returns how many.
+fn sweep(
+    map: &mut SockRevNatMap,
+    departures: &Departures,
+    close_tcp: bool,
+) -> Result<usize, MapsError> {
+    let stale = stale_entries(&map.entries()?, departures, close_tcp);
+    for key in &stale {
+        map.remove(key)?;
+    }
+    Ok(stale.len())
 }
 
-fn report(pass: &Pass, departed: &[Departed], unsupported_said: &mut bool) {
+fn report(pass: &Pass, unsupported_said: &mut bool) {
     let closed: u64 = pass.closed.values().sum();
     if closed > 0 {
-        let backends: BTreeSet<String> = departed.iter().map(|d| d.backend.to_string()).collect();
         info!(
             sockets = closed,
-            endpoints = ?backends,
             "closed sockets connected to removed endpoints"
         );
     }
-    debug!(
-        departed = departed.len(),
-        closed,
-        forgotten = pass.forgotten,
-        "stale socket pass"
-    );
     if pass.unsupported && !*unsupported_said {
         *unsupported_said = true;
         warn!(
