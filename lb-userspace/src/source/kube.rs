@@ -195,16 +195,12 @@ pub fn watch(client: Client, options: KubeWatchOptions) -> watch::Receiver<Optio
         events(
             Api::<Service>::all(client.clone()),
             list(SERVICE_LABEL_SELECTOR),
-            |e| Update::Service(Box::new(e)),
         ),
         events(
             Api::<EndpointSlice>::all(client.clone()),
             list(SLICE_LABEL_SELECTOR),
-            |e| Update::Slice(Box::new(e)),
         ),
-        events(Api::<Node>::all(client), node_config, |e| {
-            Update::Node(Box::new(e))
-        }),
+        events(Api::<Node>::all(client), node_config),
     ]);
     tokio::spawn(follow(events, tx, options.coalesce_max));
     rx
@@ -246,17 +242,43 @@ impl Update {
 type Events = BoxStream<'static, Result<Update, (Kind, watcher::Error)>>;
 
 /// A watcher for one kind, its objects trimmed as they arrive, retried with backoff.
-fn events<K>(api: Api<K>, config: watcher::Config, wrap: fn(watcher::Event<K>) -> Update) -> Events
+fn events<K>(api: Api<K>, config: watcher::Config) -> Events
 where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync,
-    K: Lean + 'static,
+    K: Lean + Watched + 'static,
 {
-    let kind = wrap(watcher::Event::Init).kind();
     watcher(api, config)
         .modify(|object: &mut K| object.lean())
         .backoff(RecoveryBackoff::default())
-        .map(move |event| event.map(wrap).map_err(|e| (kind, e)))
+        .map(|event| event.map(K::update).map_err(|e| (K::KIND, e)))
         .boxed()
+}
+
+/// The kinds followed: which cache each one's events go to.
+trait Watched: Sized {
+    const KIND: Kind;
+    fn update(event: watcher::Event<Self>) -> Update;
+}
+
+impl Watched for Service {
+    const KIND: Kind = Kind::Services;
+    fn update(event: watcher::Event<Self>) -> Update {
+        Update::Service(Box::new(event))
+    }
+}
+
+impl Watched for EndpointSlice {
+    const KIND: Kind = Kind::EndpointSlices;
+    fn update(event: watcher::Event<Self>) -> Update {
+        Update::Slice(Box::new(event))
+    }
+}
+
+impl Watched for Node {
+    const KIND: Kind = Kind::Nodes;
+    fn update(event: watcher::Event<Self>) -> Update {
+        Update::Node(Box::new(event))
+    }
 }
 
 /// Retry delays of a failed list or watch: 0.1 s doubling to at most 1 s, each
