@@ -61,14 +61,7 @@ impl SockRevNatMap {
 
     /// The entry of one socket and backend, if any.
     pub fn get(&self, key: &SockRevNatKey) -> Result<Option<SockRevNatValue>, MapsError> {
-        match self.map.get(key, 0) {
-            Ok(value) => Ok(Some(value)),
-            Err(MapError::KeyNotFound) => Ok(None),
-            Err(source) => Err(MapsError::Read {
-                map: map_names::SOCK_REVNAT,
-                source,
-            }),
-        }
+        found(self.map.get(key, 0), map_names::SOCK_REVNAT)
     }
 
     /// Every entry. Entries that the hooks add or the LRU evicts meanwhile may be
@@ -300,14 +293,7 @@ impl PinnedMaps {
 
     /// One conntrack entry, if present.
     pub fn conntrack_entry(&self, key: &CtKey) -> Result<Option<CtValue>, MapsError> {
-        match self.conntrack.get(key, 0) {
-            Ok(value) => Ok(Some(value)),
-            Err(MapError::KeyNotFound) => Ok(None),
-            Err(source) => Err(MapsError::Read {
-                map: map_names::CT,
-                source,
-            }),
-        }
+        found(self.conntrack.get(key, 0), map_names::CT)
     }
 
     /// Removes one conntrack entry; one already gone (LRU eviction) is fine.
@@ -573,6 +559,15 @@ fn lookup_all_batched<K: bytemuck::Pod, V: bytemuck::Pod>(
         }
         position = next;
         first = false;
+    }
+}
+
+/// A lookup's value, `None` when the key is not there.
+fn found<V>(result: Result<V, MapError>, map: &'static str) -> Result<Option<V>, MapsError> {
+    match result {
+        Ok(value) => Ok(Some(value)),
+        Err(MapError::KeyNotFound) => Ok(None),
+        Err(source) => Err(MapsError::Read { map, source }),
     }
 }
 
