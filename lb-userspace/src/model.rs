@@ -4,6 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use serde::Serialize;
 
@@ -92,13 +93,14 @@ impl fmt::Display for BackendAddr {
     }
 }
 
-/// What one frontend should do.
+/// What one frontend should do. The index, the claims and the desired state each
+/// hold the spec of a frontend, so its name and backends are shared, not copied.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct FrontendSpec {
     /// `namespace/name:portName` (kube-proxy's ServicePortName), for messages.
-    pub service: String,
+    pub service: Arc<str>,
     /// Usable backends. Empty means "reject" (ECONNREFUSED), as kube-proxy does.
-    pub backends: BTreeSet<BackendAddr>,
+    pub backends: Arc<BTreeSet<BackendAddr>>,
     /// `sessionAffinity: ClientIP` timeout in seconds, if enabled.
     pub affinity_timeout_sec: Option<u32>,
     /// Set on the internal entry of a LoadBalancer ingress IP whose Service has

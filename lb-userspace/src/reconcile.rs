@@ -397,7 +397,7 @@ impl<'a> Planner<'a> {
             self.reject(
                 entries,
                 ReconcileError::TooManyBackends {
-                    service: spec.service.clone(),
+                    service: spec.service.to_string(),
                     frontend: *frontend,
                     count: n,
                     max: MAX_BACKENDS_PER_FRONTEND,
@@ -433,7 +433,7 @@ impl<'a> Planner<'a> {
                 .filter(|s| !entries.slots.contains_key(s))
                 .count() as u64;
         let full = |map: &'static str, capacity: u32, flag: &'static str| ReconcileError::MapFull {
-            service: spec.service.clone(),
+            service: spec.service.to_string(),
             frontend: *frontend,
             map,
             capacity,
@@ -467,7 +467,7 @@ impl<'a> Planner<'a> {
                 Some(id) => id,
                 None => {
                     let e = ReconcileError::OutOfIds {
-                        service: spec.service.clone(),
+                        service: spec.service.to_string(),
                         frontend: *frontend,
                         max: self.capacity.frontend_ids,
                     };
@@ -616,8 +616,8 @@ mod tests {
 
     fn spec(backends: &[u8], affinity: Option<u32>) -> FrontendSpec {
         FrontendSpec {
-            service: "default/web:http".to_owned(),
-            backends: backends.iter().map(|&b| be(b, 8080)).collect(),
+            service: "default/web:http".into(),
+            backends: std::sync::Arc::new(backends.iter().map(|&b| be(b, 8080)).collect()),
             affinity_timeout_sec: affinity,
             source_ranges: None,
         }
@@ -697,7 +697,7 @@ mod tests {
         let want: BTreeMap<Frontend, (BTreeSet<BackendAddr>, Option<u32>)> = desired
             .frontends
             .iter()
-            .map(|(f, spec)| (*f, (spec.backends.clone(), spec.affinity_timeout_sec)))
+            .map(|(f, spec)| (*f, ((*spec.backends).clone(), spec.affinity_timeout_sec)))
             .collect();
         assert_eq!(got, want);
         assert_eq!(
@@ -1096,7 +1096,8 @@ mod tests {
                 port: 80,
                 local: false,
             })
-            .collect();
+            .collect::<BTreeSet<_>>()
+            .into();
         let p = plan(&d, &MapSnapshot::default(), ROOMY);
         assert!(matches!(
             &p.rejected[..],
@@ -1292,7 +1293,8 @@ mod tests {
                 .filter(|_| rng.below(4) == 0)
                 .map(|(f, spec)| {
                     let mut spec = spec.clone();
-                    spec.backends = spec.backends.into_iter().take(1).collect();
+                    spec.backends =
+                        std::sync::Arc::new(spec.backends.iter().take(1).copied().collect());
                     (f.with_scope(Scope::External), spec)
                 })
                 .collect();

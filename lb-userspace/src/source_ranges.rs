@@ -46,7 +46,7 @@ mod tests {
         let ranges: BTreeSet<IpNet> = ["10.0.0.0/8".parse().unwrap()].into();
         let spec = |source_ranges: Option<BTreeSet<IpNet>>| FrontendSpec {
             service: "default/web".into(),
-            backends: BTreeSet::new(),
+            backends: Default::default(),
             affinity_timeout_sec: None,
             source_ranges,
         };

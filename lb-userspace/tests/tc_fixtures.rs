@@ -159,7 +159,7 @@ fn node_port(
     let frontend = Frontend::internal(Ipv4Addr::from(NODE).into(), NODE_PORT, protocol);
     let spec = |backends: &[BackendAddr]| FrontendSpec {
         service: "default/web:http".into(),
-        backends: backends.iter().copied().collect::<BTreeSet<_>>(),
+        backends: backends.iter().copied().collect::<BTreeSet<_>>().into(),
         affinity_timeout_sec: None,
         source_ranges: None,
     };
@@ -1056,11 +1056,12 @@ fn a_large_table_is_written_in_batches_exactly_as_planned() {
                     port: 8080,
                     local: j % 2 == 0,
                 })
-                .collect();
+                .collect::<BTreeSet<_>>()
+                .into();
             desired.frontends.insert(
                 Frontend::internal(vip.into(), 80, Protocol::Tcp),
                 FrontendSpec {
-                    service: format!("default/svc-{i}:http"),
+                    service: format!("default/svc-{i}:http").into(),
                     backends,
                     affinity_timeout_sec: None,
                     source_ranges: None,
@@ -1159,7 +1160,7 @@ fn restricted_load_balancer(ranges: Option<&[&str]>) -> DesiredState {
     let mut desired = node_port(Protocol::Tcp, &[backend(LOCAL_POD, 8080, true)], None);
     let spec = FrontendSpec {
         service: "default/web:http".into(),
-        backends: [backend(LOCAL_POD, 8080, true)].into(),
+        backends: BTreeSet::from([backend(LOCAL_POD, 8080, true)]).into(),
         affinity_timeout_sec: None,
         source_ranges: ranges.map(|r| r.iter().map(|c| c.parse().unwrap()).collect()),
     };

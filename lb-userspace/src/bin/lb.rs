@@ -16,7 +16,10 @@ use lb_userspace::{conntrack, sys, table, tc_links};
 
 /// The agent builds hundreds of thousands of small objects per full sync (the
 /// Kubernetes types, then the desired table); glibc's malloc spent about 60% of
-/// `build_desired` and much of the parse in allocation and freeing.
+/// `build_desired` and much of the parse in allocation and freeing. The
+/// `system-allocator` feature keeps glibc's, for heap profilers (heaptrack) that
+/// follow malloc.
+#[cfg(not(feature = "system-allocator"))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -11,7 +11,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use crate::source::EndpointSlice;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
@@ -402,10 +402,8 @@ impl ProgrammingLatency {
             let key = key(slice);
             let previous = self.seen.get(&key).copied().or(self.started);
             let trigger = slice
-                .metadata
-                .annotations
+                .trigger_time
                 .as_ref()
-                .and_then(|a| a.get(LAST_CHANGE_TRIGGER_TIME))
                 .and_then(|t| t.parse::<jiff::Timestamp>().ok())
                 .map(SystemTime::from);
             if let Some(trigger) = trigger.filter(|t| previous.is_none_or(|p| *t > p)) {

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use crate::source::EndpointSlice;
 
 use super::metrics::{Metrics, ProgrammingLatency};
 
@@ -604,23 +604,15 @@ mod tests {
     }
 
     fn slice(name: &str, trigger: Option<&str>) -> Arc<EndpointSlice> {
-        let annotations = trigger.map(|t| {
-            [(
-                crate::ops::LAST_CHANGE_TRIGGER_TIME.to_string(),
-                t.to_string(),
-            )]
-            .into()
-        });
         Arc::new(EndpointSlice {
             metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
                 name: Some(name.into()),
                 namespace: Some("default".into()),
-                annotations,
                 ..Default::default()
             },
+            trigger_time: trigger.map(str::to_owned),
             address_type: "IPv4".into(),
-            endpoints: None,
-            ports: None,
+            ..EndpointSlice::default()
         })
     }
 

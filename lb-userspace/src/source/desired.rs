@@ -10,10 +10,10 @@
 use std::borrow::Borrow;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::IpAddr;
+use std::sync::Arc;
 
+use super::lean::{EndpointSlice, Service, ServicePort, ServiceSpec};
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::{Service, ServicePort};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use super::{ObjectError, Problem};
 
@@ -89,9 +89,9 @@ impl std::fmt::Display for NodePortRange {
 
 const SERVICE: &str = "Service";
 const SLICE: &str = "EndpointSlice";
-const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
-const LABEL_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
-const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
+pub(super) const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
+pub(super) const LABEL_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+pub(super) const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
 const DEFAULT_AFFINITY_TIMEOUT: i32 = 10_800;
 const MAX_AFFINITY_TIMEOUT: i32 = 86_400;
 
@@ -272,8 +272,7 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     let mut slices_of: HashMap<ObjectId, Vec<SliceInfo>> = HashMap::new();
     for &((ns, name), slice) in &sorted_slices {
         let slice_error = |problem| ObjectError::new(SLICE, ns, name, problem);
-        let labels = slice.metadata.labels.as_ref();
-        let Some(svc_name) = labels.and_then(|l| l.get(LABEL_SERVICE_NAME)) else {
+        let Some(svc_name) = slice.service_name.as_ref() else {
             errors.push(slice_error(Problem::MissingServiceName));
             continue;
         };
@@ -324,10 +323,10 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             }
         }
         for port in &plan.ports {
-            let service = if port.name.is_empty() {
-                format!("{ns}/{name}")
+            let service: Arc<str> = if port.name.is_empty() {
+                format!("{ns}/{name}").into()
             } else {
-                format!("{ns}/{name}:{}", port.name)
+                format!("{ns}/{name}:{}", port.name).into()
             };
             for (frontend, backends, source_ranges) in plan.frontends(port, slices, opts) {
                 if let Some((owner_ns, owner_name)) = owners.get(&frontend) {
@@ -345,7 +344,7 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                     frontend,
                     FrontendSpec {
                         service: service.clone(),
-                        backends,
+                        backends: Arc::new(backends),
                         affinity_timeout_sec: plan.affinity_timeout_sec,
                         source_ranges,
                     },
@@ -590,7 +589,7 @@ impl SourceRanges {
 /// meant?); a policy the addresses do not meet is reported, and the addresses given
 /// are served (`SingleStack`: the primary one only).
 fn cluster_families(
-    spec: &k8s_openapi::api::core::v1::ServiceSpec,
+    spec: &ServiceSpec,
     ips: Vec<IpAddr>,
     report: &mut dyn FnMut(Problem),
 ) -> Option<Vec<IpAddr>> {
@@ -699,7 +698,7 @@ fn read_slice<'a>(
             serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
             terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
             local: ep.node_name.as_deref() == Some(opts.node_name.as_str()),
-            hints: topology::Hints::read(ep.hints.as_ref()),
+            hints: topology::Hints::read(ep.hints.as_deref()),
         });
     }
     SliceInfo { ports, endpoints }
@@ -837,7 +836,7 @@ mod tests {
         assert!(errors.is_empty(), "{errors:?}");
         assert_eq!(d.frontends.len(), 2);
         let http = fe("10.96.0.10", 80, Protocol::Tcp);
-        assert_eq!(d.frontends[&http].service, "default/web:http");
+        assert_eq!(&*d.frontends[&http].service, "default/web:http");
         assert_eq!(d.frontends[&http].affinity_timeout_sec, None);
         assert_eq!(
             backends(&d, http),
@@ -1230,7 +1229,7 @@ mod tests {
             [be("10.0.0.2", 8080)]
         );
         assert_eq!(
-            d.frontends[&fe("fd00::11", 80, Protocol::Tcp)].service,
+            &*d.frontends[&fe("fd00::11", 80, Protocol::Tcp)].service,
             "default/dual"
         );
     }
@@ -1364,7 +1363,7 @@ mod tests {
             [be("10.0.0.1", 5354)]
         );
         assert_eq!(
-            d.frontends[&fe("10.96.0.10", 53, Protocol::Udp)].service,
+            &*d.frontends[&fe("10.96.0.10", 53, Protocol::Udp)].service,
             "default/dns:dns"
         );
     }
@@ -1566,7 +1565,7 @@ mod tests {
         assert!(backends(&d, fe("10.96.0.10", 81, Protocol::Tcp)).is_empty());
         assert!(backends(&d, fe("10.96.0.10", 53, Protocol::Udp)).is_empty());
         assert_eq!(
-            d.frontends[&fe("10.96.0.10", 81, Protocol::Tcp)].service,
+            &*d.frontends[&fe("10.96.0.10", 81, Protocol::Tcp)].service,
             "default/web:admin"
         );
     }
@@ -1588,11 +1587,11 @@ mod tests {
               which keeps it; give one of them another cluster IP or port"]
         );
         assert_eq!(
-            d.frontends[&fe("10.96.0.10", 80, Protocol::Tcp)].service,
+            &*d.frontends[&fe("10.96.0.10", 80, Protocol::Tcp)].service,
             "default/alpha"
         );
         assert_eq!(
-            d.frontends[&fe("10.96.0.10", 443, Protocol::Tcp)].service,
+            &*d.frontends[&fe("10.96.0.10", 443, Protocol::Tcp)].service,
             "default/zeta"
         );
     }

@@ -15,13 +15,14 @@
 //! A full derivation stays the reference: the property test below holds the two
 //! to the same state over random changes.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
+
+use litemap::LiteMap;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use super::lean::{EndpointSlice, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use super::{build_desired, ObjectError, Objects, Problem, SourceOptions};
@@ -29,8 +30,6 @@ use crate::model::{DesiredState, Frontend, FrontendSpec, HealthCheck, Scope};
 
 /// `(namespace, name)`; objects without a namespace are in `default`.
 type Key = (String, String);
-
-const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 
 fn key_of(meta: &ObjectMeta) -> Key {
     (
@@ -41,7 +40,7 @@ fn key_of(meta: &ObjectMeta) -> Key {
 
 /// The Service a slice belongs to, by its `kubernetes.io/service-name` label.
 fn owner_of(slice: &EndpointSlice) -> Option<Key> {
-    let name = slice.metadata.labels.as_ref()?.get(LABEL_SERVICE_NAME)?;
+    let name = slice.service_name.as_ref()?;
     Some((
         slice
             .metadata
@@ -55,7 +54,9 @@ fn owner_of(slice: &EndpointSlice) -> Option<Key> {
 /// What one Service contributes, from itself and its slices.
 #[derive(Default)]
 struct Derived {
-    frontends: BTreeMap<Frontend, FrontendSpec>,
+    /// Few per Service (often one): a sorted vector, where a B-tree's first node
+    /// alone holds room for eleven.
+    frontends: LiteMap<Frontend, FrontendSpec>,
     health_check: Option<(u16, HealthCheck)>,
     errors: Vec<ObjectError>,
 }
@@ -92,11 +93,11 @@ pub struct DesiredIndex {
     slices: HashMap<Key, (Option<Key>, Arc<EndpointSlice>)>,
     /// The slices naming each Service, in name order (as a full derivation reads
     /// them), whether or not the Service exists.
-    slices_of: HashMap<Key, BTreeMap<Key, Arc<EndpointSlice>>>,
+    slices_of: HashMap<Key, LiteMap<Key, Arc<EndpointSlice>>>,
     derived: HashMap<Key, Derived>,
     /// Every Service's claim on each frontend, by Service key: the first wins.
-    claims: HashMap<Frontend, BTreeMap<Key, FrontendSpec>>,
-    health_claims: HashMap<u16, BTreeMap<Key, HealthCheck>>,
+    claims: HashMap<Frontend, LiteMap<Key, FrontendSpec>>,
+    health_claims: HashMap<u16, LiteMap<Key, HealthCheck>>,
     desired: DesiredState,
     /// The allocation of every object held from the flat lists, and its key.
     service_ptrs: FxHashMap<usize, Key>,
@@ -377,7 +378,7 @@ impl DesiredIndex {
                     build_desired(std::slice::from_ref(svc), &slices, &self.opts);
                 let health_check = desired.health_checks.into_iter().next();
                 Derived {
-                    frontends: desired.frontends,
+                    frontends: desired.frontends.into_iter().collect(),
                     health_check,
                     errors,
                 }
@@ -401,7 +402,7 @@ impl DesiredIndex {
         self.own_errors = self.own_errors - old.errors.len() + new.errors.len();
         let orphans = match self.services.contains_key(key) {
             true => 0,
-            false => self.slices_of.get(key).map_or(0, BTreeMap::len),
+            false => self.slices_of.get(key).map_or(0, LiteMap::len),
         };
         let before = match orphans {
             0 => self.orphans_of.remove(key),
@@ -457,10 +458,10 @@ impl DesiredIndex {
 
     /// Puts the first claim on `frontend` (if any) in the desired state.
     fn settle(&mut self, frontend: Frontend, changes: &mut Changes, errors: &mut Vec<ObjectError>) {
-        let winner = self.claims.get(&frontend).and_then(|c| c.iter().next());
+        let winner = self.claims.get(&frontend).and_then(|c| c.first());
         let now = winner.map(|(_, spec)| spec.clone());
         if let Some(claims) = self.claims.get(&frontend) {
-            if let Some(((owner_ns, owner_name), _)) = claims.iter().next() {
+            if let Some(((owner_ns, owner_name), _)) = claims.first() {
                 for (ns, name) in claims.keys().skip(1) {
                     errors.push(ObjectError::new(
                         "Service",
@@ -496,7 +497,7 @@ impl DesiredIndex {
         let now = self
             .health_claims
             .get(&port)
-            .and_then(|c| c.values().next().cloned());
+            .and_then(|c| c.first().map(|(_, check)| check.clone()));
         if self.health_claims.get(&port).is_some_and(|c| c.is_empty()) {
             self.health_claims.remove(&port);
         }
@@ -515,6 +516,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use serde_json::json;
+    use std::collections::BTreeMap;
 
     fn service(ns: &str, name: &str, ip: u8, ports: &[u16], node_port: Option<u16>) -> Service {
         let ports: Vec<_> = ports
@@ -554,7 +556,10 @@ mod tests {
     ) -> EndpointSlice {
         let mut labels = serde_json::Map::new();
         if let Some(owner) = owner {
-            labels.insert(LABEL_SERVICE_NAME.into(), json!(owner));
+            labels.insert(
+                super::super::desired::LABEL_SERVICE_NAME.into(),
+                json!(owner),
+            );
         }
         serde_json::from_value(json!({
             "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",

@@ -23,8 +23,7 @@ use std::time::Duration;
 
 use futures::stream::{self, BoxStream};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Node, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::core::v1::Node;
 use kube::api::Api;
 use kube::config::{Config, InClusterError, KubeConfigOptions, Kubeconfig, KubeconfigError};
 use kube::runtime::{watcher, WatchStreamExt};
@@ -34,8 +33,8 @@ use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 use tracing::{debug, info, warn};
 
+use super::lean::{EndpointSlice, Lean, Service};
 use super::shards::{ShardedStore, SHARDS};
-use super::Lean;
 use super::Objects;
 
 /// kube-proxy's selector for Services: those claimed by another proxy

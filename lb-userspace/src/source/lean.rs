@@ -1,83 +1,347 @@
-//! What the API source keeps of each object: only the fields the desired state, the
-//! zone and the metrics read. Objects are trimmed as they arrive, before the
-//! reflector caches them, so memory follows what the datapath needs rather than
-//! what the API server sends (annotations written by other tools, owner references,
-//! selectors, a Node's image list and conditions, endpoints' target references).
+//! Services and EndpointSlices as this agent keeps them: only the fields the desired
+//! state, the zone and the metrics read, decoded straight from the API's JSON (or a
+//! manifest's YAML) so nothing else is ever allocated. The field names and shapes
+//! are k8s-openapi's, so the reading of them (`desired`) is the same code either way.
+//!
+//! Why not k8s-openapi's own types: at 10k Services × 10 endpoints they made up
+//! 115 of the agent's 195 MB heap peak (heaptrack, 2026-11-26). Its `Endpoint` is
+//! about 340 bytes before its strings (target reference, hostname, deprecated
+//! topology, a vector of addresses), a kept `labels` map costs a 540-byte B-tree
+//! node, and a Service's spec carries its selector map. Here an endpoint is its
+//! first address, conditions, node and hints; a slice's owner and trigger time are
+//! plain fields; labels and annotations other than the ones read are skipped.
+//!
+//! Nodes are few (this node's one, by field selector), so they stay k8s-openapi's,
+//! trimmed by [`Lean`] as they arrive.
 
-use k8s_openapi::api::core::v1::{Node, NodeStatus, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Node, NodeStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
 
+use super::desired::{LABEL_HEADLESS, LABEL_PROXY_NAME, LABEL_SERVICE_NAME};
 use super::LABEL_ZONE;
 use crate::ops::LAST_CHANGE_TRIGGER_TIME;
 
-/// Drops what this agent never reads.
+/// A Service: what kube-proxy's service change tracker reads of it.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct Service {
+    /// Name, namespace, resource version; of the labels only the two that hand the
+    /// Service to another proxy or mark it headless.
+    #[serde(default, deserialize_with = "service_meta")]
+    pub metadata: ObjectMeta,
+    #[serde(default)]
+    pub spec: Option<ServiceSpec>,
+    #[serde(default)]
+    pub status: Option<ServiceStatus>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ServiceSpec {
+    #[serde(rename = "type")]
+    pub type_: Option<String>,
+    #[serde(rename = "clusterIP")]
+    pub cluster_ip: Option<String>,
+    #[serde(rename = "clusterIPs")]
+    pub cluster_ips: Option<Vec<String>>,
+    pub ip_families: Option<Vec<String>>,
+    pub ip_family_policy: Option<String>,
+    pub ports: Option<Vec<ServicePort>>,
+    #[serde(rename = "externalIPs")]
+    pub external_ips: Option<Vec<String>>,
+    #[serde(rename = "loadBalancerIP")]
+    pub load_balancer_ip: Option<String>,
+    pub load_balancer_source_ranges: Option<Vec<String>>,
+    pub external_traffic_policy: Option<String>,
+    pub internal_traffic_policy: Option<String>,
+    pub health_check_node_port: Option<i32>,
+    pub session_affinity: Option<String>,
+    pub session_affinity_config: Option<SessionAffinityConfig>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ServicePort {
+    pub name: Option<String>,
+    pub port: i32,
+    pub protocol: Option<String>,
+    pub node_port: Option<i32>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct SessionAffinityConfig {
+    #[serde(rename = "clientIP")]
+    pub client_ip: Option<ClientIPConfig>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClientIPConfig {
+    pub timeout_seconds: Option<i32>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ServiceStatus {
+    pub load_balancer: Option<LoadBalancerStatus>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct LoadBalancerStatus {
+    pub ingress: Option<Vec<LoadBalancerIngress>>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LoadBalancerIngress {
+    pub ip: Option<String>,
+    pub ip_mode: Option<String>,
+}
+
+/// An EndpointSlice: its owner, its endpoints and ports.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(from = "SliceIn")]
+pub struct EndpointSlice {
+    /// Name, namespace, resource version; no labels or annotations (the two read
+    /// are the fields below).
+    pub metadata: ObjectMeta,
+    /// The `kubernetes.io/service-name` label: the Service the slice belongs to.
+    pub service_name: Option<String>,
+    /// The `endpoints.kubernetes.io/last-change-trigger-time` annotation, as
+    /// written (RFC 3339), for the network-programming latency.
+    pub trigger_time: Option<String>,
+    pub address_type: String,
+    pub endpoints: Option<Vec<Endpoint>>,
+    pub ports: Option<Vec<EndpointPort>>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct SliceIn {
+    #[serde(default)]
+    metadata: MetaIn,
+    address_type: String,
+    #[serde(default)]
+    endpoints: Option<Vec<Endpoint>>,
+    #[serde(default)]
+    ports: Option<Vec<EndpointPort>>,
+}
+
+impl From<SliceIn> for EndpointSlice {
+    fn from(slice: SliceIn) -> Self {
+        let mut meta = slice.metadata;
+        let mut endpoints = slice.endpoints;
+        // Kept for the slice's life: without the growth room reading left (up to
+        // 16 places for 10 endpoints).
+        if let Some(endpoints) = endpoints.as_mut() {
+            endpoints.shrink_to_fit();
+        }
+        EndpointSlice {
+            service_name: meta.labels.take(LABEL_SERVICE_NAME),
+            trigger_time: meta.annotations.take(LAST_CHANGE_TRIGGER_TIME),
+            metadata: meta.object_meta(None),
+            address_type: slice.address_type,
+            endpoints,
+            ports: slice.ports,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Endpoint {
+    /// The first address only: kube-proxy reads no other (the rest have no defined
+    /// meaning), so the rest are skipped unread.
+    #[serde(deserialize_with = "first_only")]
+    pub addresses: Vec<String>,
+    pub conditions: Option<EndpointConditions>,
+    /// Boxed: most endpoints have none, and a hundred thousand endpoints each
+    /// holding room for two vectors would cost 4.8 MB.
+    pub hints: Option<Box<EndpointHints>>,
+    pub node_name: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct EndpointConditions {
+    pub ready: Option<bool>,
+    pub serving: Option<bool>,
+    pub terminating: Option<bool>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EndpointHints {
+    pub for_zones: Option<Vec<ForZone>>,
+    pub for_nodes: Option<Vec<ForNode>>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct ForZone {
+    pub name: String,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct ForNode {
+    pub name: String,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct EndpointPort {
+    pub name: Option<String>,
+    pub port: Option<i32>,
+    pub protocol: Option<String>,
+}
+
+/// The metadata fields read, with every label and annotation as written; the
+/// kinds keep the ones they need and drop the rest.
+#[derive(Default, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+struct MetaIn {
+    name: Option<String>,
+    namespace: Option<String>,
+    resource_version: Option<String>,
+    labels: Entries,
+    annotations: Entries,
+}
+
+impl MetaIn {
+    fn object_meta(self, labels: Option<BTreeMap<String, String>>) -> ObjectMeta {
+        ObjectMeta {
+            name: self.name,
+            namespace: self.namespace,
+            resource_version: self.resource_version,
+            labels,
+            ..ObjectMeta::default()
+        }
+    }
+}
+
+/// A string map's entries (labels or annotations), as read; `null` reads as none.
+#[derive(Default)]
+struct Entries(Vec<(String, String)>);
+
+impl Entries {
+    fn take(&mut self, key: &str) -> Option<String> {
+        let at = self.0.iter().position(|(k, _)| k == key)?;
+        Some(self.0.swap_remove(at).1)
+    }
+}
+
+impl<'de> Deserialize<'de> for Entries {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct EntriesVisitor;
+        impl<'de> Visitor<'de> for EntriesVisitor {
+            type Value = Entries;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a map of strings")
+            }
+            fn visit_unit<E>(self) -> Result<Entries, E> {
+                Ok(Entries::default())
+            }
+            fn visit_none<E>(self) -> Result<Entries, E> {
+                Ok(Entries::default())
+            }
+            fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Entries, D::Error> {
+                d.deserialize_map(self)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Entries, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(entry) = map.next_entry::<String, String>()? {
+                    entries.push(entry);
+                }
+                Ok(Entries(entries))
+            }
+        }
+        deserializer.deserialize_option(EntriesVisitor)
+    }
+}
+
+fn service_meta<'de, D: Deserializer<'de>>(deserializer: D) -> Result<ObjectMeta, D::Error> {
+    let mut meta = Option::<MetaIn>::deserialize(deserializer)?.unwrap_or_default();
+    let labels: BTreeMap<String, String> = [LABEL_PROXY_NAME, LABEL_HEADLESS]
+        .into_iter()
+        .filter_map(|key| Some((key.to_owned(), meta.labels.take(key)?)))
+        .collect();
+    Ok(meta.object_meta((!labels.is_empty()).then_some(labels)))
+}
+
+fn first_only<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<String>, D::Error> {
+    struct FirstVisitor;
+    impl<'de> Visitor<'de> for FirstVisitor {
+        type Value = Vec<String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a list of addresses")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<String>, A::Error> {
+            let first = seq.next_element::<String>()?;
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            Ok(first.into_iter().collect())
+        }
+    }
+    deserializer.deserialize_seq(FirstVisitor)
+}
+
+macro_rules! api_resource {
+    ($type:ty, $api_version:literal, $group:literal, $kind:literal, $plural:literal) => {
+        impl k8s_openapi::Resource for $type {
+            const API_VERSION: &'static str = $api_version;
+            const GROUP: &'static str = $group;
+            const KIND: &'static str = $kind;
+            const VERSION: &'static str = "v1";
+            const URL_PATH_SEGMENT: &'static str = $plural;
+            type Scope = k8s_openapi::NamespaceResourceScope;
+        }
+
+        impl k8s_openapi::Metadata for $type {
+            type Ty = ObjectMeta;
+            fn metadata(&self) -> &ObjectMeta {
+                &self.metadata
+            }
+            fn metadata_mut(&mut self) -> &mut ObjectMeta {
+                &mut self.metadata
+            }
+        }
+    };
+}
+
+api_resource!(Service, "v1", "", "Service", "services");
+api_resource!(
+    EndpointSlice,
+    "discovery.k8s.io/v1",
+    "discovery.k8s.io",
+    "EndpointSlice",
+    "endpointslices"
+);
+
+/// Drops what this agent never reads of an object decoded whole.
 pub trait Lean {
     fn lean(&mut self);
 }
 
-/// Name, namespace and resource version stay (the reflector keys and resumes by
-/// them); of labels and annotations, only the ones named.
-fn lean_meta(meta: &mut ObjectMeta, labels: &[&str], annotations: &[&str]) {
-    meta.managed_fields = None;
-    meta.owner_references = None;
-    meta.finalizers = None;
-    meta.generate_name = None;
-    for (map, keep) in [
-        (&mut meta.labels, labels),
-        (&mut meta.annotations, annotations),
-    ] {
-        if let Some(entries) = map.as_mut() {
-            entries.retain(|k, _| keep.contains(&k.as_str()));
-        }
-        if map.as_ref().is_some_and(|m| m.is_empty()) {
-            *map = None;
-        }
-    }
-}
-
+/// Lean types are lean as decoded.
 impl Lean for Service {
-    fn lean(&mut self) {
-        // The list selector already excludes the labels the rules look at.
-        lean_meta(&mut self.metadata, &[], &[]);
-        if let Some(spec) = self.spec.as_mut() {
-            spec.selector = None;
-        }
-        if let Some(status) = self.status.as_mut() {
-            status.conditions = None;
-            for ingress in status
-                .load_balancer
-                .iter_mut()
-                .flat_map(|lb| lb.ingress.iter_mut().flatten())
-            {
-                ingress.hostname = None;
-                ingress.ports = None;
-            }
-        }
-    }
+    fn lean(&mut self) {}
 }
 
 impl Lean for EndpointSlice {
-    fn lean(&mut self) {
-        lean_meta(
-            &mut self.metadata,
-            &["kubernetes.io/service-name"],
-            &[LAST_CHANGE_TRIGGER_TIME],
-        );
-        for endpoint in self.endpoints.iter_mut().flatten() {
-            endpoint.target_ref = None;
-            endpoint.deprecated_topology = None;
-            endpoint.hostname = None;
-            endpoint.zone = None;
-            // Only the first address has a defined meaning (kube-proxy reads no other).
-            endpoint.addresses.truncate(1);
-        }
-    }
+    fn lean(&mut self) {}
 }
 
+/// Name and resource version stay (the cache keys and resumes by them); of the
+/// labels, only the zone.
 impl Lean for Node {
     fn lean(&mut self) {
-        lean_meta(&mut self.metadata, &[LABEL_ZONE], &[]);
+        let meta = &mut self.metadata;
+        meta.managed_fields = None;
+        meta.owner_references = None;
+        meta.finalizers = None;
+        meta.annotations = None;
+        if let Some(labels) = meta.labels.as_mut() {
+            labels.retain(|k, _| k == LABEL_ZONE);
+        }
         self.spec = None;
         self.status = self.status.take().map(|status| NodeStatus {
             addresses: status.addresses,
@@ -91,14 +355,16 @@ mod tests {
     use super::*;
     use crate::source::{build_desired, SourceOptions};
 
-    /// The objects a real API server sends carry much this agent never reads:
-    /// trimmed, they give the same service table, and the bulky parts are gone.
+    /// Objects as a real API server sends them carry much this agent never reads;
+    /// decoded, they give the same service table as the same objects written with
+    /// only the fields read, and the bulky parts are not kept.
     #[test]
-    fn trimmed_objects_give_the_same_table() {
-        let service: Service = serde_json::from_value(serde_json::json!({
+    fn full_objects_decode_to_what_is_read() {
+        let service = serde_json::json!({
             "metadata": {
                 "name": "web", "namespace": "default", "resourceVersion": "7",
-                "labels": {"app": "web"},
+                "uid": "u-1", "creationTimestamp": "2026-11-24T00:00:00Z",
+                "labels": {"app": "web", LABEL_PROXY_NAME: "other"},
                 "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "x".repeat(4096)},
                 "managedFields": [{"manager": "kubectl"}],
                 "ownerReferences": [{"apiVersion": "v1", "kind": "X", "name": "o", "uid": "u"}],
@@ -106,28 +372,108 @@ mod tests {
             "spec": {
                 "type": "LoadBalancer", "clusterIP": "10.96.0.10", "clusterIPs": ["10.96.0.10", "fd00::10"],
                 "ipFamilies": ["IPv4", "IPv6"], "selector": {"app": "web"},
-                "ports": [{"port": 80, "targetPort": 8080, "nodePort": 30080}],
+                "ports": [{"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30080, "appProtocol": "http"}],
             },
-            "status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.1", "hostname": "lb.example"}]}},
-        }))
-        .unwrap();
-        let slice: EndpointSlice = serde_json::from_value(serde_json::json!({
+            "status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.1", "hostname": "lb.example", "ports": [{"port": 80, "protocol": "TCP"}]}]},
+                       "conditions": [{"type": "x", "status": "True"}]},
+        });
+        let slice = serde_json::json!({
             "metadata": {
-                "name": "web-1", "namespace": "default",
-                "labels": {"kubernetes.io/service-name": "web", "endpointslice.kubernetes.io/managed-by": "x"},
+                "name": "web-1", "namespace": "default", "resourceVersion": "8",
+                "labels": {LABEL_SERVICE_NAME: "web", "endpointslice.kubernetes.io/managed-by": "x"},
                 "annotations": {LAST_CHANGE_TRIGGER_TIME: "2026-11-24T00:00:00Z", "other": "y"},
+                "managedFields": [{"manager": "kube-controller-manager"}],
             },
             "addressType": "IPv4",
-            "ports": [{"port": 8080}],
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP", "appProtocol": "http"}],
             "endpoints": [{
                 "addresses": ["10.0.0.1", "10.0.0.2"], "nodeName": "node-a", "zone": "a",
-                "hostname": "web-0",
+                "hostname": "web-0", "deprecatedTopology": {"a": "b"},
                 "targetRef": {"kind": "Pod", "name": "web-0", "namespace": "default"},
-                "conditions": {"ready": true},
+                "conditions": {"ready": true, "serving": true, "terminating": false},
+                "hints": {"forZones": [{"name": "a"}]},
             }],
+        });
+        let service: Service = serde_json::from_value(service).unwrap();
+        let slice: EndpointSlice = serde_json::from_value(slice).unwrap();
+
+        let thin_service: Service = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "web", "namespace": "default", "resourceVersion": "7",
+                         "labels": {LABEL_PROXY_NAME: "other"}},
+            "spec": {
+                "type": "LoadBalancer", "clusterIP": "10.96.0.10", "clusterIPs": ["10.96.0.10", "fd00::10"],
+                "ipFamilies": ["IPv4", "IPv6"],
+                "ports": [{"name": "http", "port": 80, "nodePort": 30080}],
+            },
+            "status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.1"}]}},
         }))
         .unwrap();
-        let node: Node = serde_json::from_value(serde_json::json!({
+        assert_eq!(service, thin_service);
+        assert_eq!(
+            service
+                .metadata
+                .labels
+                .as_ref()
+                .unwrap()
+                .keys()
+                .collect::<Vec<_>>(),
+            [LABEL_PROXY_NAME]
+        );
+        assert!(service.metadata.annotations.is_none());
+        assert!(service.metadata.managed_fields.is_none());
+        assert!(service.metadata.uid.is_none());
+
+        assert_eq!(slice.service_name.as_deref(), Some("web"));
+        assert_eq!(slice.trigger_time.as_deref(), Some("2026-11-24T00:00:00Z"));
+        assert!(slice.metadata.labels.is_none() && slice.metadata.annotations.is_none());
+        assert_eq!(slice.metadata.resource_version.as_deref(), Some("8"));
+        let endpoint = &slice.endpoints.as_ref().unwrap()[0];
+        assert_eq!(endpoint.addresses, ["10.0.0.1"]);
+        assert_eq!(endpoint.addresses.capacity(), 1);
+        assert_eq!(endpoint.node_name.as_deref(), Some("node-a"));
+
+        // Without the proxy-name label the Service is ours, and both read alike.
+        let mut ours = service.clone();
+        ours.metadata.labels = None;
+        let opts = SourceOptions {
+            node_name: "node-a".into(),
+            node_ips: vec!["192.168.50.2".parse().unwrap()],
+            ..SourceOptions::default()
+        };
+        let (state, errors) = build_desired(
+            std::slice::from_ref(&ours),
+            std::slice::from_ref(&slice),
+            &opts,
+        );
+        assert!(errors.is_empty(), "{errors:?}");
+        assert!(!state.frontends.is_empty());
+    }
+
+    /// A bad value in a field this agent reads is still an error naming it; `null`
+    /// labels and a missing metadata read as none.
+    #[test]
+    fn read_fields_are_checked_and_nulls_are_none() {
+        let bad = serde_json::json!({"metadata": {"name": "s"}, "addressType": "IPv4",
+                                     "endpoints": [{"addresses": "10.0.0.1"}]});
+        let err = serde_json::from_value::<EndpointSlice>(bad).unwrap_err();
+        assert!(err.to_string().contains("a list of addresses"), "{err}");
+        let missing = serde_json::json!({"metadata": {"name": "s"}, "endpoints": []});
+        let err = serde_json::from_value::<EndpointSlice>(missing).unwrap_err();
+        assert!(err.to_string().contains("addressType"), "{err}");
+
+        let nulls: EndpointSlice = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "s", "labels": null, "annotations": null},
+            "addressType": "IPv4",
+        }))
+        .unwrap();
+        assert_eq!(nulls.service_name, None);
+        let bare: Service = serde_json::from_value(serde_json::json!({})).unwrap();
+        assert_eq!(bare, Service::default());
+    }
+
+    #[test]
+    fn nodes_keep_their_addresses_and_zone() {
+        let mut node: Node = serde_json::from_value(serde_json::json!({
             "metadata": {"name": "node-a", "labels": {LABEL_ZONE: "a", "kubernetes.io/os": "linux"}},
             "spec": {"podCIDR": "10.244.1.0/24"},
             "status": {
@@ -137,40 +483,12 @@ mod tests {
             },
         }))
         .unwrap();
-        let opts = SourceOptions {
-            node_name: "node-a".into(),
-            node_ips: vec!["192.168.50.2".parse().unwrap()],
-            ..SourceOptions::default()
-        };
-        let before = build_desired(
-            std::slice::from_ref(&service),
-            std::slice::from_ref(&slice),
-            &opts,
-        );
-        let (mut s, mut e, mut n) = (service, slice, node);
-        s.lean();
-        e.lean();
-        n.lean();
-        assert_eq!(
-            build_desired(std::slice::from_ref(&s), std::slice::from_ref(&e), &opts),
-            before
-        );
-
-        assert!(s.metadata.annotations.is_none() && s.metadata.labels.is_none());
-        assert!(s.metadata.managed_fields.is_none() && s.metadata.owner_references.is_none());
-        assert_eq!(s.metadata.resource_version.as_deref(), Some("7"));
-        assert!(s.spec.as_ref().unwrap().selector.is_none());
-        let annotations = e.metadata.annotations.as_ref().unwrap();
-        assert_eq!(
-            annotations.keys().collect::<Vec<_>>(),
-            [LAST_CHANGE_TRIGGER_TIME]
-        );
-        assert!(e.endpoints.as_ref().unwrap()[0].target_ref.is_none());
-        let labels = n.metadata.labels.as_ref().unwrap();
+        node.lean();
+        let labels = node.metadata.labels.as_ref().unwrap();
         assert_eq!(labels.keys().collect::<Vec<_>>(), [LABEL_ZONE]);
-        let status = n.status.as_ref().unwrap();
+        let status = node.status.as_ref().unwrap();
         assert!(status.images.is_none() && status.conditions.is_none());
         assert_eq!(status.addresses.as_ref().unwrap().len(), 1);
-        assert!(n.spec.is_none());
+        assert!(node.spec.is_none());
     }
 }

@@ -11,8 +11,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Node, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::core::v1::Node;
 
 use crate::model::Frontend;
 
@@ -20,12 +19,12 @@ mod desired;
 pub mod files;
 pub mod index;
 pub mod kube;
-mod lean;
+pub mod lean;
 mod shards;
 pub mod yaml;
 
 pub use desired::{build_desired, NodePortRange, SourceOptions, LABEL_ZONE};
-pub use lean::Lean;
+pub use lean::{EndpointSlice, Lean, Service};
 pub use yaml::{FileError, FileProblem};
 
 /// Where a loaded document came from; only set for errors found while loading.

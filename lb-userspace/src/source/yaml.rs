@@ -6,8 +6,9 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Node, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::core::v1::Node;
+
+use super::lean::{EndpointSlice, Service};
 use serde_json::value::RawValue;
 use serde_json::Value;
 

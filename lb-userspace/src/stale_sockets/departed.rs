@@ -195,7 +195,8 @@ mod tests {
                     port: b.port(),
                     local: false,
                 })
-                .collect(),
+                .collect::<std::collections::BTreeSet<_>>()
+                .into(),
             affinity_timeout_sec: None,
             source_ranges: None,
         };

@@ -38,7 +38,8 @@ fn node_port6(protocol: Protocol, backends: &[(Ipv6Addr, bool)]) -> DesiredState
                     port: 8080,
                     local,
                 })
-                .collect::<BTreeSet<_>>(),
+                .collect::<BTreeSet<_>>()
+                .into(),
             affinity_timeout_sec: None,
             source_ranges: None,
         },

@@ -25,7 +25,7 @@ pub(super) struct Hints {
 }
 
 impl Hints {
-    pub(super) fn read(hints: Option<&k8s_openapi::api::discovery::v1::EndpointHints>) -> Self {
+    pub(super) fn read(hints: Option<&super::super::lean::EndpointHints>) -> Self {
         let Some(hints) = hints else {
             return Hints::default();
         };
