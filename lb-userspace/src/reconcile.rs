@@ -322,6 +322,14 @@ pub fn plan(desired: &DesiredState, current: &MapSnapshot, capacity: Capacity) -
     }
     let ids = allocators(current, capacity);
     let mut planner = Planner::new(desired, current, capacity, refs, ids);
+    // Into empty maps (a start) the plan writes each master, slot and backend once:
+    // room for exactly that, where growing by doubling held up to twice as much
+    // (11.5 MB for 210k writes at 10k Services).
+    if current.services.is_empty() {
+        planner
+            .ops
+            .reserve(desired.frontends.len() + 2 * desired.backend_count());
+    }
 
     for (frontend, spec) in &desired.frontends {
         let entries = groups

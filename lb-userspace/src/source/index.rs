@@ -317,7 +317,7 @@ impl DesiredIndex {
                 Some(o) => {
                     self.slices_of
                         .entry(o.clone())
-                        .or_default()
+                        .or_insert_with(|| LiteMap::with_capacity(1))
                         .insert(key.clone(), slice.clone());
                     touched.insert(o.clone());
                 }
@@ -378,7 +378,10 @@ impl DesiredIndex {
                     build_desired(std::slice::from_ref(svc), &slices, &self.opts);
                 let health_check = desired.health_checks.into_iter().next();
                 Derived {
-                    frontends: desired.frontends.into_iter().collect(),
+                    // Sorted already: stored as it comes, in a vector of its length.
+                    frontends: LiteMap::from_sorted_store_unchecked(
+                        desired.frontends.into_iter().collect(),
+                    ),
                     health_check,
                     errors,
                 }
@@ -424,7 +427,10 @@ impl DesiredIndex {
             if old.frontends.get(frontend) == Some(spec) {
                 continue;
             }
-            let claims = self.claims.entry(*frontend).or_default();
+            let claims = self
+                .claims
+                .entry(*frontend)
+                .or_insert_with(|| LiteMap::with_capacity(1));
             let len = claims.len();
             claims.insert(key.clone(), spec.clone());
             self.losers = self.losers - losers(len) + losers(claims.len());
