@@ -623,7 +623,15 @@ struct Written {
     incremental: bool,
     /// The table was read from the kernel, not remembered.
     read_kernel: bool,
+    /// Writes made and recorded in `table` piece by piece (into empty maps), so
+    /// `plan` holds none of them.
+    written_ahead: usize,
 }
+
+/// Frontends planned and written at a time into empty maps: the plan of a start
+/// then never holds all its writes (at 100k Services x 10 endpoints, 2.1 million
+/// writes, 92 MB).
+const START_PIECE: usize = 4096;
 
 /// Writes the difference between `desired` and the maps. With a kept table (`known`,
 /// what the last sync left) only the `changed` frontends are planned; without one
@@ -645,6 +653,9 @@ fn write_table(
         }
         None => {
             let current = maps.snapshot()?;
+            if current.services.is_empty() && current.backends.is_empty() {
+                return write_in_pieces(maps, desired, KnownTable::new(current, capacity));
+            }
             let plan = reconcile::plan(desired, &current, capacity);
             (KnownTable::new(current, capacity), plan, false, true)
         }
@@ -683,6 +694,50 @@ fn write_table(
         plan,
         incremental,
         read_kernel,
+        written_ahead: 0,
+    })
+}
+
+/// Writes `desired` into empty maps [`START_PIECE`] frontends at a time, each
+/// piece planned against what the pieces before it wrote (as one change is), so
+/// that every prefix of the writes is a consistent table, as with one plan.
+fn write_in_pieces(
+    maps: &mut PinnedMaps,
+    desired: &DesiredState,
+    mut table: KnownTable,
+) -> Result<Written, MapsError> {
+    let capacity = maps.capacity();
+    let (mut planning, mut applying) = (Duration::ZERO, Duration::ZERO);
+    let mut operations = 0;
+    let mut started = Instant::now();
+    reconcile::plan_in_pieces(desired, &mut table, capacity, START_PIECE, |plan| {
+        let planned = Instant::now();
+        planning += planned - started;
+        for rejected in &plan.rejected {
+            warn!("{rejected}");
+        }
+        maps.apply(&plan.ops)?;
+        operations += plan.ops.len();
+        started = Instant::now();
+        applying += started - planned;
+        Ok(())
+    })?;
+    if operations > 0 {
+        info!(
+            plan_ms = planning.as_millis() as u64,
+            apply_ms = applying.as_millis() as u64,
+            operations,
+            frontends = desired.frontends.len(),
+            backends = desired.backend_count(),
+            "service table applied"
+        );
+    }
+    Ok(Written {
+        table,
+        plan: reconcile::Plan::default(),
+        incremental: false,
+        read_kernel: true,
+        written_ahead: operations,
     })
 }
 
@@ -698,6 +753,7 @@ fn record_table(
         plan,
         incremental,
         read_kernel,
+        written_ahead,
     } = written;
     let mut frontend_names = NamesUpdate::Unchanged;
     let touched = stale_sockets::Touched::before(table.snapshot(), &plan.ops);
@@ -714,7 +770,7 @@ fn record_table(
             frontend_names = NamesUpdate::Patch(patch);
         }
     } else {
-        if !plan.is_empty() {
+        if !plan.is_empty() || written_ahead > 0 {
             table.apply(&plan.ops);
             let live = table
                 .snapshot()

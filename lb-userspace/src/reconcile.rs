@@ -218,6 +218,35 @@ impl KnownTable {
     }
 }
 
+/// Plans `desired` into maps that are empty (`known` holds nothing yet) `piece`
+/// frontends at a time, each piece against what the pieces before it wrote, as one
+/// change is planned. `write` gets each piece's plan before the next is planned;
+/// `known` then records it. Every prefix of the writes is thus a consistent table,
+/// as with one plan, but the writes of a start are never all held at once. An
+/// external entry stays in the piece of its internal twin (the master's flag
+/// names it).
+pub fn plan_in_pieces<E>(
+    desired: &DesiredState,
+    known: &mut KnownTable,
+    capacity: Capacity,
+    piece: usize,
+    mut write: impl FnMut(&Plan) -> Result<(), E>,
+) -> Result<(), E> {
+    let mut changed = BTreeSet::new();
+    let mut frontends = desired.frontends.keys().peekable();
+    while let Some(frontend) = frontends.next() {
+        changed.insert(*frontend);
+        let at_twin = frontends.peek().is_some_and(|f| f.scope == Scope::External);
+        if frontends.peek().is_none() || (changed.len() >= piece && !at_twin) {
+            let plan = plan_changes(desired, &changed, known, capacity);
+            write(&plan)?;
+            known.apply(&plan.ops);
+            changed.clear();
+        }
+    }
+    Ok(())
+}
+
 /// Plans only the frontends in `changed` (as `desired` now has them, or removed
 /// when it has them no more) against `known`, with the same per-frontend order
 /// and capacity rules as [`plan`]; the rest of the table is not looked at. An
@@ -1280,6 +1309,63 @@ mod tests {
             .collect();
         changed.extend(twins);
         changed
+    }
+
+    /// A start written in pieces: every prefix of the writes is consistent, an
+    /// external entry is written with its internal twin, and the table ends as one
+    /// plan from scratch programs it.
+    #[test]
+    fn a_start_planned_in_pieces_programs_the_whole_table() {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        for round in 0..20 {
+            let mut desired = random_state(&mut rng);
+            let externals: Vec<(Frontend, FrontendSpec)> = desired
+                .frontends
+                .iter()
+                .filter(|_| rng.below(3) == 0)
+                .map(|(f, spec)| (f.with_scope(Scope::External), spec.clone()))
+                .collect();
+            desired.frontends.extend(externals);
+            let mut known = KnownTable::new(MapSnapshot::default(), ROOMY);
+            let mut s = MapSnapshot::default();
+            let mut pieces = 0;
+            plan_in_pieces(&desired, &mut known, ROOMY, 2, |plan| {
+                assert!(plan.rejected.is_empty(), "{:?}", plan.rejected);
+                pieces += 1;
+                let planned: BTreeSet<Frontend> = table::decode(&{
+                    let mut after = s.clone();
+                    after.apply(&plan.ops);
+                    after
+                })
+                .iter()
+                .map(|f| f.frontend)
+                .collect();
+                for f in &planned {
+                    let twin = f.with_scope(Scope::External);
+                    if f.scope == Scope::Internal && desired.frontends.contains_key(&twin) {
+                        assert!(
+                            planned.contains(&twin),
+                            "round {round}: {f} without its twin"
+                        );
+                    }
+                }
+                for op in &plan.ops {
+                    s.apply(std::slice::from_ref(op));
+                    assert_never_half_written(&s, &format!("round {round}, {op:?}"));
+                }
+                Ok::<(), ()>(())
+            })
+            .unwrap();
+            assert_eq!(known.snapshot(), &s);
+            assert_programs(&s, &desired);
+            let internal = desired
+                .frontends
+                .keys()
+                .filter(|f| f.scope == Scope::Internal)
+                .count();
+            assert!(pieces >= internal / 2, "round {round}: {pieces} pieces");
+            assert!(super::plan(&desired, &s, ROOMY).is_empty());
+        }
     }
 
     /// Per-change planning against the kept table, over random transitions (with
