@@ -40,13 +40,19 @@ extern "C" fn tune_allocator() {
     use libmimalloc_sys::{mi_option_set, mi_version};
     // `mi_option_t` numbers of mimalloc 3's header (libmimalloc-sys does not name
     // these two); another major version numbers them differently, so leave it be.
-    const ARENA_EAGER_COMMIT: i32 = 4;
-    const PURGE_DELAY: i32 = 15;
+    // mimalloc's own variables (`MIMALLOC_PURGE_DELAY=10`, ...) still win.
+    const OPTIONS: [(i32, &str); 2] = [
+        (4, "MIMALLOC_ARENA_EAGER_COMMIT"),
+        (15, "MIMALLOC_PURGE_DELAY"),
+    ];
     // SAFETY: plain setters of mimalloc's global options, valid at any time.
     unsafe {
         if (30000..40000).contains(&mi_version()) {
-            mi_option_set(ARENA_EAGER_COMMIT, 0);
-            mi_option_set(PURGE_DELAY, 0);
+            for (option, variable) in OPTIONS {
+                if std::env::var_os(variable).is_none() {
+                    mi_option_set(option, 0);
+                }
+            }
         }
     }
 }
