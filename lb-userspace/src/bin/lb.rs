@@ -26,10 +26,13 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// mimalloc's defaults trade memory for speed: freed pages are returned to the
 /// system only 10 ms later, and arenas are committed whole up front. At 10k
 /// Services x 10 endpoints they made the agent's peak RSS 158-180 MiB against
-/// 104 MiB with both off (and 109 MiB with glibc's malloc); the start took the same
-/// time either way (0.44-0.48 s). Set by a process constructor, before the first
-/// allocation reserves an arena: set in `main`, the first arena was already
-/// committed (and backed by transparent huge pages), and the peak was 119 MiB.
+/// 104 MiB with eager commit off and a purge delay of 0 (109 MiB with glibc's
+/// malloc), for the same start time (0.44-0.48 s). A delay of 0 re-faulted every
+/// buffer freed and allocated again (a list page, a growing map): the API start
+/// at 100k took 8.71 s, against 7.58 s with 2 ms, for the same peak (701 and
+/// 702 MiB). Set by a process constructor, before the first allocation reserves
+/// an arena: set in `main`, the first arena was already committed (and backed by
+/// transparent huge pages), and the peak at 10k was 119 MiB.
 #[cfg(not(feature = "system-allocator"))]
 #[used]
 #[unsafe(link_section = ".init_array")]
@@ -41,16 +44,16 @@ extern "C" fn tune_allocator() {
     // `mi_option_t` numbers of mimalloc 3's header (libmimalloc-sys does not name
     // these two); another major version numbers them differently, so leave it be.
     // mimalloc's own variables (`MIMALLOC_PURGE_DELAY=10`, ...) still win.
-    const OPTIONS: [(i32, &str); 2] = [
-        (4, "MIMALLOC_ARENA_EAGER_COMMIT"),
-        (15, "MIMALLOC_PURGE_DELAY"),
+    const OPTIONS: [(i32, &str, i64); 2] = [
+        (4, "MIMALLOC_ARENA_EAGER_COMMIT", 0),
+        (15, "MIMALLOC_PURGE_DELAY", 2),
     ];
     // SAFETY: plain setters of mimalloc's global options, valid at any time.
     unsafe {
         if (30000..40000).contains(&mi_version()) {
-            for (option, variable) in OPTIONS {
+            for (option, variable, value) in OPTIONS {
                 if std::env::var_os(variable).is_none() {
-                    mi_option_set(option, 0);
+                    mi_option_set(option, value as _);
                 }
             }
         }
