@@ -64,24 +64,45 @@ impl SockRevNatMap {
         found(self.map.get(key, 0), map_names::SOCK_REVNAT)
     }
 
-    /// Every entry. Entries that the hooks add or the LRU evicts meanwhile may be
-    /// missed or listed: what is read is what existed at some point of the walk.
-    /// Read in batches: two syscalls per entry over the full map (262k entries in
-    /// the bench) on every endpoint change took 53% of the CPU samples under churn.
-    /// Entry by entry where the kernel has no batch lookup.
-    pub fn entries(&self) -> Result<Vec<(SockRevNatKey, SockRevNatValue)>, MapsError> {
-        if let Ok(entries) = lookup_all_batched(self.fd.as_fd()) {
-            return Ok(entries);
+    /// Every entry, handed to `each` a batch at a time (never the whole map at once:
+    /// read whole, the bench's 262k entries were a 15 MB spike on every sweep).
+    /// Entries that the hooks add or the LRU evicts meanwhile may be missed or
+    /// listed: what is read is what existed at some point of the walk. Read in
+    /// batches: two syscalls per entry over the full map on every endpoint change
+    /// took 53% of the CPU samples under churn. Entry by entry where the kernel has
+    /// no batch lookup.
+    pub fn for_each_batch(
+        &self,
+        mut each: impl FnMut(&[(SockRevNatKey, SockRevNatValue)]),
+    ) -> Result<(), MapsError> {
+        let mut seen = false;
+        let batched = lookup_batched(self.fd.as_fd(), |batch| {
+            seen = true;
+            each(batch)
+        });
+        // Unsupported batch lookups fail before the first batch.
+        if batched.is_ok() || seen {
+            return batched.map_err(|e| MapsError::Read {
+                map: map_names::SOCK_REVNAT,
+                source: MapError::SyscallError(aya::sys::SyscallError {
+                    call: "bpf_map_lookup_batch",
+                    io_error: e,
+                }),
+            });
         }
-        self.map
-            .iter()
-            .map(|entry| {
-                entry.map_err(|source| MapsError::Read {
-                    map: map_names::SOCK_REVNAT,
-                    source,
-                })
-            })
-            .collect()
+        let mut batch = Vec::with_capacity(BATCH_CHUNK);
+        for entry in self.map.iter() {
+            batch.push(entry.map_err(|source| MapsError::Read {
+                map: map_names::SOCK_REVNAT,
+                source,
+            })?);
+            if batch.len() == BATCH_CHUNK {
+                each(&batch);
+                batch.clear();
+            }
+        }
+        each(&batch);
+        Ok(())
     }
 
     /// Removes one entry; one already evicted is fine.
@@ -525,17 +546,18 @@ const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 
 /// Every entry of a hash map, with `BPF_MAP_LOOKUP_BATCH` calls of up to
 /// [`BATCH_CHUNK`] entries. `K` and `V` are the map's key and value types.
-fn lookup_all_batched<K: bytemuck::Pod, V: bytemuck::Pod>(
+fn lookup_batched<K: bytemuck::Pod, V: bytemuck::Pod>(
     map: BorrowedFd<'_>,
-) -> io::Result<Vec<(K, V)>> {
-    let mut all = Vec::new();
+    mut each: impl FnMut(&[(K, V)]),
+) -> io::Result<()> {
+    let mut keys = vec![K::zeroed(); BATCH_CHUNK];
+    let mut values = vec![V::zeroed(); BATCH_CHUNK];
+    let mut batch: Vec<(K, V)> = Vec::with_capacity(BATCH_CHUNK);
     // The position between calls: a bucket number for hash maps (4 bytes), kept in
     // a buffer as large as any key to be safe.
     let (mut position, mut next) = ([0u8; 64], [0u8; 64]);
     let mut first = true;
     loop {
-        let mut keys = vec![K::zeroed(); BATCH_CHUNK];
-        let mut values = vec![V::zeroed(); BATCH_CHUNK];
         let mut attr = BatchAttr {
             in_batch: if first { 0 } else { position.as_ptr() as u64 },
             out_batch: next.as_mut_ptr() as u64,
@@ -550,11 +572,15 @@ fn lookup_all_batched<K: bytemuck::Pod, V: bytemuck::Pod>(
         // hash map's 4-byte bucket number).
         let done = unsafe { bpf_batch(BPF_MAP_LOOKUP_BATCH, &mut attr) };
         let read = (attr.count as usize).min(BATCH_CHUNK);
-        all.extend(keys.into_iter().zip(values).take(read));
+        batch.clear();
+        batch.extend(keys.iter().copied().zip(values.iter().copied()).take(read));
         match done {
-            Ok(()) => {}
+            Ok(()) => each(&batch),
             // The end of the map.
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(all),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                each(&batch);
+                return Ok(());
+            }
             Err(e) => return Err(e),
         }
         position = next;

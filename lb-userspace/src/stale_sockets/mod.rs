@@ -281,7 +281,8 @@ fn sweep(
     departures: &Departures,
     close_tcp: bool,
 ) -> Result<usize, MapsError> {
-    let stale = stale_entries(&map.entries()?, departures, close_tcp);
+    let mut stale = Vec::new();
+    map.for_each_batch(|batch| stale.extend(stale_entries(batch, departures, close_tcp)))?;
     for key in &stale {
         map.remove(key)?;
     }
