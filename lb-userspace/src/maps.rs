@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap};
 use aya::sys::SyscallError;
+use aya_obj::generated::bpf_cmd;
 use lb_common::{
     map_names, stat, Backend, CtKey, CtValue, ServiceKey, ServiceValue, SockRevNatKey,
     SockRevNatValue, SourceRangeKey, SvcStats,
@@ -84,7 +85,7 @@ impl SockRevNatMap {
         if batched.is_ok() || seen {
             return batched.map_err(|e| MapsError::Read {
                 map: map_names::SOCK_REVNAT,
-                source: MapError::SyscallError(aya::sys::SyscallError {
+                source: MapError::SyscallError(SyscallError {
                     call: "bpf_map_lookup_batch",
                     io_error: e,
                 }),
@@ -477,21 +478,22 @@ const BATCH_MIN: usize = 16;
 /// call) without adding many syscalls.
 const BATCH_CHUNK: usize = 8192;
 
-/// The `batch` member of `union bpf_attr` (include/uapi/linux/bpf.h).
-#[repr(C)]
-#[derive(Default)]
-struct BatchAttr {
-    in_batch: u64,
-    out_batch: u64,
-    keys: u64,
-    values: u64,
-    count: u32,
-    map_fd: u32,
-    elem_flags: u64,
-    flags: u64,
-}
+/// The `batch` member of `union bpf_attr`, from aya's kernel bindings.
+type BatchAttr = aya_obj::generated::bpf_attr__bindgen_ty_3;
 
-const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+/// An empty batch request for the map `map`.
+fn batch_attr(map: BorrowedFd<'_>) -> BatchAttr {
+    BatchAttr {
+        in_batch: 0,
+        out_batch: 0,
+        keys: 0,
+        values: 0,
+        count: 0,
+        map_fd: map.as_raw_fd() as u32,
+        elem_flags: 0,
+        flags: 0,
+    }
+}
 
 /// Inserts the entries `entry` picks out of a run of ops, in order, with one
 /// syscall. `K` and `V` are the map's key and value types, so their sizes are the
@@ -510,12 +512,11 @@ fn update_batch<K: bytemuck::Pod, V: bytemuck::Pod>(
         keys: keys.as_ptr() as u64,
         values: values.as_ptr() as u64,
         count: keys.len() as u32,
-        map_fd: map.as_raw_fd() as u32,
-        ..Default::default()
+        ..batch_attr(map)
     };
     // SAFETY: the kernel reads `count` keys and values from arrays that outlive
     // the call.
-    unsafe { bpf_batch(BPF_MAP_UPDATE_BATCH, &mut attr) }
+    unsafe { bpf_batch(bpf_cmd::BPF_MAP_UPDATE_BATCH, &mut attr) }
 }
 
 /// One batch command of the bpf syscall.
@@ -523,14 +524,14 @@ fn update_batch<K: bytemuck::Pod, V: bytemuck::Pod>(
 /// # Safety
 /// The pointers in `attr` (keys, values, positions) must be valid for what `cmd`
 /// reads and writes through them, for `count` entries.
-unsafe fn bpf_batch(cmd: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
+unsafe fn bpf_batch(cmd: bpf_cmd, attr: &mut BatchAttr) -> io::Result<()> {
     // SAFETY: `attr` is a valid bpf_attr prefix of the size passed; the caller
     // vouches for the arrays it points to; the kernel writes back only into them
     // and into `attr`.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_bpf,
-            cmd,
+            cmd as libc::c_long,
             attr as *mut BatchAttr,
             std::mem::size_of::<BatchAttr>() as u32,
         )
@@ -541,8 +542,6 @@ unsafe fn bpf_batch(cmd: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
         Err(io::Error::last_os_error())
     }
 }
-
-const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 
 /// Every entry of a hash map, with `BPF_MAP_LOOKUP_BATCH` calls of up to
 /// [`BATCH_CHUNK`] entries. `K` and `V` are the map's key and value types.
@@ -564,13 +563,12 @@ fn lookup_batched<K: bytemuck::Pod, V: bytemuck::Pod>(
             keys: keys.as_mut_ptr() as u64,
             values: values.as_mut_ptr() as u64,
             count: BATCH_CHUNK as u32,
-            map_fd: map.as_raw_fd() as u32,
-            ..Default::default()
+            ..batch_attr(map)
         };
         // SAFETY: the kernel writes at most `count` keys and values into arrays of
         // that many, and the next position into `next` (64 bytes, more than a
         // hash map's 4-byte bucket number).
-        let done = unsafe { bpf_batch(BPF_MAP_LOOKUP_BATCH, &mut attr) };
+        let done = unsafe { bpf_batch(bpf_cmd::BPF_MAP_LOOKUP_BATCH, &mut attr) };
         let read = (attr.count as usize).min(BATCH_CHUNK);
         batch.clear();
         batch.extend(keys.iter().copied().zip(values.iter().copied()).take(read));
