@@ -1029,6 +1029,7 @@ impl Env {
     /// connection that reaches the new backend, while a thread rewrites
     /// `churn.yaml` (other Services, one endpoint moved per write)
     /// [`CHURN_PER_SEC`] times a second. The latencies in ms, sorted.
+    /// No samples unless `--change-distribution` asked for them.
     fn change_distribution(
         &self,
         label: &str,
@@ -1039,6 +1040,9 @@ impl Env {
         set_backend: &dyn Fn(Ipv4Addr) -> Result<()>,
     ) -> Result<Vec<f64>> {
         use std::sync::atomic::{AtomicBool, Ordering};
+        if !self.cfg.change_distribution {
+            return Ok(Vec::new());
+        }
         // LB_BENCH_CHURN_PER_SEC overrides the rate, to tell the churn's share of
         // the latency from the rest.
         let rate = std::env::var("LB_BENCH_CHURN_PER_SEC")
@@ -1120,15 +1124,11 @@ impl Env {
         let change_ms =
             self.change_latency(ns, true, to, || self.set_measured_backend(s, pod_ip(1)))?;
         show_changes(&agent);
-        let distribution = if self.cfg.change_distribution {
-            let churn = |writes| self.manifests.write("churn.yaml", &churn_manifests(writes));
-            let set = |ip| self.set_measured_backend(s, ip);
-            let samples = self.change_distribution("socket-lb", s, ns, to, &churn, &set);
-            let _ = self.manifests.remove("churn.yaml");
-            samples?
-        } else {
-            Vec::new()
-        };
+        let churn = |writes| self.manifests.write("churn.yaml", &churn_manifests(writes));
+        let set = |ip| self.set_measured_backend(s, ip);
+        let distribution = self.change_distribution("socket-lb", s, ns, to, &churn, &set);
+        let _ = self.manifests.remove("churn.yaml");
+        let distribution = distribution?;
         res.control.push(control_row(
             "socket-lb",
             s,
@@ -1175,22 +1175,18 @@ impl Env {
             Ok(())
         };
         let change_ms = self.change_latency(ns, true, to, || set(pod_ip(1)))?;
-        let distribution = if self.cfg.change_distribution {
-            let churn = |writes: u64| {
-                let j = writes % CHURN_SERVICES;
-                let svc = churn_service(j, writes);
-                // The Service once, then only its slice: one event per write.
-                if writes < CHURN_SERVICES {
-                    api.put(&svc);
-                } else {
-                    api.put_slice(&svc);
-                }
-                Ok(())
-            };
-            self.change_distribution("socket-lb-api", s, ns, to, &churn, &set)?
-        } else {
-            Vec::new()
+        let churn = |writes: u64| {
+            let j = writes % CHURN_SERVICES;
+            let svc = churn_service(j, writes);
+            // The Service once, then only its slice: one event per write.
+            if writes < CHURN_SERVICES {
+                api.put(&svc);
+            } else {
+                api.put_slice(&svc);
+            }
+            Ok(())
         };
+        let distribution = self.change_distribution("socket-lb-api", s, ns, to, &churn, &set)?;
         show_changes(&agent);
         res.control.push(control_row(
             "socket-lb-api",
