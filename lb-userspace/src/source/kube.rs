@@ -33,7 +33,7 @@ use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 use tracing::{debug, info, warn};
 
-use super::lean::{EndpointSlice, Lean, Service};
+use super::lean::{trim_node, EndpointSlice, Service};
 use super::shards::{ShardedStore, SHARDS};
 use super::Objects;
 
@@ -176,8 +176,8 @@ fn default_kubeconfig_location() -> String {
 /// (coalesced only under bursts, see [`Coalescer`]). A relist that finds nothing new
 /// publishes nothing. Services and EndpointSlices come in [`SHARDS`] parts (see
 /// [`ShardedStore`]): a change replaces the part of the objects it touched, and the
-/// others are the same allocations as in the previous snapshot. Objects are trimmed
-/// to what the agent reads (see [`Lean`]); `errors` stays empty. Call it inside a
+/// others are the same allocations as in the previous snapshot. Objects hold only
+/// what the agent reads (see [`super::lean`]); `errors` stays empty. Call it inside a
 /// Tokio runtime; the tasks stop when the receiver is dropped.
 pub fn watch(client: Client, options: KubeWatchOptions) -> watch::Receiver<Option<Arc<Objects>>> {
     let (tx, rx) = watch::channel(None);
@@ -240,14 +240,13 @@ impl Update {
 
 type Events = BoxStream<'static, Result<Update, (Kind, watcher::Error)>>;
 
-/// A watcher for one kind, its objects trimmed as they arrive, retried with backoff.
+/// A watcher for one kind, retried with backoff.
 fn events<K>(api: Api<K>, config: watcher::Config) -> Events
 where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync,
-    K: Lean + Watched + 'static,
+    K: Watched + 'static,
 {
     watcher(api, config)
-        .modify(|object: &mut K| object.lean())
         .backoff(RecoveryBackoff::default())
         .map(|event| event.map(K::update).map_err(|e| (K::KIND, e)))
         .boxed()
@@ -273,10 +272,12 @@ impl Watched for EndpointSlice {
     }
 }
 
+/// Nodes come whole (k8s-openapi's type) and are trimmed as they arrive; Services
+/// and slices are decoded lean.
 impl Watched for Node {
     const KIND: Kind = Kind::Nodes;
     fn update(event: watcher::Event<Self>) -> Update {
-        Update::Node(Box::new(event))
+        Update::Node(Box::new(event.modify(trim_node)))
     }
 }
 

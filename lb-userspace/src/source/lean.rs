@@ -12,7 +12,7 @@
 //! plain fields; labels and annotations other than the ones read are skipped.
 //!
 //! Nodes are few (this node's one, by field selector), so they stay k8s-openapi's,
-//! trimmed by [`Lean`] as they arrive.
+//! trimmed by [`trim_node`] as they arrive.
 
 use std::collections::BTreeMap;
 
@@ -316,38 +316,23 @@ api_resource!(
     "endpointslices"
 );
 
-/// Drops what this agent never reads of an object decoded whole.
-pub trait Lean {
-    fn lean(&mut self);
-}
-
-/// Lean types are lean as decoded.
-impl Lean for Service {
-    fn lean(&mut self) {}
-}
-
-impl Lean for EndpointSlice {
-    fn lean(&mut self) {}
-}
-
-/// Name and resource version stay (the cache keys and resumes by them); of the
-/// labels, only the zone.
-impl Lean for Node {
-    fn lean(&mut self) {
-        let meta = &mut self.metadata;
-        meta.managed_fields = None;
-        meta.owner_references = None;
-        meta.finalizers = None;
-        meta.annotations = None;
-        if let Some(labels) = meta.labels.as_mut() {
-            labels.retain(|k, _| k == LABEL_ZONE);
-        }
-        self.spec = None;
-        self.status = self.status.take().map(|status| NodeStatus {
-            addresses: status.addresses,
-            ..NodeStatus::default()
-        });
+/// Drops what this agent never reads of a Node (decoded whole, as k8s-openapi's):
+/// name and resource version stay (the cache keys and resumes by them); of the
+/// labels, only the zone; of the status, the addresses.
+pub fn trim_node(node: &mut Node) {
+    let meta = &mut node.metadata;
+    meta.managed_fields = None;
+    meta.owner_references = None;
+    meta.finalizers = None;
+    meta.annotations = None;
+    if let Some(labels) = meta.labels.as_mut() {
+        labels.retain(|k, _| k == LABEL_ZONE);
     }
+    node.spec = None;
+    node.status = node.status.take().map(|status| NodeStatus {
+        addresses: status.addresses,
+        ..NodeStatus::default()
+    });
 }
 
 #[cfg(test)]
@@ -483,7 +468,7 @@ mod tests {
             },
         }))
         .unwrap();
-        node.lean();
+        trim_node(&mut node);
         let labels = node.metadata.labels.as_ref().unwrap();
         assert_eq!(labels.keys().collect::<Vec<_>>(), [LABEL_ZONE]);
         let status = node.status.as_ref().unwrap();

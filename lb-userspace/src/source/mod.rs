@@ -24,7 +24,7 @@ mod shards;
 pub mod yaml;
 
 pub use desired::{build_desired, NodePortRange, SourceOptions, LABEL_ZONE};
-pub use lean::{EndpointSlice, Lean, Service};
+pub use lean::{EndpointSlice, Service};
 pub use yaml::{FileError, FileProblem};
 
 /// Where a loaded document came from; only set for errors found while loading.
