@@ -259,9 +259,9 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 // wrong until the Service changed. Compare, and on a difference
                 // forget the memory and sync from the kernel's table.
                 let Some(known) = &known_table else { continue };
-                match maps.snapshot() {
-                    Ok(kernel) if kernel == *known.snapshot() => continue,
-                    Ok(_) => {
+                match maps.holds(known.snapshot()) {
+                    Ok(true) => continue,
+                    Ok(false) => {
                         warn!("the service table in the kernel differs from what this agent wrote; repairing");
                         status.record_drift_repair();
                         known_table = None;

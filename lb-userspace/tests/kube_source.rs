@@ -58,7 +58,7 @@ fn addresses(o: &Objects, name: &str) -> Option<Vec<String>> {
             .endpoints
             .iter()
             .flatten()
-            .flat_map(|e| e.addresses.iter().cloned())
+            .flat_map(|e| e.address.as_ref().map(ToString::to_string))
             .collect(),
     )
 }

@@ -12,7 +12,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use super::lean::{EndpointSlice, Service, ServicePort, ServiceSpec};
+use super::lean::{EndpointAddress, EndpointSlice, Service, ServicePort, ServiceSpec};
 use ipnet::IpNet;
 
 use super::{ObjectError, Problem};
@@ -288,7 +288,7 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             continue;
         }
         // FQDN slices name no address to translate to; kube-proxy skips them too.
-        let v6 = match slice.address_type.as_str() {
+        let v6 = match &*slice.address_type {
             "IPv4" => false,
             "IPv6" => true,
             _ => continue,
@@ -597,7 +597,7 @@ fn cluster_families(
     let families: Vec<&str> = ips.iter().map(family).collect();
     if let Some(declared) = spec.ip_families.as_ref().filter(|f| !f.is_empty()) {
         let consistent = declared.len() >= families.len()
-            && families.iter().zip(declared).all(|(a, b)| *a == b.as_str());
+            && families.iter().zip(declared).all(|(a, b)| *a == &**b);
         if !consistent {
             report(Problem::IpFamiliesMismatch {
                 families: declared.join(", "),
@@ -674,18 +674,21 @@ fn read_slice<'a>(
     let mut endpoints = Vec::new();
     for (index, ep) in slice.endpoints.iter().flatten().enumerate() {
         // Only the first address has defined meaning; kube-proxy ignores the others.
-        let Some(address) = ep.addresses.first() else {
+        let Some(address) = &ep.address else {
             report(Problem::EndpointWithoutAddress { index });
             continue;
         };
         // An address of the other family than the slice's `addressType` is as
         // unusable as one that does not parse.
-        let parsed = address.parse::<IpAddr>().ok();
+        let parsed = match address {
+            EndpointAddress::Ip(ip) => Some(*ip),
+            EndpointAddress::Invalid(_) => None,
+        };
         let Some(ip) = parsed.filter(|ip| ip.is_ipv6() == v6) else {
             report(Problem::InvalidEndpointAddress {
                 family: if v6 { "IPv6" } else { "IPv4" },
                 index,
-                address: address.clone(),
+                address: address.to_string(),
             });
             continue;
         };

@@ -15,6 +15,8 @@
 //! trimmed by [`trim_node`] as they arrive.
 
 use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Node, NodeStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -22,6 +24,7 @@ use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 
 use super::desired::{LABEL_HEADLESS, LABEL_PROXY_NAME, LABEL_SERVICE_NAME};
+use super::intern;
 use super::LABEL_ZONE;
 use crate::ops::LAST_CHANGE_TRIGGER_TIME;
 
@@ -41,24 +44,31 @@ pub struct Service {
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ServiceSpec {
-    #[serde(rename = "type")]
-    pub type_: Option<String>,
+    #[serde(rename = "type", default, deserialize_with = "intern::option")]
+    pub type_: Option<Arc<str>>,
     #[serde(rename = "clusterIP")]
     pub cluster_ip: Option<String>,
-    #[serde(rename = "clusterIPs")]
+    #[serde(rename = "clusterIPs", default, deserialize_with = "fitted")]
     pub cluster_ips: Option<Vec<String>>,
-    pub ip_families: Option<Vec<String>>,
-    pub ip_family_policy: Option<String>,
+    #[serde(default, deserialize_with = "intern::list")]
+    pub ip_families: Option<Vec<Arc<str>>>,
+    #[serde(default, deserialize_with = "intern::option")]
+    pub ip_family_policy: Option<Arc<str>>,
+    #[serde(default, deserialize_with = "fitted")]
     pub ports: Option<Vec<ServicePort>>,
-    #[serde(rename = "externalIPs")]
+    #[serde(rename = "externalIPs", default, deserialize_with = "fitted")]
     pub external_ips: Option<Vec<String>>,
     #[serde(rename = "loadBalancerIP")]
     pub load_balancer_ip: Option<String>,
+    #[serde(default, deserialize_with = "fitted")]
     pub load_balancer_source_ranges: Option<Vec<String>>,
-    pub external_traffic_policy: Option<String>,
-    pub internal_traffic_policy: Option<String>,
+    #[serde(default, deserialize_with = "intern::option")]
+    pub external_traffic_policy: Option<Arc<str>>,
+    #[serde(default, deserialize_with = "intern::option")]
+    pub internal_traffic_policy: Option<Arc<str>>,
     pub health_check_node_port: Option<i32>,
-    pub session_affinity: Option<String>,
+    #[serde(default, deserialize_with = "intern::option")]
+    pub session_affinity: Option<Arc<str>>,
     pub session_affinity_config: Option<SessionAffinityConfig>,
 }
 
@@ -67,7 +77,8 @@ pub struct ServiceSpec {
 pub struct ServicePort {
     pub name: Option<String>,
     pub port: i32,
-    pub protocol: Option<String>,
+    #[serde(default, deserialize_with = "intern::option")]
+    pub protocol: Option<Arc<str>>,
     pub node_port: Option<i32>,
 }
 
@@ -91,6 +102,7 @@ pub struct ServiceStatus {
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 pub struct LoadBalancerStatus {
+    #[serde(default, deserialize_with = "fitted")]
     pub ingress: Option<Vec<LoadBalancerIngress>>,
 }
 
@@ -98,7 +110,8 @@ pub struct LoadBalancerStatus {
 #[serde(rename_all = "camelCase")]
 pub struct LoadBalancerIngress {
     pub ip: Option<String>,
-    pub ip_mode: Option<String>,
+    #[serde(default, deserialize_with = "intern::option")]
+    pub ip_mode: Option<Arc<str>>,
 }
 
 /// An EndpointSlice: its owner, its endpoints and ports.
@@ -113,7 +126,7 @@ pub struct EndpointSlice {
     /// The `endpoints.kubernetes.io/last-change-trigger-time` annotation, as
     /// written (RFC 3339), for the network-programming latency.
     pub trigger_time: Option<String>,
-    pub address_type: String,
+    pub address_type: Arc<str>,
     pub endpoints: Option<Vec<Endpoint>>,
     pub ports: Option<Vec<EndpointPort>>,
 }
@@ -123,28 +136,23 @@ pub struct EndpointSlice {
 struct SliceIn {
     #[serde(default)]
     metadata: MetaIn,
-    address_type: String,
-    #[serde(default)]
+    #[serde(deserialize_with = "intern::required")]
+    address_type: Arc<str>,
+    #[serde(default, deserialize_with = "fitted")]
     endpoints: Option<Vec<Endpoint>>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "fitted")]
     ports: Option<Vec<EndpointPort>>,
 }
 
 impl From<SliceIn> for EndpointSlice {
     fn from(slice: SliceIn) -> Self {
         let mut meta = slice.metadata;
-        let mut endpoints = slice.endpoints;
-        // Kept for the slice's life: without the growth room reading left (up to
-        // 16 places for 10 endpoints).
-        if let Some(endpoints) = endpoints.as_mut() {
-            endpoints.shrink_to_fit();
-        }
         EndpointSlice {
             service_name: meta.labels.take(LABEL_SERVICE_NAME),
             trigger_time: meta.annotations.take(LAST_CHANGE_TRIGGER_TIME),
             metadata: meta.object_meta(None),
             address_type: slice.address_type,
-            endpoints,
+            endpoints: slice.endpoints,
             ports: slice.ports,
         }
     }
@@ -153,15 +161,43 @@ impl From<SliceIn> for EndpointSlice {
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Endpoint {
-    /// The first address only: kube-proxy reads no other (the rest have no defined
-    /// meaning), so the rest are skipped unread.
-    #[serde(deserialize_with = "first_only")]
-    pub addresses: Vec<String>,
+    /// The first of `addresses` only: kube-proxy reads no other (the rest have no
+    /// defined meaning), so the rest are skipped unread. `None`: the list is empty.
+    #[serde(rename = "addresses", deserialize_with = "first_address")]
+    pub address: Option<EndpointAddress>,
     pub conditions: Option<EndpointConditions>,
     /// Boxed: most endpoints have none, and a hundred thousand endpoints each
     /// holding room for two vectors would cost 4.8 MB.
     pub hints: Option<Box<EndpointHints>>,
-    pub node_name: Option<String>,
+    #[serde(default, deserialize_with = "intern::option")]
+    pub node_name: Option<Arc<str>>,
+}
+
+/// An endpoint's address, parsed as it is read (an IP address is 17 bytes, its
+/// text 24 plus an allocation); the text is kept only when it is not an address,
+/// for the error that names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EndpointAddress {
+    Ip(IpAddr),
+    Invalid(Box<str>),
+}
+
+impl std::fmt::Display for EndpointAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        match self {
+            EndpointAddress::Ip(ip) => ip.fmt(f),
+            EndpointAddress::Invalid(text) => f.write_str(text),
+        }
+    }
+}
+
+impl From<&str> for EndpointAddress {
+    fn from(text: &str) -> Self {
+        match text.parse() {
+            Ok(ip) => EndpointAddress::Ip(ip),
+            Err(_) => EndpointAddress::Invalid(text.into()),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
@@ -180,19 +216,22 @@ pub struct EndpointHints {
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 pub struct ForZone {
-    pub name: String,
+    #[serde(deserialize_with = "intern::required")]
+    pub name: Arc<str>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 pub struct ForNode {
-    pub name: String,
+    #[serde(deserialize_with = "intern::required")]
+    pub name: Arc<str>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 pub struct EndpointPort {
     pub name: Option<String>,
     pub port: Option<i32>,
-    pub protocol: Option<String>,
+    #[serde(default, deserialize_with = "intern::option")]
+    pub protocol: Option<Arc<str>>,
 }
 
 /// The metadata fields read, with every label and annotation as written; the
@@ -268,20 +307,34 @@ fn service_meta<'de, D: Deserializer<'de>>(deserializer: D) -> Result<ObjectMeta
     Ok(meta.object_meta((!labels.is_empty()).then_some(labels)))
 }
 
-fn first_only<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<String>, D::Error> {
+fn first_address<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<EndpointAddress>, D::Error> {
     struct FirstVisitor;
     impl<'de> Visitor<'de> for FirstVisitor {
-        type Value = Vec<String>;
+        type Value = Option<EndpointAddress>;
         fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
             f.write_str("a list of addresses")
         }
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<String>, A::Error> {
-            let first = seq.next_element::<String>()?;
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            let first = seq.next_element::<std::borrow::Cow<'de, str>>()?;
             while seq.next_element::<IgnoredAny>()?.is_some() {}
-            Ok(first.into_iter().collect())
+            Ok(first.map(|text| EndpointAddress::from(&*text)))
         }
     }
     deserializer.deserialize_seq(FirstVisitor)
+}
+
+/// A list kept for an object's life, without the growth room reading left (16
+/// places for 10 endpoints, 4 for one port).
+fn fitted<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    deserializer: D,
+) -> Result<Option<Vec<T>>, D::Error> {
+    let mut list = Option::<Vec<T>>::deserialize(deserializer)?;
+    if let Some(list) = list.as_mut() {
+        list.shrink_to_fit();
+    }
+    Ok(list)
 }
 
 macro_rules! api_resource {
@@ -413,9 +466,30 @@ mod tests {
         assert!(slice.metadata.labels.is_none() && slice.metadata.annotations.is_none());
         assert_eq!(slice.metadata.resource_version.as_deref(), Some("8"));
         let endpoint = &slice.endpoints.as_ref().unwrap()[0];
-        assert_eq!(endpoint.addresses, ["10.0.0.1"]);
-        assert_eq!(endpoint.addresses.capacity(), 1);
+        assert_eq!(
+            endpoint.address,
+            Some(EndpointAddress::Ip("10.0.0.1".parse().unwrap()))
+        );
         assert_eq!(endpoint.node_name.as_deref(), Some("node-a"));
+        // Lists kept without growth room; repeated strings shared.
+        let endpoints = slice.endpoints.as_ref().unwrap();
+        assert_eq!(endpoints.capacity(), endpoints.len());
+        let ports = service.spec.as_ref().unwrap().ports.as_ref().unwrap();
+        assert_eq!(ports.capacity(), ports.len());
+        let again: EndpointSlice = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "web-2"}, "addressType": "IPv4",
+            "endpoints": [{"addresses": ["not-an-ip"], "nodeName": "node-a"}],
+        }))
+        .unwrap();
+        let other = &again.endpoints.as_ref().unwrap()[0];
+        assert!(Arc::ptr_eq(
+            other.node_name.as_ref().unwrap(),
+            endpoint.node_name.as_ref().unwrap()
+        ));
+        assert_eq!(
+            other.address,
+            Some(EndpointAddress::Invalid("not-an-ip".into()))
+        );
 
         // Without the proxy-name label the Service is ours, and both read alike.
         let mut ours = service.clone();

@@ -19,9 +19,9 @@ pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
 #[derive(Clone, Debug, Default)]
 pub(super) struct Hints {
     /// `hints.forZones[].name`.
-    pub zones: Vec<String>,
+    pub zones: Vec<std::sync::Arc<str>>,
     /// `hints.forNodes[].name`.
-    pub nodes: Vec<String>,
+    pub nodes: Vec<std::sync::Arc<str>>,
 }
 
 impl Hints {
@@ -59,7 +59,8 @@ pub(super) enum Mode {
 
 impl Mode {
     pub(super) fn admits(self, endpoint: &EndpointInfo, opts: &SourceOptions) -> bool {
-        let has = |names: &[String], wanted: &str| names.iter().any(|n| n == wanted);
+        let has =
+            |names: &[std::sync::Arc<str>], wanted: &str| names.iter().any(|n| **n == *wanted);
         match self {
             Mode::Any => true,
             Mode::SameZone => has(&endpoint.hints.zones, &opts.zone),
@@ -85,12 +86,12 @@ pub(super) fn mode<'a>(
         let hints = &endpoint.hints;
         if hints.nodes.is_empty() {
             all_node_hints = false;
-        } else if !opts.node_name.is_empty() && hints.nodes.contains(&opts.node_name) {
+        } else if !opts.node_name.is_empty() && hints.nodes.iter().any(|n| **n == *opts.node_name) {
             for_node = true;
         }
         if hints.zones.is_empty() {
             all_zone_hints = false;
-        } else if !opts.zone.is_empty() && hints.zones.contains(&opts.zone) {
+        } else if !opts.zone.is_empty() && hints.zones.iter().any(|z| **z == *opts.zone) {
             for_zone = true;
         }
     }
