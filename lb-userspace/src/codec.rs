@@ -9,7 +9,6 @@
 //! comment apart. Addresses of both families are `lb_common::IpAddrBe` (16 bytes,
 //! IPv4 stored IPv4-mapped), converted to and from `std::net::IpAddr` by lb-common.
 
-use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use ipnet::IpNet;
@@ -126,37 +125,7 @@ pub fn socket_addr(address: IpAddrBe, port: u16) -> SocketAddr {
     SocketAddr::new(address.into(), Be16::from_map(port).to_host())
 }
 
-/// The kernel's service table as read from the pinned maps.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct MapSnapshot {
-    /// Every `LB_SERVICES` entry (masters and slots).
-    pub services: BTreeMap<ServiceKey, ServiceValue>,
-    /// Every `LB_BACKENDS` entry.
-    pub backends: BTreeMap<u32, Backend>,
-}
-
-impl MapSnapshot {
-    /// Applies `ops` as the kernel applies them to the maps; for tests, dry runs and
-    /// the agent's copy of what it wrote.
-    pub fn apply(&mut self, ops: &[MapOp]) {
-        for op in ops {
-            match *op {
-                MapOp::PutBackend { id, backend } => {
-                    self.backends.insert(id, backend);
-                }
-                MapOp::PutService { key, value } => {
-                    self.services.insert(key, value);
-                }
-                MapOp::DeleteService { key } => {
-                    self.services.remove(&key);
-                }
-                MapOp::DeleteBackend { id } => {
-                    self.backends.remove(&id);
-                }
-            }
-        }
-    }
-}
+pub use crate::snapshot::MapSnapshot;
 
 /// `max_entries` of the maps the plan writes to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -13,6 +13,7 @@ pub mod ops;
 pub mod pin_lock;
 pub mod pins;
 pub mod reconcile;
+pub mod snapshot;
 pub mod source;
 pub mod source_ranges;
 pub mod stale_sockets;

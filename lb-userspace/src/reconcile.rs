@@ -192,31 +192,18 @@ impl KnownTable {
 
     /// The entries `key` has in the table (master and slots), found by key range.
     fn entries_of(&self, key: FrontendKey) -> Entries {
-        let low = ServiceKey {
+        let master = ServiceKey {
             address: key.address,
             port: key.port.to_map(),
             backend_slot: 0,
-            proto: 0,
-            scope: 0,
+            proto: key.proto,
+            scope: key.scope,
             _pad: [0; 2],
         };
-        let high = ServiceKey {
-            backend_slot: u16::MAX,
-            proto: u8::MAX,
-            scope: u8::MAX,
-            _pad: [u8::MAX; 2],
-            ..low
-        };
         let mut entries = Entries::default();
-        for (k, v) in self.snapshot.services.range(low..=high) {
-            if k.proto != key.proto || k.scope != key.scope || k._pad != [0; 2] {
-                continue;
-            }
-            if k.backend_slot == 0 {
-                entries.master = Some(*v);
-            } else {
-                entries.slots.insert(k.backend_slot, *v);
-            }
+        if let Some(group) = self.snapshot.services.group(&master) {
+            entries.master = group.master;
+            entries.slots = group.slots.iter().copied().collect();
         }
         entries
     }
@@ -338,15 +325,15 @@ pub fn plan(desired: &DesiredState, current: &MapSnapshot, capacity: Capacity) -
     // Keys with padding set can never match a lookup; they only take room.
     let mut garbage: Vec<(ServiceKey, ServiceValue)> = Vec::new();
     let mut refs: HashMap<u32, usize> = HashMap::default();
-    for (key, value) in &current.services {
+    for (key, value) in current.services.iter() {
         if key.backend_slot != 0 {
             *refs.entry(value.backend_id).or_default() += 1;
         }
         if key._pad != [0; 2] || Scope::from_number(key.scope).is_none() {
-            garbage.push((*key, *value));
+            garbage.push((key, *value));
             continue;
         }
-        let entries = groups.entry(FrontendKey::of_key(key)).or_default();
+        let entries = groups.entry(FrontendKey::of_key(&key)).or_default();
         if key.backend_slot == 0 {
             entries.master = Some(*value);
         } else {
@@ -681,7 +668,7 @@ mod tests {
             for slot in 1..=master.count {
                 let slot_key = ServiceKey {
                     backend_slot: slot,
-                    ..*key
+                    ..key
                 };
                 let Some(value) = s.services.get(&slot_key) else {
                     return Some(format!(

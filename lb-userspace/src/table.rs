@@ -42,9 +42,10 @@ type Group = (Option<ServiceValue>, BTreeMap<u16, ServiceValue>);
 pub fn frontend_names(snapshot: &MapSnapshot) -> BTreeMap<u32, String> {
     snapshot
         .services
-        .iter()
-        .filter(|(key, _)| key.backend_slot == 0)
-        .filter_map(|(key, master)| Some((master.rev_nat_id, frontend_of(key)?.to_string())))
+        .groups()
+        .filter_map(|(key, group)| {
+            Some((group.master?.rev_nat_id, frontend_of(key)?.to_string()))
+        })
         .collect()
 }
 
@@ -79,8 +80,8 @@ pub fn frontend_names_patch(before: &MapSnapshot, ops: &[MapOp]) -> Vec<(u32, Op
 /// Group the service entries by frontend and check each against the backends map.
 pub fn decode(snapshot: &MapSnapshot) -> Vec<ProgrammedFrontend> {
     let mut groups: BTreeMap<Frontend, Group> = BTreeMap::new();
-    for (key, value) in &snapshot.services {
-        let Some(frontend) = frontend_of(key) else {
+    for (key, value) in snapshot.services.iter() {
+        let Some(frontend) = frontend_of(&key) else {
             continue;
         };
         let group = groups.entry(frontend).or_default();

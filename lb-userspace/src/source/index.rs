@@ -146,6 +146,10 @@ fn ptr<T>(object: &Arc<T>) -> usize {
     Arc::as_ptr(object) as usize
 }
 
+/// What [`arrivals`] finds: (allocation, key) of the objects gone, and the
+/// objects come, each with its key.
+type Arrivals<'a, T> = (Vec<(usize, Key)>, Vec<(Key, &'a Arc<T>)>);
+
 /// The objects of one kind that left (allocation, key) and that came since the
 /// last sync: flat ones one by one against `held` (updated), those of parts by
 /// comparing each replaced part with the parts that came. Only what came is named.
@@ -156,7 +160,7 @@ fn arrivals<'a, T>(
     new_parts: &'a [Arc<Objects>],
     of_part: fn(&Objects) -> &Vec<Arc<T>>,
     key: fn(&T) -> Key,
-) -> (Vec<(usize, Key)>, Vec<(Key, &'a Arc<T>)>) {
+) -> Arrivals<'a, T> {
     let next: FxHashSet<usize> = flat.iter().map(ptr).collect();
     let mut gone: Vec<(usize, Key)> = held
         .iter()

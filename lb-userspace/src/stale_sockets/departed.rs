@@ -226,17 +226,14 @@ mod tests {
     /// what went), as any plan would write them.
     fn ops(before: &MapSnapshot, after: &MapSnapshot) -> Vec<MapOp> {
         let mut ops = Vec::new();
-        for (key, value) in &after.services {
-            if before.services.get(key) != Some(value) {
-                ops.push(MapOp::PutService {
-                    key: *key,
-                    value: *value,
-                });
+        for (key, value) in after.services.iter() {
+            if before.services.get(&key) != Some(value) {
+                ops.push(MapOp::PutService { key, value: *value });
             }
         }
         for key in before.services.keys() {
-            if !after.services.contains_key(key) {
-                ops.push(MapOp::DeleteService { key: *key });
+            if !after.services.contains_key(&key) {
+                ops.push(MapOp::DeleteService { key });
             }
         }
         ops
