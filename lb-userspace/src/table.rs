@@ -43,9 +43,7 @@ pub fn frontend_names(snapshot: &MapSnapshot) -> BTreeMap<u32, String> {
     snapshot
         .services
         .groups()
-        .filter_map(|(key, group)| {
-            Some((group.master?.rev_nat_id, frontend_of(key)?.to_string()))
-        })
+        .filter_map(|(key, group)| Some((group.master?.rev_nat_id, frontend_of(key)?.to_string())))
         .collect()
 }
 

@@ -22,14 +22,15 @@ const HEADLESS: &str = "service.kubernetes.io/headless";
 
 /// Names in namespace/name order: the source publishes Services and slices in
 /// shards, whose order is not the names'.
-fn names<'a, T: kube::ResourceExt + 'a>(
-    objects: impl IntoIterator<Item = &'a std::sync::Arc<T>>,
-) -> Vec<String> {
-    let mut names: Vec<String> = objects
+fn names<'a>(metas: impl IntoIterator<Item = &'a lb_userspace::source::lean::Meta>) -> Vec<String> {
+    let mut names: Vec<String> = metas
         .into_iter()
-        .map(|o| match o.namespace() {
-            Some(ns) => format!("{ns}/{}", o.name_any()),
-            None => o.name_any(),
+        .map(|m| {
+            let name = m.name.as_deref().unwrap_or_default();
+            match &m.namespace {
+                Some(ns) => format!("{ns}/{name}"),
+                None => name.to_owned(),
+            }
         })
         .collect();
     names.sort();
@@ -37,15 +38,21 @@ fn names<'a, T: kube::ResourceExt + 'a>(
 }
 
 fn services(o: &Objects) -> Vec<String> {
-    names(o.all_services())
+    names(o.all_services().map(|s| &s.metadata))
 }
 
 fn slices(o: &Objects) -> Vec<String> {
-    names(o.all_slices())
+    names(o.all_slices().map(|s| &s.metadata))
 }
 
 fn nodes(o: &Objects) -> Vec<String> {
-    names(&o.nodes)
+    let mut names: Vec<String> = o
+        .nodes
+        .iter()
+        .map(|n| kube::ResourceExt::name_any(&**n))
+        .collect();
+    names.sort();
+    names
 }
 
 /// The endpoint addresses of slice `name`, `None` when there is no such slice.

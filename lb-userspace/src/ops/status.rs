@@ -605,7 +605,7 @@ mod tests {
 
     fn slice(name: &str, trigger: Option<&str>) -> Arc<EndpointSlice> {
         Arc::new(EndpointSlice {
-            metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            metadata: crate::source::lean::Meta {
                 name: Some(name.into()),
                 namespace: Some("default".into()),
                 ..Default::default()

@@ -101,7 +101,7 @@ type ObjectId<'a> = (&'a str, &'a str);
 
 /// Objects without a namespace are taken to be in `default`, as `kubectl apply` of
 /// the same file would place them with a default context.
-fn object_id(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> ObjectId<'_> {
+fn object_id(meta: &super::lean::Meta) -> ObjectId<'_> {
     (
         meta.namespace.as_deref().unwrap_or("default"),
         meta.name.as_deref().unwrap_or_default(),

@@ -332,7 +332,7 @@ mod tests {
     fn names(objects: &Objects) -> Vec<String> {
         objects
             .all_services()
-            .filter_map(|s| s.metadata.name.clone())
+            .filter_map(|s| Some(s.metadata.name.as_deref()?.to_owned()))
             .collect()
     }
 

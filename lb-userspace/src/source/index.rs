@@ -22,8 +22,7 @@ use litemap::LiteMap;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use super::lean::{EndpointSlice, Service};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use super::lean::{EndpointSlice, Meta, Service};
 
 use super::intern::intern;
 use super::{build_desired, ObjectError, Objects, Problem, SourceOptions};
@@ -60,8 +59,11 @@ impl std::fmt::Display for Key {
     }
 }
 
-fn key_of(meta: &ObjectMeta) -> Key {
-    Key::new(meta.namespace.as_deref(), meta.name.as_deref().unwrap_or_default())
+fn key_of(meta: &Meta) -> Key {
+    Key::new(
+        meta.namespace.as_deref(),
+        meta.name.as_deref().unwrap_or_default(),
+    )
 }
 
 /// The Service a slice belongs to, by its `kubernetes.io/service-name` label.
@@ -339,7 +341,10 @@ impl DesiredIndex {
             // The owner's key as the index holds it already, if it does.
             let owner = owner_of(slice).map(|o| match self.slices_of.get_key_value(&o) {
                 Some((held, _)) => held.clone(),
-                None => self.services.get_key_value(&o).map_or(o, |(held, _)| held.clone()),
+                None => self
+                    .services
+                    .get_key_value(&o)
+                    .map_or(o, |(held, _)| held.clone()),
             });
             match &owner {
                 Some(o) => {

@@ -33,8 +33,8 @@ use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 use tracing::{debug, info, warn};
 
-use super::lean::{trim_node, EndpointSlice, Service};
-use super::shards::{ShardedStore, SHARDS};
+use super::lean::{trim_node, EndpointSlice, Service, Wire};
+use super::shards::{Cached, ShardedStore, SHARDS};
 use super::Objects;
 
 /// kube-proxy's selector for Services: those claimed by another proxy
@@ -192,11 +192,11 @@ pub fn watch(client: Client, options: KubeWatchOptions) -> watch::Receiver<Optio
     }
     let events = stream::select_all([
         events(
-            Api::<Service>::all(client.clone()),
+            Api::<Wire<Service>>::all(client.clone()),
             list(SERVICE_LABEL_SELECTOR),
         ),
         events(
-            Api::<EndpointSlice>::all(client.clone()),
+            Api::<Wire<EndpointSlice>>::all(client.clone()),
             list(SLICE_LABEL_SELECTOR),
         ),
         events(Api::<Node>::all(client), node_config),
@@ -258,17 +258,28 @@ trait Watched: Sized {
     fn update(event: watcher::Event<Self>) -> Update;
 }
 
-impl Watched for Service {
-    const KIND: Kind = Kind::Services;
-    fn update(event: watcher::Event<Self>) -> Update {
-        Update::Service(Box::new(event))
+/// The object a watcher event carries, without its wire form's `ObjectMeta`.
+fn unwrap<T>(event: watcher::Event<Wire<T>>) -> watcher::Event<T> {
+    match event {
+        watcher::Event::Apply(o) => watcher::Event::Apply(o.into_inner()),
+        watcher::Event::Delete(o) => watcher::Event::Delete(o.into_inner()),
+        watcher::Event::Init => watcher::Event::Init,
+        watcher::Event::InitApply(o) => watcher::Event::InitApply(o.into_inner()),
+        watcher::Event::InitDone => watcher::Event::InitDone,
     }
 }
 
-impl Watched for EndpointSlice {
+impl Watched for Wire<Service> {
+    const KIND: Kind = Kind::Services;
+    fn update(event: watcher::Event<Self>) -> Update {
+        Update::Service(Box::new(unwrap(event)))
+    }
+}
+
+impl Watched for Wire<EndpointSlice> {
     const KIND: Kind = Kind::EndpointSlices;
     fn update(event: watcher::Event<Self>) -> Update {
-        Update::Slice(Box::new(event))
+        Update::Slice(Box::new(unwrap(event)))
     }
 }
 
@@ -422,7 +433,7 @@ enum Step {
     Listed,
 }
 
-fn apply<K: Resource>(store: &mut ShardedStore<K>, event: watcher::Event<K>) -> Step {
+fn apply<K: Cached>(store: &mut ShardedStore<K>, event: watcher::Event<K>) -> Step {
     let changed = |yes: bool| if yes { Step::Changed } else { Step::Nothing };
     match event {
         watcher::Event::Apply(object) => changed(store.apply(object)),

@@ -34,7 +34,7 @@ pub struct Service {
     /// Name, namespace, resource version; of the labels only the two that hand the
     /// Service to another proxy or mark it headless.
     #[serde(default, deserialize_with = "service_meta")]
-    pub metadata: ObjectMeta,
+    pub metadata: Meta,
     #[serde(default)]
     pub spec: Option<ServiceSpec>,
     #[serde(default)]
@@ -120,7 +120,7 @@ pub struct LoadBalancerIngress {
 pub struct EndpointSlice {
     /// Name, namespace, resource version; no labels or annotations (the two read
     /// are the fields below).
-    pub metadata: ObjectMeta,
+    pub metadata: Meta,
     /// The `kubernetes.io/service-name` label: the Service the slice belongs to.
     pub service_name: Option<String>,
     /// The `endpoints.kubernetes.io/last-change-trigger-time` annotation, as
@@ -150,7 +150,7 @@ impl From<SliceIn> for EndpointSlice {
         EndpointSlice {
             service_name: meta.labels.take(LABEL_SERVICE_NAME),
             trigger_time: meta.annotations.take(LAST_CHANGE_TRIGGER_TIME),
-            metadata: meta.object_meta(None),
+            metadata: meta.into_meta(None),
             address_type: slice.address_type,
             endpoints: slice.endpoints,
             ports: slice.ports,
@@ -247,14 +247,83 @@ struct MetaIn {
 }
 
 impl MetaIn {
-    fn object_meta(self, labels: Option<BTreeMap<String, String>>) -> ObjectMeta {
-        ObjectMeta {
-            name: self.name,
-            namespace: self.namespace,
-            resource_version: self.resource_version,
+    fn into_meta(self, labels: Option<BTreeMap<String, String>>) -> Meta {
+        Meta {
+            name: self.name.map(String::into_boxed_str),
+            namespace: self.namespace.as_deref().map(intern::intern),
+            resource_version: self.resource_version.map(String::into_boxed_str),
             labels,
+        }
+    }
+}
+
+/// What this agent keeps of an object's metadata: 72 bytes, where k8s-openapi's
+/// `ObjectMeta` is 360 before its strings (at 100k Services and 100k slices, 58 MB
+/// of nothing). The field names are `ObjectMeta`'s.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Meta {
+    pub name: Option<Box<str>>,
+    /// Shared by every object of the namespace.
+    pub namespace: Option<Arc<str>>,
+    /// What the API source compares to know an object unchanged.
+    pub resource_version: Option<Box<str>>,
+    /// Of a Service's labels, the two read (another proxy's, headless); a slice
+    /// keeps none.
+    pub labels: Option<BTreeMap<String, String>>,
+}
+
+impl Meta {
+    /// As k8s-openapi spells it, for kube-runtime's watcher (which keys and
+    /// resumes by it).
+    fn object_meta(&self) -> ObjectMeta {
+        ObjectMeta {
+            name: self.name.as_deref().map(str::to_owned),
+            namespace: self.namespace.as_deref().map(str::to_owned),
+            resource_version: self.resource_version.as_deref().map(str::to_owned),
             ..ObjectMeta::default()
         }
+    }
+}
+
+/// An object as kube-runtime's watcher reads it: its `Resource` contract wants
+/// k8s-openapi's `ObjectMeta`, which is built from the object's own [`Meta`] as
+/// it is decoded and dropped as the event arrives ([`Wire::into_inner`]).
+#[derive(Clone, Debug)]
+pub struct Wire<T> {
+    metadata: ObjectMeta,
+    object: T,
+}
+
+impl<T> Wire<T> {
+    pub fn into_inner(self) -> T {
+        self.object
+    }
+}
+
+/// The objects a [`Wire`] carries.
+pub trait HasMeta {
+    fn meta(&self) -> &Meta;
+}
+
+impl HasMeta for Service {
+    fn meta(&self) -> &Meta {
+        &self.metadata
+    }
+}
+
+impl HasMeta for EndpointSlice {
+    fn meta(&self) -> &Meta {
+        &self.metadata
+    }
+}
+
+impl<'de, T: Deserialize<'de> + HasMeta> Deserialize<'de> for Wire<T> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let object = T::deserialize(deserializer)?;
+        Ok(Wire {
+            metadata: object.meta().object_meta(),
+            object,
+        })
     }
 }
 
@@ -298,13 +367,13 @@ impl<'de> Deserialize<'de> for Entries {
     }
 }
 
-fn service_meta<'de, D: Deserializer<'de>>(deserializer: D) -> Result<ObjectMeta, D::Error> {
+fn service_meta<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Meta, D::Error> {
     let mut meta = Option::<MetaIn>::deserialize(deserializer)?.unwrap_or_default();
     let labels: BTreeMap<String, String> = [LABEL_PROXY_NAME, LABEL_HEADLESS]
         .into_iter()
         .filter_map(|key| Some((key.to_owned(), meta.labels.take(key)?)))
         .collect();
-    Ok(meta.object_meta((!labels.is_empty()).then_some(labels)))
+    Ok(meta.into_meta((!labels.is_empty()).then_some(labels)))
 }
 
 fn first_address<'de, D: Deserializer<'de>>(
@@ -360,9 +429,9 @@ macro_rules! api_resource {
     };
 }
 
-api_resource!(Service, "v1", "", "Service", "services");
+api_resource!(Wire<Service>, "v1", "", "Service", "services");
 api_resource!(
-    EndpointSlice,
+    Wire<EndpointSlice>,
     "discovery.k8s.io/v1",
     "discovery.k8s.io",
     "EndpointSlice",
@@ -457,13 +526,11 @@ mod tests {
                 .collect::<Vec<_>>(),
             [LABEL_PROXY_NAME]
         );
-        assert!(service.metadata.annotations.is_none());
-        assert!(service.metadata.managed_fields.is_none());
-        assert!(service.metadata.uid.is_none());
+        assert_eq!(service.metadata.resource_version.as_deref(), Some("7"));
 
         assert_eq!(slice.service_name.as_deref(), Some("web"));
         assert_eq!(slice.trigger_time.as_deref(), Some("2026-11-24T00:00:00Z"));
-        assert!(slice.metadata.labels.is_none() && slice.metadata.annotations.is_none());
+        assert!(slice.metadata.labels.is_none());
         assert_eq!(slice.metadata.resource_version.as_deref(), Some("8"));
         let endpoint = &slice.endpoints.as_ref().unwrap()[0];
         assert_eq!(

@@ -8,7 +8,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use kube::Resource;
+use k8s_openapi::api::core::v1::Node;
+
+use super::lean::{EndpointSlice, Service};
 
 /// Shards per kind: at 100k Services and 100k slices, a change rebuilds a part of
 /// about 400 objects of each kind.
@@ -16,11 +18,37 @@ pub const SHARDS: usize = 256;
 
 type Key = (String, String);
 
-fn key_of<K: Resource>(object: &K) -> Key {
-    let meta = object.meta();
+/// What the cache reads of an object: where it goes and whether it changed.
+pub trait Cached {
+    fn namespace(&self) -> Option<&str>;
+    fn name(&self) -> Option<&str>;
+    fn resource_version(&self) -> Option<&str>;
+}
+
+macro_rules! cached {
+    ($type:ty) => {
+        impl Cached for $type {
+            fn namespace(&self) -> Option<&str> {
+                self.metadata.namespace.as_deref()
+            }
+            fn name(&self) -> Option<&str> {
+                self.metadata.name.as_deref()
+            }
+            fn resource_version(&self) -> Option<&str> {
+                self.metadata.resource_version.as_deref()
+            }
+        }
+    };
+}
+
+cached!(Service);
+cached!(EndpointSlice);
+cached!(Node);
+
+fn key_of<K: Cached>(object: &K) -> Key {
     (
-        meta.namespace.clone().unwrap_or_default(),
-        meta.name.clone().unwrap_or_default(),
+        object.namespace().unwrap_or_default().to_owned(),
+        object.name().unwrap_or_default().to_owned(),
     )
 }
 
@@ -31,8 +59,8 @@ fn shard_of(key: &Key) -> usize {
 }
 
 /// Both hold a version, and it is the same: the object did not change.
-fn same_version<K: Resource>(a: &K, b: &K) -> bool {
-    match (&a.meta().resource_version, &b.meta().resource_version) {
+fn same_version<K: Cached>(a: &K, b: &K) -> bool {
+    match (a.resource_version(), b.resource_version()) {
         (Some(a), Some(b)) => a == b,
         _ => false,
     }
@@ -53,7 +81,7 @@ pub struct ShardedStore<K> {
     relist: Option<Vec<HashMap<Key, Arc<K>>>>,
 }
 
-impl<K: Resource> Default for ShardedStore<K> {
+impl<K: Cached> Default for ShardedStore<K> {
     fn default() -> Self {
         ShardedStore {
             shards: (0..SHARDS).map(|_| BTreeMap::new()).collect(),
@@ -63,7 +91,7 @@ impl<K: Resource> Default for ShardedStore<K> {
     }
 }
 
-impl<K: Resource> ShardedStore<K> {
+impl<K: Cached> ShardedStore<K> {
     /// An object added or changed (a watch event). False when the same version is
     /// held already.
     pub fn apply(&mut self, object: K) -> bool {
@@ -149,18 +177,16 @@ impl<K: Resource> ShardedStore<K> {
 
 #[cfg(test)]
 mod tests {
-    use k8s_openapi::api::core::v1::Service;
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-
+    use super::super::lean::Meta;
     use super::*;
 
     fn svc(name: &str, version: &str) -> Service {
         Service {
-            metadata: ObjectMeta {
+            metadata: Meta {
                 namespace: Some("default".into()),
                 name: Some(name.into()),
                 resource_version: Some(version.into()),
-                ..ObjectMeta::default()
+                ..Meta::default()
             },
             ..Service::default()
         }

@@ -424,7 +424,7 @@ impl<'de> serde::de::Visitor<'de> for StrictVisitor {
 
 /// No name: the API server refuses such an object, and a Service or slice without
 /// one cannot be told apart from others in messages or matched to its slices.
-fn unnamed(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> bool {
+fn unnamed(meta: &super::lean::Meta) -> bool {
     meta.name.as_deref().is_none_or(str::is_empty)
 }
 
@@ -892,11 +892,21 @@ items:
         assert!(o.errors.is_empty(), "{:?}", o.errors);
         let names = |v: Vec<Option<String>>| v.into_iter().flatten().collect::<Vec<_>>();
         assert_eq!(
-            names(o.services.iter().map(|s| s.metadata.name.clone()).collect()),
+            names(
+                o.services
+                    .iter()
+                    .map(|s| s.metadata.name.as_deref().map(str::to_owned))
+                    .collect()
+            ),
             ["a", "b"]
         );
         assert_eq!(
-            names(o.slices.iter().map(|s| s.metadata.name.clone()).collect()),
+            names(
+                o.slices
+                    .iter()
+                    .map(|s| s.metadata.name.as_deref().map(str::to_owned))
+                    .collect()
+            ),
             ["a-1", "b-1"]
         );
     }
@@ -1338,7 +1348,7 @@ items:
         let names: Vec<String> = o
             .services
             .iter()
-            .map(|s| s.metadata.name.clone().unwrap())
+            .map(|s| s.metadata.name.as_deref().unwrap().to_owned())
             .collect();
         let expected: Vec<String> = (0..2000).map(|i| format!("web-{i}")).collect();
         assert_eq!(names, expected);
