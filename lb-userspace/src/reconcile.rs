@@ -223,6 +223,8 @@ pub fn plan_in_pieces<E>(
     piece: usize,
     mut write: impl FnMut(&Plan) -> Result<(), E>,
 ) -> Result<(), E> {
+    // At most one backend entry per desired backend (twins share theirs).
+    known.snapshot.backends.reserve(desired.backend_count());
     let mut changed = BTreeSet::new();
     let mut frontends = desired.frontends.keys().peekable();
     while let Some(frontend) = frontends.next() {
