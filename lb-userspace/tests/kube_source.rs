@@ -65,7 +65,7 @@ fn addresses(o: &Objects, name: &str) -> Option<Vec<String>> {
             .endpoints
             .iter()
             .flatten()
-            .flat_map(|e| e.address.as_ref().map(ToString::to_string))
+            .flat_map(|e| e.address().map(|a| a.to_string()))
             .collect(),
     )
 }

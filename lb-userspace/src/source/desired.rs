@@ -674,14 +674,14 @@ fn read_slice<'a>(
     let mut endpoints = Vec::new();
     for (index, ep) in slice.endpoints.iter().flatten().enumerate() {
         // Only the first address has defined meaning; kube-proxy ignores the others.
-        let Some(address) = &ep.address else {
+        let Some(address) = ep.address() else {
             report(Problem::EndpointWithoutAddress { index });
             continue;
         };
         // An address of the other family than the slice's `addressType` is as
         // unusable as one that does not parse.
         let parsed = match address {
-            EndpointAddress::Ip(ip) => Some(*ip),
+            EndpointAddress::Ip(ip) => Some(ip),
             EndpointAddress::Invalid(_) => None,
         };
         let Some(ip) = parsed.filter(|ip| ip.is_ipv6() == v6) else {
@@ -701,7 +701,7 @@ fn read_slice<'a>(
             serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
             terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
             local: ep.node_name.as_deref() == Some(opts.node_name.as_str()),
-            hints: topology::Hints::read(ep.hints.as_deref()),
+            hints: topology::Hints::read(ep.hints()),
         });
     }
     SliceInfo { ports, endpoints }

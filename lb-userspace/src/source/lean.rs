@@ -158,19 +158,80 @@ impl From<SliceIn> for EndpointSlice {
     }
 }
 
+/// One endpoint in 48 bytes (a million of them at 100k Services x 10): the parts
+/// every endpoint has inline, the rare ones (hints, an address that is not one)
+/// behind one pointer.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[serde(from = "EndpointIn")]
 pub struct Endpoint {
-    /// The first of `addresses` only: kube-proxy reads no other (the rest have no
-    /// defined meaning), so the rest are skipped unread. `None`: the list is empty.
-    #[serde(rename = "addresses", deserialize_with = "first_address")]
-    pub address: Option<EndpointAddress>,
+    /// The first of `addresses` when it is an IP address.
+    ip: Option<IpAddr>,
     pub conditions: Option<EndpointConditions>,
-    /// Boxed: most endpoints have none, and a hundred thousand endpoints each
-    /// holding room for two vectors would cost 4.8 MB.
-    pub hints: Option<Box<EndpointHints>>,
-    #[serde(default, deserialize_with = "intern::option")]
     pub node_name: Option<Arc<str>>,
+    rare: Option<Box<Rare>>,
+}
+const _: () = assert!(std::mem::size_of::<Endpoint>() <= 48);
+
+/// What few endpoints carry.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Rare {
+    hints: Option<EndpointHints>,
+    /// The first of `addresses` when it is not an IP address, as written.
+    invalid_address: Option<Box<str>>,
+}
+
+impl Endpoint {
+    /// The first of `addresses` (kube-proxy reads no other): an IP address, or
+    /// the text of one that is not; `None` when the list is empty.
+    pub fn address(&self) -> Option<EndpointAddress> {
+        match (
+            self.ip,
+            self.rare.as_ref().and_then(|r| r.invalid_address.as_ref()),
+        ) {
+            (Some(ip), _) => Some(EndpointAddress::Ip(ip)),
+            (None, Some(text)) => Some(EndpointAddress::Invalid(text.clone())),
+            (None, None) => None,
+        }
+    }
+
+    pub fn hints(&self) -> Option<&EndpointHints> {
+        self.rare.as_ref()?.hints.as_ref()
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct EndpointIn {
+    /// The first address only: the rest have no defined meaning, and are skipped
+    /// unread.
+    #[serde(rename = "addresses", deserialize_with = "first_address")]
+    address: Option<EndpointAddress>,
+    conditions: Option<EndpointConditions>,
+    hints: Option<EndpointHints>,
+    #[serde(default, deserialize_with = "intern::option")]
+    node_name: Option<Arc<str>>,
+}
+
+impl From<EndpointIn> for Endpoint {
+    fn from(endpoint: EndpointIn) -> Self {
+        let (ip, invalid_address) = match endpoint.address {
+            Some(EndpointAddress::Ip(ip)) => (Some(ip), None),
+            Some(EndpointAddress::Invalid(text)) => (None, Some(text)),
+            None => (None, None),
+        };
+        let rare = (endpoint.hints.is_some() || invalid_address.is_some()).then(|| {
+            Box::new(Rare {
+                hints: endpoint.hints,
+                invalid_address,
+            })
+        });
+        Endpoint {
+            ip,
+            conditions: endpoint.conditions,
+            node_name: endpoint.node_name,
+            rare,
+        }
+    }
 }
 
 /// An endpoint's address, parsed as it is read (an IP address is 17 bytes, its
@@ -534,9 +595,10 @@ mod tests {
         assert_eq!(slice.metadata.resource_version.as_deref(), Some("8"));
         let endpoint = &slice.endpoints.as_ref().unwrap()[0];
         assert_eq!(
-            endpoint.address,
+            endpoint.address(),
             Some(EndpointAddress::Ip("10.0.0.1".parse().unwrap()))
         );
+        assert!(endpoint.hints().is_some());
         assert_eq!(endpoint.node_name.as_deref(), Some("node-a"));
         // Lists kept without growth room; repeated strings shared.
         let endpoints = slice.endpoints.as_ref().unwrap();
@@ -554,9 +616,10 @@ mod tests {
             endpoint.node_name.as_ref().unwrap()
         ));
         assert_eq!(
-            other.address,
+            other.address(),
             Some(EndpointAddress::Invalid("not-an-ip".into()))
         );
+        assert!(other.hints().is_none());
 
         // Without the proxy-name label the Service is ours, and both read alike.
         let mut ours = service.clone();
