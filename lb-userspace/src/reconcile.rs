@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 // Keyed by the ids this agent hands out (or by map values), never by names from the
 // API: a fast hash without seed is safe, and SipHash was 8% of a 100k start.
+use roaring::RoaringBitmap;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use lb_common::{map_names, Backend, ServiceKey, ServiceValue};
@@ -74,30 +75,31 @@ struct Entries {
 /// affinity and reverse-translation entries may still name it.
 #[derive(Clone, Debug)]
 struct IdAllocator {
-    used: HashSet<u32>,
+    /// Compressed: ids are handed out counting up, so they sit in long runs.
+    used: RoaringBitmap,
     next: u32,
     max: u32,
 }
 
 impl IdAllocator {
     fn new(used: impl IntoIterator<Item = u32>, max: u32) -> Self {
-        let used: HashSet<u32> = used
+        let used: RoaringBitmap = used
             .into_iter()
             .filter(|&id| id != 0 && id <= max)
             .collect();
-        let next = match used.iter().max() {
-            Some(&top) if top < max => top + 1,
+        let next = match used.max() {
+            Some(top) if top < max => top + 1,
             _ => 1,
         };
         IdAllocator { used, next, max }
     }
 
     fn free(&self) -> u64 {
-        u64::from(self.max) - self.used.len() as u64
+        u64::from(self.max) - self.used.len()
     }
 
     fn release(&mut self, id: u32) {
-        self.used.remove(&id);
+        self.used.remove(id);
     }
 
     /// `id` was taken by a plan that did not ask this allocator (a full plan): it
