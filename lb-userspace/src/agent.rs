@@ -14,7 +14,7 @@ use tracing::{debug, info, warn};
 use crate::conntrack;
 use crate::loader::{self, LoadError, MapSizes, PinLayout, TcAttach};
 use crate::maps::{MapsError, PinnedMaps};
-use crate::model::DesiredState;
+use crate::model::{DesiredState, Frontend};
 use crate::netlink::{self, NetlinkError};
 use crate::node_net::{self, NodeNet, NodePortAddresses, Overrides};
 use crate::ops::{
@@ -188,7 +188,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     )?;
     // Frontend names by id, as of the last sync: a scrape reads only the counter
     // maps, never the whole service table.
-    let frontend_names: Arc<Mutex<BTreeMap<u32, String>>> = Arc::default();
+    let frontend_names: Arc<Mutex<BTreeMap<u32, Frontend>>> = Arc::default();
     // A second handle for scrapes, so /metrics reads fresh datapath counters.
     let stats_maps = PinnedMaps::open(&config.pin)?;
     let names = frontend_names.clone();
@@ -203,7 +203,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 let rows: Vec<(String, u64, u64)> = counters
                     .iter()
                     .filter_map(|(id, c)| {
-                        Some((names.get(id)?.clone(), c.connections, c.no_backend))
+                        Some((names.get(id)?.to_string(), c.connections, c.no_backend))
                     })
                     .collect();
                 status.set_service_counters(&rows);
@@ -798,9 +798,9 @@ fn record_table(
 /// How the frontend names (by id, for the per-Service metrics) change.
 enum NamesUpdate {
     Unchanged,
-    Replace(BTreeMap<u32, String>),
+    Replace(BTreeMap<u32, Frontend>),
     /// Ids whose name is now this, or gone (`None`).
-    Patch(Vec<(u32, Option<String>)>),
+    Patch(Vec<(u32, Option<Frontend>)>),
 }
 
 /// What a successful sync left in the maps.
