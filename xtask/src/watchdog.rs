@@ -118,6 +118,15 @@ mod tests {
             .arg("30")
             .spawn()
             .expect("sleep runs");
+        // Between fork and exec the child has no command line of its own yet
+        // (read then, it showed as "[sleep]"): wait until it has, bounded.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while std::fs::read(format!("/proc/{}/cmdline", child.id()))
+            .is_ok_and(|c| c != b"sleep\x0030\x00")
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::yield_now();
+        }
         let tree = descendants(std::process::id() as i32);
         let _ = child.kill();
         let _ = child.wait();
