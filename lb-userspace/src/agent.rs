@@ -587,14 +587,15 @@ fn collect_idle_flows(
     timeouts: &conntrack::Timeouts,
 ) -> Result<usize, MapsError> {
     let entries = maps.conntrack()?;
-    let now = conntrack::monotonic_now_ns();
-    let scanned: std::collections::HashMap<_, _> = entries.iter().copied().collect();
+    let idle = conntrack::expired(&entries, conntrack::monotonic_now_ns(), timeouts);
+    drop(entries);
     let mut removed = 0;
-    for key in conntrack::expired(&entries, now, timeouts) {
+    for (key, seen) in idle {
         let Some(current) = maps.conntrack_entry(&key)? else {
             continue;
         };
-        if current.last_seen_ns != scanned[&key].last_seen_ns {
+        // Seen again since it was read: the flow is alive.
+        if current.last_seen_ns != seen {
             continue;
         }
         maps.remove_conntrack(&key)?;

@@ -80,8 +80,8 @@ fn state_name(proto: u8, state: u8) -> &'static str {
     }
 }
 
-fn timeout_of(flow: &Flow, timeouts: &Timeouts) -> Duration {
-    match (flow.protocol, flow.state) {
+fn timeout_for(protocol: Protocol, state: &str, timeouts: &Timeouts) -> Duration {
+    match (protocol, state) {
         (Protocol::Udp, _) => timeouts.udp,
         (Protocol::Tcp, "CLOSING") => timeouts.tcp_closing,
         (Protocol::Tcp, "ESTABLISHED") => timeouts.tcp_established,
@@ -139,17 +139,49 @@ pub fn flows(entries: &[(CtKey, CtValue)], now_ns: u64) -> Vec<Flow> {
     out
 }
 
-/// The entries of flows idle past their timeout, forward entries first so that a
-/// straggling reply still finds its way back while the GC runs.
-pub fn expired(entries: &[(CtKey, CtValue)], now_ns: u64, timeouts: &Timeouts) -> Vec<CtKey> {
+/// The entries of flows idle past their timeout, each with the `last_seen_ns` it
+/// was read with (the GC deletes it only if that has not moved), forward entries
+/// first so that a straggling reply still finds its way back while the GC runs.
+/// Pairs the directions as [`flows`] does, holding only the replies by key: with
+/// the table full (262k entries), describing every flow and keeping a second map
+/// of all entries was over 100 MB for a moment on every pass.
+pub fn expired(
+    entries: &[(CtKey, CtValue)],
+    now_ns: u64,
+    timeouts: &Timeouts,
+) -> Vec<(CtKey, u64)> {
+    let mut replies: HashMap<CtKey, (&CtValue, bool)> = entries
+        .iter()
+        .filter(|(_, v)| v.dir != CT_DIR_FORWARD)
+        .map(|(k, v)| (*k, (v, false)))
+        .collect();
+    let idle_past = |proto: u8, state: u8, last_seen: u64| {
+        let protocol = Protocol::from_number(proto).unwrap_or(Protocol::Tcp);
+        let idle = Duration::from_millis(now_ns.saturating_sub(last_seen) / 1_000_000);
+        idle > timeout_for(protocol, state_name(proto, state), timeouts)
+    };
     let mut forward = Vec::new();
     let mut reply = Vec::new();
-    for flow in flows(entries, now_ns) {
-        if Duration::from_millis(flow.idle_ms) <= timeout_of(&flow, timeouts) {
-            continue;
+    for (key, value) in entries.iter().filter(|(_, v)| v.dir == CT_DIR_FORWARD) {
+        let reply_key = reply_key_of(key, value);
+        let partner = replies.get_mut(&reply_key).map(|(r, paired)| {
+            *paired = true;
+            *r
+        });
+        let last_seen = value
+            .last_seen_ns
+            .max(partner.map_or(0, |r| r.last_seen_ns));
+        let state = value.state | partner.map_or(0, |r| r.state);
+        if idle_past(key.proto, state, last_seen) {
+            forward.push((*key, value.last_seen_ns));
+            reply.extend(partner.map(|r| (reply_key, r.last_seen_ns)));
         }
-        forward.extend(flow.keys[0]);
-        reply.extend(flow.keys[1]);
+    }
+    // Replies without their forward half, by their own state.
+    for (key, (value, paired)) in &replies {
+        if !paired && idle_past(key.proto, value.state, value.last_seen_ns) {
+            reply.push((*key, value.last_seen_ns));
+        }
     }
     forward.extend(reply);
     forward
@@ -375,7 +407,7 @@ mod tests {
                 "proto {proto} state {state} idle {idle_s}s"
             );
             if gone {
-                assert_eq!(expired[0], entries[0].0, "forward entry first");
+                assert_eq!(expired[0].0, entries[0].0, "forward entry first");
             }
         }
     }
@@ -403,7 +435,7 @@ mod tests {
         assert_eq!(f[0].backend, "10.244.2.11:8080".parse().unwrap());
         assert_eq!(
             expired(&entries, 61 * SEC, &Timeouts::default()),
-            vec![entries[0].0]
+            vec![(entries[0].0, entries[0].1.last_seen_ns)]
         );
     }
 }

@@ -92,10 +92,11 @@ pub struct PinnedMaps {
     conntrack: HashMap<MapData, CtKey, CtValue>,
     service_stats: PerCpuHashMap<MapData, u32, SvcStats>,
     source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
-    /// The service and backend maps' descriptors again, for batched updates (aya
-    /// 0.14 has no batch API).
+    /// The service, backend and conntrack maps' descriptors again, for batched updates
+    /// and reads (aya 0.14 has no batch API).
     services_fd: OwnedFd,
     backends_fd: OwnedFd,
+    conntrack_fd: OwnedFd,
     /// Entries written through batch syscalls since open (the rest went one by one).
     batched: u64,
     capacity: Capacity,
@@ -127,7 +128,7 @@ impl PinnedMaps {
         let (services, services_max, services_fd) = open(layout, map_names::SERVICES)?;
         let (backends, backends_max, backends_fd) = open(layout, map_names::BACKENDS)?;
         let (stats, _, _) = open(layout, map_names::STATS)?;
-        let (conntrack, _, _) = open(layout, map_names::CT)?;
+        let (conntrack, _, conntrack_fd) = open(layout, map_names::CT)?;
         let (service_stats, _, _) = open(layout, map_names::SVC_STATS)?;
         let (source_ranges, _, _) = open(layout, map_names::SOURCE_RANGES)?;
         Ok(Self {
@@ -141,6 +142,7 @@ impl PinnedMaps {
                 .map_err(|e| typed(map_names::SOURCE_RANGES, e))?,
             services_fd,
             backends_fd,
+            conntrack_fd,
             batched: 0,
             capacity: Capacity {
                 services: services_max,
@@ -296,16 +298,16 @@ impl PinnedMaps {
     }
 
     /// Every conntrack entry (both directions of every flow).
+    /// Read in batches: entry by entry it was two syscalls per entry.
     pub fn conntrack(&self) -> Result<Vec<(CtKey, CtValue)>, MapsError> {
-        self.conntrack
-            .iter()
-            .map(|entry| {
-                entry.map_err(|source| MapsError::Read {
-                    map: map_names::CT,
-                    source,
-                })
-            })
-            .collect()
+        let mut entries = Vec::new();
+        read_in_batches(
+            &self.conntrack,
+            self.conntrack_fd.as_fd(),
+            map_names::CT,
+            |batch| entries.extend_from_slice(batch),
+        )?;
+        Ok(entries)
     }
 
     /// One conntrack entry, if present.
