@@ -161,20 +161,37 @@ impl PinnedMaps {
         self.capacity
     }
 
-    pub fn snapshot(&self) -> Result<MapSnapshot, MapsError> {
-        let mut snapshot = MapSnapshot::default();
+    /// The service table's two maps, a batch at a time: `services` gets the
+    /// `LB_SERVICES` batches, then `backends` the `LB_BACKENDS` ones.
+    fn read_table(
+        &self,
+        services: impl FnMut(&[(ServiceKey, ServiceValue)]),
+        backends: impl FnMut(&[(u32, Backend)]),
+    ) -> Result<(), MapsError> {
         read_in_batches(
             &self.services,
             self.services_fd.as_fd(),
             map_names::SERVICES,
-            |batch| snapshot.services.extend(batch.iter().copied()),
+            services,
         )?;
         read_in_batches(
             &self.backends,
             self.backends_fd.as_fd(),
             map_names::BACKENDS,
-            |batch| snapshot.backends.extend(batch.iter().copied()),
+            backends,
+        )
+    }
+
+    pub fn snapshot(&self) -> Result<MapSnapshot, MapsError> {
+        let mut snapshot = MapSnapshot::default();
+        // Backends come in hash order: gathered, then sorted into place once
+        // (per batch, 1M backends would be sorted 122 times).
+        let mut backends = Vec::new();
+        self.read_table(
+            |batch| snapshot.services.extend(batch.iter().copied()),
+            |batch| backends.extend_from_slice(batch),
         )?;
+        snapshot.backends.extend(backends);
         Ok(snapshot)
     }
 
@@ -183,28 +200,24 @@ impl PinnedMaps {
     /// endpoints, heaptrack) is never built for a check that nearly always finds
     /// none.
     pub fn holds(&self, known: &MapSnapshot) -> Result<bool, MapsError> {
-        let (mut services, mut backends, mut same) = (0, 0, true);
-        read_in_batches(
-            &self.services,
-            self.services_fd.as_fd(),
-            map_names::SERVICES,
+        let (mut services, mut backends) = (0, 0);
+        let (mut services_same, mut backends_same) = (true, true);
+        self.read_table(
             |batch| {
                 services += batch.len();
-                same &= batch.iter().all(|(k, v)| known.services.get(k) == Some(v));
+                services_same &= batch.iter().all(|(k, v)| known.services.get(k) == Some(v));
             },
-        )?;
-        read_in_batches(
-            &self.backends,
-            self.backends_fd.as_fd(),
-            map_names::BACKENDS,
             |batch| {
                 backends += batch.len();
-                same &= batch.iter().all(|(k, v)| known.backends.get(k) == Some(v));
+                backends_same &= batch.iter().all(|(k, v)| known.backends.get(k) == Some(v));
             },
         )?;
         // Every entry read is known and none twice (keys are unique), so equal
         // counts leave no known entry missing.
-        Ok(same && services == known.services.len() && backends == known.backends.len())
+        Ok(services_same
+            && backends_same
+            && services == known.services.len()
+            && backends == known.backends.len())
     }
 
     /// Applies `ops` in order, stopping at the first failure: the plan is ordered so
