@@ -368,7 +368,7 @@ pub(super) struct ProgrammingLatency {
     /// programmed by whatever ran before, and would read as huge latencies.
     started: Option<SystemTime>,
     /// (namespace, name) -> the newest trigger time applied.
-    seen: HashMap<(Arc<str>, Box<str>), SystemTime>,
+    seen: HashMap<(crate::source::intern::Shared, Box<str>), SystemTime>,
 }
 
 impl ProgrammingLatency {

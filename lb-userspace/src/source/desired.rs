@@ -600,7 +600,11 @@ fn cluster_families(
             && families.iter().zip(declared).all(|(a, b)| *a == &**b);
         if !consistent {
             report(Problem::IpFamiliesMismatch {
-                families: declared.join(", "),
+                families: declared
+                    .iter()
+                    .map(|f| &**f)
+                    .collect::<Vec<&str>>()
+                    .join(", "),
                 addresses: ips
                     .iter()
                     .map(IpAddr::to_string)

@@ -24,7 +24,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::lean::{EndpointSlice, Meta, Service};
 
-use super::intern::intern;
+use super::intern::{intern, Shared};
 use super::{build_desired, ObjectError, Objects, Problem, SourceOptions};
 use crate::model::{DesiredState, Frontend, FrontendSpec, HealthCheck, Scope};
 
@@ -34,14 +34,13 @@ use crate::model::{DesiredState, Frontend, FrontendSpec, HealthCheck, Scope};
 /// maps. The namespace is shared by all its objects. Ordered by namespace, then
 /// name, as a full derivation reads objects.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-struct Key(Arc<(Arc<str>, Box<str>)>);
+struct Key(Arc<(Shared, Box<str>)>);
 
 impl Key {
-    fn new(namespace: Option<&str>, name: &str) -> Self {
-        Key(Arc::new((
-            intern(namespace.unwrap_or("default")),
-            name.into(),
-        )))
+    /// `namespace` as the object holds it (already shared).
+    fn new(namespace: Option<&Shared>, name: &str) -> Self {
+        let namespace = namespace.cloned().unwrap_or_else(|| intern("default"));
+        Key(Arc::new((namespace, name.into())))
     }
 
     fn namespace(&self) -> &str {
@@ -61,7 +60,7 @@ impl std::fmt::Display for Key {
 
 fn key_of(meta: &Meta) -> Key {
     Key::new(
-        meta.namespace.as_deref(),
+        meta.namespace.as_ref(),
         meta.name.as_deref().unwrap_or_default(),
     )
 }
@@ -69,7 +68,7 @@ fn key_of(meta: &Meta) -> Key {
 /// The Service a slice belongs to, by its `kubernetes.io/service-name` label.
 fn owner_of(slice: &EndpointSlice) -> Option<Key> {
     let name = slice.service_name.as_ref()?;
-    Some(Key::new(slice.metadata.namespace.as_deref(), name))
+    Some(Key::new(slice.metadata.namespace.as_ref(), name))
 }
 
 /// What one Service contributes, from itself and its slices.

@@ -16,7 +16,6 @@
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Node, NodeStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -24,7 +23,7 @@ use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 
 use super::desired::{LABEL_HEADLESS, LABEL_PROXY_NAME, LABEL_SERVICE_NAME};
-use super::intern;
+use super::intern::{self, Shared};
 use super::LABEL_ZONE;
 use crate::ops::LAST_CHANGE_TRIGGER_TIME;
 
@@ -45,15 +44,15 @@ pub struct Service {
 #[serde(rename_all = "camelCase")]
 pub struct ServiceSpec {
     #[serde(rename = "type", default, deserialize_with = "intern::option")]
-    pub type_: Option<Arc<str>>,
+    pub type_: Option<Shared>,
     #[serde(rename = "clusterIP")]
     pub cluster_ip: Option<String>,
     #[serde(rename = "clusterIPs", default, deserialize_with = "fitted")]
     pub cluster_ips: Option<Vec<String>>,
     #[serde(default, deserialize_with = "intern::list")]
-    pub ip_families: Option<Vec<Arc<str>>>,
+    pub ip_families: Option<Vec<Shared>>,
     #[serde(default, deserialize_with = "intern::option")]
-    pub ip_family_policy: Option<Arc<str>>,
+    pub ip_family_policy: Option<Shared>,
     #[serde(default, deserialize_with = "fitted")]
     pub ports: Option<Vec<ServicePort>>,
     #[serde(rename = "externalIPs", default, deserialize_with = "fitted")]
@@ -63,12 +62,12 @@ pub struct ServiceSpec {
     #[serde(default, deserialize_with = "fitted")]
     pub load_balancer_source_ranges: Option<Vec<String>>,
     #[serde(default, deserialize_with = "intern::option")]
-    pub external_traffic_policy: Option<Arc<str>>,
+    pub external_traffic_policy: Option<Shared>,
     #[serde(default, deserialize_with = "intern::option")]
-    pub internal_traffic_policy: Option<Arc<str>>,
+    pub internal_traffic_policy: Option<Shared>,
     pub health_check_node_port: Option<i32>,
     #[serde(default, deserialize_with = "intern::option")]
-    pub session_affinity: Option<Arc<str>>,
+    pub session_affinity: Option<Shared>,
     pub session_affinity_config: Option<SessionAffinityConfig>,
 }
 
@@ -78,7 +77,7 @@ pub struct ServicePort {
     pub name: Option<String>,
     pub port: i32,
     #[serde(default, deserialize_with = "intern::option")]
-    pub protocol: Option<Arc<str>>,
+    pub protocol: Option<Shared>,
     pub node_port: Option<i32>,
 }
 
@@ -111,7 +110,7 @@ pub struct LoadBalancerStatus {
 pub struct LoadBalancerIngress {
     pub ip: Option<String>,
     #[serde(default, deserialize_with = "intern::option")]
-    pub ip_mode: Option<Arc<str>>,
+    pub ip_mode: Option<Shared>,
 }
 
 /// An EndpointSlice: its owner, its endpoints and ports.
@@ -126,7 +125,7 @@ pub struct EndpointSlice {
     /// The `endpoints.kubernetes.io/last-change-trigger-time` annotation, as
     /// written (RFC 3339), for the network-programming latency.
     pub trigger_time: Option<String>,
-    pub address_type: Arc<str>,
+    pub address_type: Shared,
     pub endpoints: Option<Vec<Endpoint>>,
     pub ports: Option<Vec<EndpointPort>>,
 }
@@ -137,7 +136,7 @@ struct SliceIn {
     #[serde(default)]
     metadata: MetaIn,
     #[serde(deserialize_with = "intern::required")]
-    address_type: Arc<str>,
+    address_type: Shared,
     #[serde(default, deserialize_with = "fitted")]
     endpoints: Option<Vec<Endpoint>>,
     #[serde(default, deserialize_with = "fitted")]
@@ -167,7 +166,7 @@ pub struct Endpoint {
     /// The first of `addresses` when it is an IP address.
     ip: Option<IpAddr>,
     pub conditions: Option<EndpointConditions>,
-    pub node_name: Option<Arc<str>>,
+    pub node_name: Option<Shared>,
     rare: Option<Box<Rare>>,
 }
 const _: () = assert!(std::mem::size_of::<Endpoint>() <= 48);
@@ -209,7 +208,7 @@ struct EndpointIn {
     conditions: Option<EndpointConditions>,
     hints: Option<EndpointHints>,
     #[serde(default, deserialize_with = "intern::option")]
-    node_name: Option<Arc<str>>,
+    node_name: Option<Shared>,
 }
 
 impl From<EndpointIn> for Endpoint {
@@ -278,13 +277,13 @@ pub struct EndpointHints {
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 pub struct ForZone {
     #[serde(deserialize_with = "intern::required")]
-    pub name: Arc<str>,
+    pub name: Shared,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 pub struct ForNode {
     #[serde(deserialize_with = "intern::required")]
-    pub name: Arc<str>,
+    pub name: Shared,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
@@ -292,7 +291,7 @@ pub struct EndpointPort {
     pub name: Option<String>,
     pub port: Option<i32>,
     #[serde(default, deserialize_with = "intern::option")]
-    pub protocol: Option<Arc<str>>,
+    pub protocol: Option<Shared>,
 }
 
 /// The metadata fields read, with every label and annotation as written; the
@@ -325,7 +324,7 @@ impl MetaIn {
 pub struct Meta {
     pub name: Option<Box<str>>,
     /// Shared by every object of the namespace.
-    pub namespace: Option<Arc<str>>,
+    pub namespace: Option<Shared>,
     /// What the API source compares to know an object unchanged.
     pub resource_version: Option<Box<str>>,
     /// Of a Service's labels, the two read (another proxy's, headless); a slice
@@ -611,9 +610,9 @@ mod tests {
         }))
         .unwrap();
         let other = &again.endpoints.as_ref().unwrap()[0];
-        assert!(Arc::ptr_eq(
-            other.node_name.as_ref().unwrap(),
-            endpoint.node_name.as_ref().unwrap()
+        assert!(std::ptr::eq::<str>(
+            &**other.node_name.as_ref().unwrap(),
+            &**endpoint.node_name.as_ref().unwrap()
         ));
         assert_eq!(
             other.address(),

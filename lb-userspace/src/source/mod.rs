@@ -18,7 +18,7 @@ use crate::model::Frontend;
 mod desired;
 pub mod files;
 pub mod index;
-mod intern;
+pub mod intern;
 pub mod kube;
 pub mod lean;
 mod shards;

@@ -19,9 +19,9 @@ pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
 #[derive(Clone, Debug, Default)]
 pub(super) struct Hints {
     /// `hints.forZones[].name`.
-    pub zones: Vec<std::sync::Arc<str>>,
+    pub zones: Vec<crate::source::intern::Shared>,
     /// `hints.forNodes[].name`.
-    pub nodes: Vec<std::sync::Arc<str>>,
+    pub nodes: Vec<crate::source::intern::Shared>,
 }
 
 impl Hints {
@@ -59,8 +59,9 @@ pub(super) enum Mode {
 
 impl Mode {
     pub(super) fn admits(self, endpoint: &EndpointInfo, opts: &SourceOptions) -> bool {
-        let has =
-            |names: &[std::sync::Arc<str>], wanted: &str| names.iter().any(|n| **n == *wanted);
+        let has = |names: &[crate::source::intern::Shared], wanted: &str| {
+            names.iter().any(|n| **n == *wanted)
+        };
         match self {
             Mode::Any => true,
             Mode::SameZone => has(&endpoint.hints.zones, &opts.zone),
