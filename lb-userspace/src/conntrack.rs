@@ -89,52 +89,98 @@ fn timeout_for(protocol: Protocol, state: &str, timeouts: &Timeouts) -> Duration
     }
 }
 
+/// One flow's entries as read: the forward entry and its reply, or a reply whose
+/// forward half is gone (LRU eviction, an interrupted insert).
+enum Pair<'a> {
+    Forward {
+        key: &'a CtKey,
+        value: &'a CtValue,
+        reply: Option<(CtKey, &'a CtValue)>,
+    },
+    Orphan {
+        key: &'a CtKey,
+        value: &'a CtValue,
+    },
+}
+
+impl Pair<'_> {
+    /// The later of the two directions' last packets, and their states together.
+    fn seen_and_state(&self) -> (u64, u8) {
+        match self {
+            Pair::Forward { value, reply, .. } => (
+                value
+                    .last_seen_ns
+                    .max(reply.map_or(0, |(_, r)| r.last_seen_ns)),
+                value.state | reply.map_or(0, |(_, r)| r.state),
+            ),
+            Pair::Orphan { value, .. } => (value.last_seen_ns, value.state),
+        }
+    }
+}
+
+/// Hands each flow of `entries` to `each`: forward entries with their replies in
+/// table order, then the replies left over. Only the replies are held by key (a
+/// map of every entry, with the table full at 262k, was tens of MB per GC pass).
+fn each_pair<'a>(entries: &'a [(CtKey, CtValue)], mut each: impl FnMut(Pair<'a>)) {
+    let mut replies: HashMap<CtKey, (&CtValue, bool)> = entries
+        .iter()
+        .filter(|(_, v)| v.dir != CT_DIR_FORWARD)
+        .map(|(k, v)| (*k, (v, false)))
+        .collect();
+    for (key, value) in entries.iter().filter(|(_, v)| v.dir == CT_DIR_FORWARD) {
+        let reply_key = reply_key_of(key, value);
+        let reply = replies.get_mut(&reply_key).map(|(r, paired)| {
+            *paired = true;
+            (reply_key, *r)
+        });
+        each(Pair::Forward { key, value, reply });
+    }
+    for (key, value) in entries
+        .iter()
+        .filter(|(k, v)| v.dir != CT_DIR_FORWARD && replies.get(k).is_some_and(|(_, p)| !p))
+    {
+        each(Pair::Orphan { key, value });
+    }
+}
+
 /// Pairs forward and reply entries into flows. `now_ns` is CLOCK_MONOTONIC, the
 /// clock of `bpf_ktime_get_ns`. Entries whose partner is gone (LRU eviction, an
 /// interrupted insert) still appear, with what is known.
 pub fn flows(entries: &[(CtKey, CtValue)], now_ns: u64) -> Vec<Flow> {
-    let by_key: HashMap<CtKey, &CtValue> = entries.iter().map(|(k, v)| (*k, v)).collect();
-    let mut paired_replies = std::collections::HashSet::new();
     let mut out = Vec::new();
-    for (key, value) in entries.iter().filter(|(_, v)| v.dir == CT_DIR_FORWARD) {
-        let reply_key = reply_key_of(key, value);
-        let reply = by_key.get(&reply_key).copied();
-        if reply.is_some() {
-            paired_replies.insert(reply_key);
-        }
-        let last_seen = value.last_seen_ns.max(reply.map_or(0, |r| r.last_seen_ns));
-        let state = value.state | reply.map_or(0, |r| r.state);
-        let client = socket_addr(key.src_addr, key.src_port);
-        let source_seen = socket_addr(value.nat_src_addr, value.nat_src_port);
-        out.push(Flow {
-            protocol: Protocol::from_number(key.proto).unwrap_or(Protocol::Tcp),
-            client,
-            frontend: socket_addr(key.dst_addr, key.dst_port),
-            backend: socket_addr(value.nat_dst_addr, value.nat_dst_port),
-            snat: (source_seen != client).then_some(source_seen),
-            state: state_name(key.proto, state),
-            idle_ms: now_ns.saturating_sub(last_seen) / 1_000_000,
-            backend_id: value.backend_id,
-            keys: [Some(*key), reply.map(|_| reply_key)],
+    each_pair(entries, |pair| {
+        let (last_seen, state) = pair.seen_and_state();
+        let idle_ms = now_ns.saturating_sub(last_seen) / 1_000_000;
+        out.push(match pair {
+            Pair::Forward { key, value, reply } => {
+                let client = socket_addr(key.src_addr, key.src_port);
+                let source_seen = socket_addr(value.nat_src_addr, value.nat_src_port);
+                Flow {
+                    protocol: Protocol::from_number(key.proto).unwrap_or(Protocol::Tcp),
+                    client,
+                    frontend: socket_addr(key.dst_addr, key.dst_port),
+                    backend: socket_addr(value.nat_dst_addr, value.nat_dst_port),
+                    snat: (source_seen != client).then_some(source_seen),
+                    state: state_name(key.proto, state),
+                    idle_ms,
+                    backend_id: value.backend_id,
+                    keys: [Some(*key), reply.map(|(k, _)| k)],
+                }
+            }
+            // Described from the reply's side.
+            Pair::Orphan { key, value } => Flow {
+                protocol: Protocol::from_number(key.proto).unwrap_or(Protocol::Tcp),
+                client: socket_addr(value.nat_dst_addr, value.nat_dst_port),
+                frontend: socket_addr(value.nat_src_addr, value.nat_src_port),
+                backend: socket_addr(key.src_addr, key.src_port),
+                snat: None,
+                state: state_name(key.proto, state),
+                idle_ms,
+                backend_id: value.backend_id,
+                keys: [None, Some(*key)],
+            },
         });
-    }
-    // Replies without their forward half: described from the reply's side.
-    for (key, value) in entries
-        .iter()
-        .filter(|(k, v)| v.dir != CT_DIR_FORWARD && !paired_replies.contains(k))
-    {
-        out.push(Flow {
-            protocol: Protocol::from_number(key.proto).unwrap_or(Protocol::Tcp),
-            client: socket_addr(value.nat_dst_addr, value.nat_dst_port),
-            frontend: socket_addr(value.nat_src_addr, value.nat_src_port),
-            backend: socket_addr(key.src_addr, key.src_port),
-            snat: None,
-            state: state_name(key.proto, value.state),
-            idle_ms: now_ns.saturating_sub(value.last_seen_ns) / 1_000_000,
-            backend_id: value.backend_id,
-            keys: [None, Some(*key)],
-        });
-    }
+    });
     out.sort_by_key(|f| (f.frontend, f.client));
     out
 }
@@ -142,47 +188,32 @@ pub fn flows(entries: &[(CtKey, CtValue)], now_ns: u64) -> Vec<Flow> {
 /// The entries of flows idle past their timeout, each with the `last_seen_ns` it
 /// was read with (the GC deletes it only if that has not moved), forward entries
 /// first so that a straggling reply still finds its way back while the GC runs.
-/// Pairs the directions as [`flows`] does, holding only the replies by key: with
-/// the table full (262k entries), describing every flow and keeping a second map
-/// of all entries was over 100 MB for a moment on every pass.
+/// Pairs the directions as [`flows`] does, without describing each flow.
 pub fn expired(
     entries: &[(CtKey, CtValue)],
     now_ns: u64,
     timeouts: &Timeouts,
 ) -> Vec<(CtKey, u64)> {
-    let mut replies: HashMap<CtKey, (&CtValue, bool)> = entries
-        .iter()
-        .filter(|(_, v)| v.dir != CT_DIR_FORWARD)
-        .map(|(k, v)| (*k, (v, false)))
-        .collect();
-    let idle_past = |proto: u8, state: u8, last_seen: u64| {
-        let protocol = Protocol::from_number(proto).unwrap_or(Protocol::Tcp);
-        let idle = Duration::from_millis(now_ns.saturating_sub(last_seen) / 1_000_000);
-        idle > timeout_for(protocol, state_name(proto, state), timeouts)
-    };
     let mut forward = Vec::new();
     let mut reply = Vec::new();
-    for (key, value) in entries.iter().filter(|(_, v)| v.dir == CT_DIR_FORWARD) {
-        let reply_key = reply_key_of(key, value);
-        let partner = replies.get_mut(&reply_key).map(|(r, paired)| {
-            *paired = true;
-            *r
-        });
-        let last_seen = value
-            .last_seen_ns
-            .max(partner.map_or(0, |r| r.last_seen_ns));
-        let state = value.state | partner.map_or(0, |r| r.state);
-        if idle_past(key.proto, state, last_seen) {
-            forward.push((*key, value.last_seen_ns));
-            reply.extend(partner.map(|r| (reply_key, r.last_seen_ns)));
+    each_pair(entries, |pair| {
+        let (last_seen, state) = pair.seen_and_state();
+        let (key, value) = match &pair {
+            Pair::Forward { key, value, .. } | Pair::Orphan { key, value } => (*key, *value),
+        };
+        let protocol = Protocol::from_number(key.proto).unwrap_or(Protocol::Tcp);
+        let idle = Duration::from_millis(now_ns.saturating_sub(last_seen) / 1_000_000);
+        if idle <= timeout_for(protocol, state_name(key.proto, state), timeouts) {
+            return;
         }
-    }
-    // Replies without their forward half, by their own state.
-    for (key, (value, paired)) in &replies {
-        if !paired && idle_past(key.proto, value.state, value.last_seen_ns) {
-            reply.push((*key, value.last_seen_ns));
+        match pair {
+            Pair::Forward { reply: partner, .. } => {
+                forward.push((*key, value.last_seen_ns));
+                reply.extend(partner.map(|(k, r)| (k, r.last_seen_ns)));
+            }
+            Pair::Orphan { .. } => reply.push((*key, value.last_seen_ns)),
         }
-    }
+    });
     forward.extend(reply);
     forward
 }
