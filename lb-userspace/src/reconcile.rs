@@ -1306,6 +1306,23 @@ mod tests {
         changed
     }
 
+    /// Gives about one internal frontend in `one_in` an external entry, with the
+    /// first `backends` of its backends.
+    fn add_externals(state: &mut DesiredState, rng: &mut Rng, one_in: u64, backends: usize) {
+        let externals: Vec<(Frontend, FrontendSpec)> = state
+            .frontends
+            .iter()
+            .filter(|_| rng.below(one_in) == 0)
+            .map(|(f, spec)| {
+                let mut spec = spec.clone();
+                spec.backends =
+                    std::sync::Arc::new(spec.backends.iter().take(backends).copied().collect());
+                (f.with_scope(Scope::External), spec)
+            })
+            .collect();
+        state.frontends.extend(externals);
+    }
+
     /// A start written in pieces: every prefix of the writes is consistent, an
     /// external entry is written with its internal twin, and the table ends as one
     /// plan from scratch programs it.
@@ -1314,13 +1331,7 @@ mod tests {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
         for round in 0..20 {
             let mut desired = random_state(&mut rng);
-            let externals: Vec<(Frontend, FrontendSpec)> = desired
-                .frontends
-                .iter()
-                .filter(|_| rng.below(3) == 0)
-                .map(|(f, spec)| (f.with_scope(Scope::External), spec.clone()))
-                .collect();
-            desired.frontends.extend(externals);
+            add_externals(&mut desired, &mut rng, 3, usize::MAX);
             let mut known = KnownTable::new(MapSnapshot::default(), ROOMY);
             let mut s = MapSnapshot::default();
             let mut pieces = 0;
@@ -1376,18 +1387,7 @@ mod tests {
         for step in 0..400 {
             let mut next = random_state(&mut rng);
             // Some internal frontends get an external entry of their own backends.
-            let externals: Vec<(Frontend, FrontendSpec)> = next
-                .frontends
-                .iter()
-                .filter(|_| rng.below(4) == 0)
-                .map(|(f, spec)| {
-                    let mut spec = spec.clone();
-                    spec.backends =
-                        std::sync::Arc::new(spec.backends.iter().take(1).copied().collect());
-                    (f.with_scope(Scope::External), spec)
-                })
-                .collect();
-            next.frontends.extend(externals);
+            add_externals(&mut next, &mut rng, 4, 1);
             let changed = changed_between(&desired, &next);
             // Now and then a full plan (start, repair), whose ids the kept table
             // must learn from its ops.
