@@ -131,12 +131,15 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     // rolling update's new agent waits here (--wait-for-lock) while the old one
     // still has the ports.
     sys::ensure_bpffs(config.pin.root())?;
-    let _pin_lock = lock_pin_dir(&config).await?;
+    let pin_lock = lock_pin_dir(&config).await?;
     let status = Arc::new(AgentStatus::new());
     // Bound before anything is loaded: a taken port fails the start, not later.
+    let mut listeners = Vec::new();
     for server in ops_servers(&config, &status).await? {
         info!(addr = %server.local_addr(), "serving health/metrics");
-        tokio::spawn(server.run());
+        listeners.push(tokio::spawn(async move {
+            let _ = server.run().await;
+        }));
     }
     // The source first: a bad kubeconfig fails the start before anything attaches.
     let mut objects = match &config.source {
@@ -447,6 +450,11 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         }
     }
     info!("stopping; hooks and maps stay pinned (`lb cleanup` removes them)");
+    // The ports go before the lock: a rolling update's next agent, waiting for the
+    // lock, binds them as soon as it has it.
+    health_checks.shutdown().await;
+    ops::stop_all(listeners).await;
+    drop(pin_lock);
     Ok(())
 }
 

@@ -62,6 +62,29 @@ impl HealthCheckServers {
         }
         errors
     }
+
+    /// Stops every listener and returns once their sockets are closed: the port is
+    /// free for the next agent when this returns (an abort alone only asks the task
+    /// to stop at its next poll).
+    pub async fn shutdown(mut self) {
+        let tasks: Vec<_> = std::mem::take(&mut self.running)
+            .into_values()
+            .map(|(_, task)| task)
+            .collect();
+        stop_all(tasks).await;
+    }
+}
+
+/// Aborts `tasks` and waits until each has been dropped, with whatever it owned
+/// (its listener among them).
+pub async fn stop_all(tasks: Vec<tokio::task::JoinHandle<()>>) {
+    for task in &tasks {
+        task.abort();
+    }
+    for task in tasks {
+        // A cancelled task's error is the expected outcome; a panic was logged.
+        let _ = task.await;
+    }
 }
 
 impl Drop for HealthCheckServers {

@@ -21,7 +21,7 @@ mod http;
 pub mod metrics;
 pub mod status;
 
-pub use health_check::HealthCheckServers;
+pub use health_check::{stop_all, HealthCheckServers};
 pub use http::{GetError, MAX_REQUEST_BYTES};
 pub use metrics::{LAST_CHANGE_TRIGGER_TIME, SYNC_DURATION_BUCKETS};
 pub use status::{
