@@ -1,22 +1,16 @@
 //! The agent: loads the kernel programs, turns Kubernetes objects into a desired
 //! service table, and reconciles the pinned maps to it.
+//!
+//! One room per concern, each importing only from the rooms listed before it:
+//! a change flows from [`source`] (objects as they arrive) through [`control`]
+//! (kube-proxy's rules, then the plan) into [`datapath`] (the maps), driven by
+//! [`agent`].
 
 pub mod agent;
-pub mod codec;
-pub mod conntrack;
-pub mod loader;
-pub mod maps;
+pub mod control;
+pub mod datapath;
 pub mod model;
-pub mod netlink;
-pub mod node_net;
+pub mod node;
 pub mod ops;
-pub mod pin_lock;
-pub mod pins;
-pub mod reconcile;
-pub mod snapshot;
 pub mod source;
-pub mod source_ranges;
 pub mod stale_sockets;
-pub mod sys;
-pub mod table;
-pub mod tc_links;

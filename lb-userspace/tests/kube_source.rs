@@ -472,7 +472,7 @@ async fn requests_use_kube_proxys_label_selectors() {
         }
     }
     assert_eq!(
-        kube_source::SERVICE_LABEL_SELECTOR,
+        lb_userspace::source::labels::SERVICE_LABEL_SELECTOR,
         "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless"
     );
 }

@@ -10,10 +10,13 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
 use aya::Ebpf;
 use lb_common::{program_names, stat};
-use lb_userspace::loader::{self, MapSizes, PinLayout};
-use lb_userspace::maps::PinnedMaps;
+use lb_userspace::control::plan as reconcile;
+use lb_userspace::datapath::loader;
+use lb_userspace::datapath::maps::PinnedMaps;
+use lb_userspace::datapath::pins::{self, MapSizes, PinLayout};
+use lb_userspace::datapath::{codec, source_ranges};
 use lb_userspace::model::{BackendAddr, DesiredState, Frontend, FrontendSpec, Protocol, Scope};
-use lb_userspace::{codec, reconcile, source_ranges, sys};
+use lb_userspace::node::host as sys;
 
 /// The IPv6 fixtures, on the same fixture, programs and maps.
 #[path = "tc_fixtures/ipv6.rs"]
@@ -54,8 +57,8 @@ struct PinGuard(PinLayout);
 
 impl Drop for PinGuard {
     fn drop(&mut self) {
-        if let Ok(Some(lock)) = loader::lock_for_cleanup(&self.0) {
-            let _ = loader::cleanup(&self.0, &lock);
+        if let Ok(Some(lock)) = pins::lock_for_cleanup(&self.0) {
+            let _ = pins::cleanup(&self.0, &lock);
         }
     }
 }

@@ -7,12 +7,14 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use lb_userspace::agent::{self, AgentConfig, ObjectSource};
-use lb_userspace::loader::{self, MapSizes, PinLayout, TcAttach};
-use lb_userspace::maps::PinnedMaps;
-use lb_userspace::node_net::{NodePortAddresses, Overrides};
+use lb_userspace::control::NodePortRange;
+use lb_userspace::datapath::loader::TcAttach;
+use lb_userspace::datapath::maps::PinnedMaps;
+use lb_userspace::datapath::pins::{self, MapSizes, PinLayout};
+use lb_userspace::datapath::{conntrack, table, tc_links};
+use lb_userspace::node::host as sys;
+use lb_userspace::node::{NodePortAddresses, Overrides};
 use lb_userspace::ops::{self, BindAddress};
-use lb_userspace::source::NodePortRange;
-use lb_userspace::{conntrack, sys, table, tc_links};
 
 /// The agent builds hundreds of thousands of small objects per full sync (the
 /// Kubernetes types, then the desired table); glibc's malloc spent about 60% of
@@ -343,7 +345,7 @@ fn main() -> Result<()> {
             }
         }
         Command::Cleanup => {
-            let Some(lock) = loader::lock_for_cleanup(&layout)? else {
+            let Some(lock) = pins::lock_for_cleanup(&layout)? else {
                 eprintln!(
                     "nothing to clean up: {} does not exist",
                     layout.root().display()
@@ -365,7 +367,7 @@ fn main() -> Result<()> {
                     layout.root().display()
                 );
             }
-            let report = loader::cleanup(&layout, &lock)?;
+            let report = pins::cleanup(&layout, &lock)?;
             eprintln!(
                 "removed {} pins under {}",
                 report.removed.len(),

@@ -30,10 +30,6 @@ pub const SYNC_DURATION_BUCKETS: [f64; 13] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
 
-/// The annotation the EndpointSlice controller sets to the time of the change
-/// (Pod, Service) that made it update the slice.
-pub const LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
-
 /// kube-proxy's `kubeproxy_sync_proxy_rules_duration_seconds` buckets: 1 ms
 /// doubling to 16.384 s.
 fn kube_proxy_sync_buckets() -> impl Iterator<Item = f64> {

@@ -23,7 +23,7 @@ pub mod status;
 
 pub use health_check::{stop_all, HealthCheckServers};
 pub use http::{GetError, MAX_REQUEST_BYTES};
-pub use metrics::{LAST_CHANGE_TRIGGER_TIME, SYNC_DURATION_BUCKETS};
+pub use metrics::SYNC_DURATION_BUCKETS;
 pub use status::{
     rfc3339, AgentStatus, Clock, Health, ManualClock, StatusReport, SystemClock, UnreadableFile,
 };

@@ -33,20 +33,10 @@ use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 use tracing::{debug, info, warn};
 
+use super::labels::{SERVICE_LABEL_SELECTOR, SLICE_LABEL_SELECTOR};
 use super::lean::{trim_node, EndpointSlice, Service, Wire};
 use super::shards::{Cached, ShardedStore, SHARDS};
 use super::Objects;
-
-/// kube-proxy's selector for Services: those claimed by another proxy
-/// (`service.kubernetes.io/service-proxy-name`) and headless ones are not proxied.
-pub const SERVICE_LABEL_SELECTOR: &str =
-    "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
-
-/// EndpointSlices that belong to a Service (`kubernetes.io/service-name`), with
-/// kube-proxy's selector on top: the EndpointSlice controller copies the Service's
-/// labels onto its slices and marks those of headless Services.
-pub const SLICE_LABEL_SELECTOR: &str = "kubernetes.io/service-name,\
-     !service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
 
 /// How the API server is followed.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -22,10 +22,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 
-use super::desired::{LABEL_HEADLESS, LABEL_PROXY_NAME, LABEL_SERVICE_NAME};
 use super::intern::{self, Shared};
-use super::LABEL_ZONE;
-use crate::ops::LAST_CHANGE_TRIGGER_TIME;
+use super::labels::{
+    LABEL_HEADLESS, LABEL_PROXY_NAME, LABEL_SERVICE_NAME, LABEL_ZONE, LAST_CHANGE_TRIGGER_TIME,
+};
 
 /// A Service: what kube-proxy's service change tracker reads of it.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
@@ -518,15 +518,12 @@ pub fn trim_node(node: &mut Node) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
-    use crate::source::{build_desired, SourceOptions};
 
-    /// Objects as a real API server sends them carry much this agent never reads;
-    /// decoded, they give the same service table as the same objects written with
-    /// only the fields read, and the bulky parts are not kept.
-    #[test]
-    fn full_objects_decode_to_what_is_read() {
+    /// A Service and its EndpointSlice as a real API server sends them, with much
+    /// this agent never reads.
+    pub(crate) fn full_api_objects() -> (serde_json::Value, serde_json::Value) {
         let service = serde_json::json!({
             "metadata": {
                 "name": "web", "namespace": "default", "resourceVersion": "7",
@@ -561,6 +558,15 @@ mod tests {
                 "hints": {"forZones": [{"name": "a"}]},
             }],
         });
+        (service, slice)
+    }
+
+    /// Objects as a real API server sends them carry much this agent never reads;
+    /// decoded, they give the same service table as the same objects written with
+    /// only the fields read, and the bulky parts are not kept.
+    #[test]
+    fn full_objects_decode_to_what_is_read() {
+        let (service, slice) = full_api_objects();
         let service: Service = serde_json::from_value(service).unwrap();
         let slice: EndpointSlice = serde_json::from_value(slice).unwrap();
 
@@ -619,22 +625,6 @@ mod tests {
             Some(EndpointAddress::Invalid("not-an-ip".into()))
         );
         assert!(other.hints().is_none());
-
-        // Without the proxy-name label the Service is ours, and both read alike.
-        let mut ours = service.clone();
-        ours.metadata.labels = None;
-        let opts = SourceOptions {
-            node_name: "node-a".into(),
-            node_ips: vec!["192.168.50.2".parse().unwrap()],
-            ..SourceOptions::default()
-        };
-        let (state, errors) = build_desired(
-            std::slice::from_ref(&ours),
-            std::slice::from_ref(&slice),
-            &opts,
-        );
-        assert!(errors.is_empty(), "{errors:?}");
-        assert!(!state.frontends.is_empty());
     }
 
     /// A bad value in a field this agent reads is still an error naming it; `null`

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 
 use lb_common::{SockRevNatKey, SockRevNatValue, SCOPE_INTERNAL};
 
-use crate::codec::{socket_addr, FrontendKey, MapOp, MapSnapshot};
+use crate::datapath::codec::{socket_addr, FrontendKey, MapOp, MapSnapshot};
 use crate::model::Protocol;
 
 /// A backend that left a frontend of the socket hooks: sockets the hooks connected
@@ -168,7 +168,7 @@ mod tests {
     use lb_common::{Backend, IpAddrBe, ServiceValue};
 
     use super::*;
-    use crate::codec::{master_value, service_key, slot_value, Be16};
+    use crate::datapath::codec::{master_value, service_key, slot_value, Be16};
     use crate::model::{BackendAddr, Frontend, FrontendSpec, Scope};
 
     const VIP: IpAddr = IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10));

@@ -46,9 +46,9 @@ use tracing::{debug, info, warn};
 pub use departed::{stale_entries, Departed, Departures, Touched};
 use diag::{Diag, DiagError, FAMILIES};
 
-use crate::codec::Be16;
-use crate::loader::PinLayout;
-use crate::maps::{MapsError, SockRevNatMap};
+use crate::datapath::codec::Be16;
+use crate::datapath::maps::{MapsError, SockRevNatMap};
+use crate::datapath::pins::PinLayout;
 use crate::model::Protocol;
 use crate::ops::AgentStatus;
 

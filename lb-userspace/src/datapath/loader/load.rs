@@ -9,30 +9,9 @@ use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier};
 use aya::{Ebpf, EbpfLoader};
 use lb_common::{map_names, program_names};
 
-use super::{program_error, LoadError, PinLayout, TcAttach};
+use super::{program_error, LoadError, TcAttach};
+use crate::datapath::pins::{MapSizes, PinLayout};
 use lb_common::IpAddrBe;
-
-/// `max_entries` of the maps the agent sizes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MapSizes {
-    pub services: u32,
-    pub backends: u32,
-    pub sock_revnat: u32,
-    pub affinity: u32,
-    pub conntrack: u32,
-}
-
-impl Default for MapSizes {
-    fn default() -> Self {
-        Self {
-            services: lb_common::DEFAULT_SERVICES_MAX,
-            backends: lb_common::DEFAULT_BACKENDS_MAX,
-            sock_revnat: lb_common::DEFAULT_SOCK_REVNAT_MAX,
-            affinity: lb_common::DEFAULT_AFFINITY_MAX,
-            conntrack: lb_common::DEFAULT_CT_MAX,
-        }
-    }
-}
 
 /// The kernel object embedded at build time (empty when it was not built).
 static EMBEDDED_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf.o"));

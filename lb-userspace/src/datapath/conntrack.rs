@@ -11,7 +11,7 @@ use lb_common::{
 };
 use serde::Serialize;
 
-use crate::codec::socket_addr;
+use crate::datapath::codec::socket_addr;
 use crate::model::Protocol;
 
 /// Idle timeouts, per protocol and TCP state.

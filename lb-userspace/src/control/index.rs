@@ -22,11 +22,12 @@ use litemap::LiteMap;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use super::lean::{EndpointSlice, Meta, Service};
+use crate::source::lean::{EndpointSlice, Meta, Service};
 
-use super::intern::{intern, Shared};
-use super::{build_desired, ObjectError, Objects, Problem, SourceOptions};
+use super::{build_desired, SourceOptions};
 use crate::model::{DesiredState, Frontend, FrontendSpec, HealthCheck, Scope};
+use crate::source::intern::{intern, Shared};
+use crate::source::{ObjectError, Objects, Problem};
 
 /// `(namespace, name)`; objects without a namespace are in `default`. Allocated
 /// once per arriving object and shared (a pointer) by every map here that keys by
@@ -599,7 +600,7 @@ mod tests {
         let mut labels = serde_json::Map::new();
         if let Some(owner) = owner {
             labels.insert(
-                super::super::desired::LABEL_SERVICE_NAME.into(),
+                crate::source::labels::LABEL_SERVICE_NAME.into(),
                 json!(owner),
             );
         }

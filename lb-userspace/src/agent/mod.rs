@@ -11,25 +11,27 @@ use std::time::{Duration, Instant};
 use lb_common::map_names;
 use tracing::{debug, info, warn};
 
-use crate::conntrack;
-use crate::loader::{self, LoadError, MapSizes, PinLayout, TcAttach};
-use crate::maps::{MapsError, PinnedMaps};
+use crate::control::index::{Changes, DesiredIndex};
+use crate::control::known::KnownTable;
+use crate::control::plan;
+use crate::control::{NodePortRange, SourceOptions};
+use crate::datapath::conntrack;
+use crate::datapath::loader::{self, LoadError, TcAttach};
+use crate::datapath::maps::{MapsError, PinnedMaps};
+use crate::datapath::pins::{self, MapSizes, PinLayout};
+use crate::datapath::pins::{PinLock, PinLockError, Wait};
+use crate::datapath::source_ranges;
+use crate::datapath::table;
+use crate::datapath::tc_links::{TcLinks, TcLinksError};
 use crate::model::{DesiredState, Frontend};
-use crate::netlink::{self, NetlinkError};
-use crate::node_net::{self, NodeNet, NodePortAddresses, Overrides};
+use crate::node::host::{self, SysError};
+use crate::node::netlink::{self, NetlinkError};
+use crate::node::{self, NodeNet, NodePortAddresses, Overrides};
 use crate::ops::{
     self, AgentStatus, BindAddress, HealthCheckServers, OpsServer, Routes, ServeConfig,
 };
-use crate::pin_lock::{PinLock, PinLockError, Wait};
-use crate::pins;
-use crate::reconcile::{self, KnownTable};
-use crate::source::index::{Changes, DesiredIndex};
-use crate::source::{self, files, kube, Objects, SourceOptions};
-use crate::source_ranges;
+use crate::source::{self, files, kube, Objects};
 use crate::stale_sockets;
-use crate::sys::{self, SysError};
-use crate::table;
-use crate::tc_links::{TcLinks, TcLinksError};
 
 /// How long to wait before retrying a service table the kernel refused.
 const RETRY_INTERVAL: Duration = Duration::from_secs(1);
@@ -59,7 +61,7 @@ pub struct AgentConfig {
     /// kube-proxy's `--nodeport-addresses`.
     pub nodeport_addresses: NodePortAddresses,
     /// NodePorts outside this range are refused.
-    pub node_port_range: source::NodePortRange,
+    pub node_port_range: NodePortRange,
     /// `--zone`: this node's zone when its Node object (from the API server or
     /// the files) has no `topology.kubernetes.io/zone` label.
     pub zone: Option<String>,
@@ -126,11 +128,11 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     if let ObjectSource::Files(path) = &config.source {
         files::check_source(path)?;
     }
-    sys::check_cgroup2_dir(&config.cgroup)?;
+    host::check_cgroup2_dir(&config.cgroup)?;
     // One agent per pin directory, before anything is bound, read or written: a
     // rolling update's new agent waits here (--wait-for-lock) while the old one
     // still has the ports.
-    sys::ensure_bpffs(config.pin.root())?;
+    host::ensure_bpffs(config.pin.root())?;
     let pin_lock = lock_pin_dir(&config).await?;
     let status = Arc::new(AgentStatus::new());
     // Bound before anything is loaded: a taken port fails the start, not later.
@@ -169,7 +171,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     // Maps first, hooks only after the first sync filled them: a first start, or an
     // upgrade to a new map layout (fresh maps in a new `v<N>` directory), never has a
     // moment where the new programs see an empty table.
-    let retired = loader::other_layouts(&config.pin).unwrap_or_default();
+    let retired = pins::other_layouts(&config.pin).unwrap_or_default();
     let loading = Instant::now();
     pins::check_map_sizes(&config.pin, config.sizes)?;
     let mut created_pins = pins::CreatedPins::before_load(&config.pin);
@@ -290,7 +292,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 }
                 net = node_net.borrow_and_update().clone();
                 if attached {
-                    tc_links.sync(&mut ebpf, &node_net::attachments(&net, &overrides));
+                    tc_links.sync(&mut ebpf, &node::attachments(&net, &overrides));
                 }
                 // Only a change of the served addresses needs a new table.
                 let served = served_addresses(&net, &config, last.as_deref());
@@ -353,7 +355,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             if !attached {
                 // A device named by a flag that is not there is a typo, not a device
                 // to wait for: fail before anything attaches.
-                if let Some((flag, device)) = node_net::missing_override(&net, &overrides) {
+                if let Some((flag, device)) = node::missing_override(&net, &overrides) {
                     let present: Vec<&str> = net.links.values().map(|l| l.name.as_str()).collect();
                     return Err(SyncError::Attach(LoadError::MissingDevice {
                         flag,
@@ -363,7 +365,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 }
                 let mut pins = loader::attach_cgroup_hooks(&mut ebpf, &config.pin, &config.cgroup)
                     .map_err(SyncError::Attach)?;
-                tc_links.sync(&mut ebpf, &node_net::attachments(&net, &overrides));
+                tc_links.sync(&mut ebpf, &node::attachments(&net, &overrides));
                 pins.extend(tc_links.pins());
                 loader::remove_stale_links(&config.pin, &pins).map_err(SyncError::Attach)?;
                 tc_links.retire_stale_records();
@@ -489,7 +491,7 @@ async fn lock_pin_dir(config: &AgentConfig) -> Result<PinLock, AgentError> {
 /// of the per-packet path are picked up anew.
 fn retire_layouts(retired: &[PathBuf]) {
     for dir in retired {
-        match loader::remove_layout(dir) {
+        match pins::remove_layout(dir) {
             Ok(()) => info!(dir = %dir.display(), "retired maps of another layout version"),
             Err(e) => warn!("cannot remove old maps in {}: {e}", dir.display()),
         }
@@ -529,7 +531,7 @@ fn served_addresses(
     let from_node = objects
         .map(|o| node_addresses(&o.nodes, &config.node_name))
         .unwrap_or_default();
-    node_net::nodeport_addresses(
+    node::nodeport_addresses(
         net,
         &config.nodeport_addresses,
         &config.node_ips,
@@ -561,7 +563,7 @@ fn node_zone(nodes: &[Arc<k8s_openapi::api::core::v1::Node>], node_name: &str) -
         .metadata
         .labels
         .as_ref()?
-        .get(source::LABEL_ZONE)
+        .get(crate::source::labels::LABEL_ZONE)
         .filter(|zone| !zone.is_empty())
         .cloned()
 }
@@ -627,7 +629,7 @@ enum SyncError {
 struct Written {
     /// The table before the plan; `record_table` applies the plan to it.
     table: KnownTable,
-    plan: reconcile::Plan,
+    plan: plan::Plan,
     /// Only the changed frontends were planned, against the kept table.
     incremental: bool,
     /// The table was read from the kernel, not remembered.
@@ -657,7 +659,7 @@ fn write_table(
     let capacity = maps.capacity();
     let (table, plan, incremental, read_kernel) = match known.take() {
         Some(mut table) => {
-            let plan = reconcile::plan_changes(desired, changed, &mut table, capacity);
+            let plan = plan::plan_changes(desired, changed, &mut table, capacity);
             (table, plan, true, false)
         }
         None => {
@@ -665,7 +667,7 @@ fn write_table(
             if current.services.is_empty() && current.backends.is_empty() {
                 return write_in_pieces(maps, desired, KnownTable::new(current, capacity));
             }
-            let plan = reconcile::plan(desired, &current, capacity);
+            let plan = plan::plan(desired, &current, capacity);
             (KnownTable::new(current, capacity), plan, false, true)
         }
     };
@@ -719,7 +721,7 @@ fn write_in_pieces(
     let (mut planning, mut applying) = (Duration::ZERO, Duration::ZERO);
     let mut operations = 0;
     let mut started = Instant::now();
-    reconcile::plan_in_pieces(desired, &mut table, capacity, START_PIECE, |plan| {
+    plan::plan_in_pieces(desired, &mut table, capacity, START_PIECE, |plan| {
         let planned = Instant::now();
         planning += planned - started;
         for rejected in &plan.rejected {
@@ -743,7 +745,7 @@ fn write_in_pieces(
     }
     Ok(Written {
         table,
-        plan: reconcile::Plan::default(),
+        plan: plan::Plan::default(),
         incremental: false,
         read_kernel: true,
         written_ahead: operations,

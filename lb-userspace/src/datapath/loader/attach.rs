@@ -2,6 +2,7 @@
 //! programs to devices (TCX links, or lb's netlink filter slot on clsact).
 
 use std::collections::BTreeSet;
+use std::fs;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
@@ -14,14 +15,16 @@ use aya::Ebpf;
 use lb_common::program_names;
 
 use super::load::{cgroup_program, tc_program};
-use super::{error_chain, pin_link, program_error, LoadError, PinLayout};
+use super::{program_error, LoadError};
+use crate::datapath::error_chain;
+use crate::datapath::pins::PinLayout;
 
 /// Attaches the socket hooks of a loaded object to `cgroup` and pins the links;
 /// returns the pins. Links of a previous agent are replaced only after the new ones
 /// are attached: both translate identically, and a socket already rewritten to a
 /// backend is not a frontend to the second program, so the overlap is harmless
 /// while a gap would not be. The per-packet programs go on devices through
-/// [`crate::tc_links`].
+/// [`crate::datapath::tc_links`].
 pub fn attach_cgroup_hooks(
     ebpf: &mut Ebpf,
     layout: &PinLayout,
@@ -205,6 +208,46 @@ fn program_errno(error: &ProgramError) -> Option<i32> {
         ProgramError::SyscallError(e) => e.io_error.raw_os_error(),
         _ => None,
     }
+}
+
+/// Pins `link` as `links_dir/name` and returns the path. The pin goes to a
+/// temporary name first and is renamed over the old one: the old link loses its
+/// last reference (and detaches) only once the new one is live.
+pub(crate) fn pin_link(
+    link: FdLink,
+    program: &'static str,
+    links_dir: &Path,
+    name: &str,
+) -> Result<PathBuf, LoadError> {
+    let final_path = links_dir.join(name);
+    // bpffs refuses names containing '.', hence the underscore.
+    let staging = links_dir.join(format!("{name}_new"));
+    let _ = fs::remove_file(&staging);
+    let pin_error = |message: String| LoadError::PinLink {
+        program,
+        path: final_path.clone(),
+        message,
+    };
+    link.pin(&staging).map_err(|e| pin_error(error_chain(&e)))?;
+    fs::rename(&staging, &final_path).map_err(|e| pin_error(e.to_string()))?;
+    Ok(final_path)
+}
+
+/// Unpins (and so detaches) links of a previous agent that this one did not
+/// replace, e.g. a device since deleted.
+pub fn remove_stale_links(layout: &PinLayout, keep: &BTreeSet<PathBuf>) -> Result<(), LoadError> {
+    let links_dir = &layout.links_dir();
+    let stale_error = |source| LoadError::StaleLinks {
+        path: links_dir.to_path_buf(),
+        source,
+    };
+    for entry in fs::read_dir(links_dir).map_err(stale_error)? {
+        let path = entry.map_err(stale_error)?.path();
+        if !keep.contains(&path) {
+            fs::remove_file(&path).map_err(stale_error)?;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

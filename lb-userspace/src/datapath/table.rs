@@ -9,7 +9,7 @@ use std::net::IpAddr;
 use lb_common::ServiceValue;
 use serde::Serialize;
 
-use crate::codec::{affinity_timeout, backend_addr, frontend_of, MapOp, MapSnapshot};
+use crate::datapath::codec::{affinity_timeout, backend_addr, frontend_of, MapOp, MapSnapshot};
 use crate::model::Frontend;
 
 /// One frontend as programmed.
@@ -284,7 +284,7 @@ pub fn render_text(frontends: &[ProgrammedFrontend]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::codec::service_key as key_of;
+    use crate::datapath::codec::service_key as key_of;
     use crate::model::Protocol;
     use lb_common::{Backend, SVC_FLAG_AFFINITY};
 

@@ -1,7 +1,7 @@
-//! Everything between the kernel object and a running datapath, one room each:
-//! [`pins`] (the layout under `<pin-dir>`, link pins, retired layouts, cleanup),
-//! [`load`] (the kernel object, `EbpfLoader`, the verifier) and [`attach`] (the
-//! cgroup socket hooks and the per-packet programs on devices).
+//! Between the kernel object and a running datapath: [`load`] (the kernel object,
+//! `EbpfLoader`, the verifier) and [`attach`] (the cgroup socket hooks and the
+//! per-packet programs on devices, and their link pins). Where things are pinned is
+//! [`crate::datapath::pins`].
 
 use std::io;
 use std::path::PathBuf;
@@ -10,18 +10,12 @@ use aya::programs::ProgramError;
 
 pub mod attach;
 pub mod load;
-pub mod pins;
 
-pub use attach::{attach_cgroup_hooks, TcAttach};
+pub use attach::{attach_cgroup_hooks, remove_stale_links, TcAttach};
 pub(crate) use attach::{
-    attach_tc_device, tc_pin_name, uses_tcx, TcLink, NETLINK_HANDLE, NETLINK_PRIORITY,
+    attach_tc_device, pin_link, tc_pin_name, uses_tcx, TcLink, NETLINK_HANDLE, NETLINK_PRIORITY,
 };
-pub use load::{kernel_object, load, verify, MapSizes};
-pub(crate) use pins::pin_link;
-pub use pins::{
-    cleanup, lock_for_cleanup, other_layouts, remove_layout, remove_stale_links, CleanupError,
-    CleanupLock, CleanupReport, PinLayout,
-};
+pub use load::{kernel_object, load, verify};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -104,18 +98,6 @@ pub enum LoadError {
         path: PathBuf,
         message: String,
     },
-}
-
-/// aya's errors keep the errno in their source; a message without it is useless.
-pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 pub(crate) fn program_error(program: &'static str, source: ProgramError) -> LoadError {

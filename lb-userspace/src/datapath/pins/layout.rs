@@ -5,15 +5,11 @@
 //!   opens a map whose key/value layout it does not know;
 //! - `links/<program>`: one bpf_link per hook; replacing the pin detaches the old link.
 
-use std::collections::BTreeSet;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
-use aya::programs::links::FdLink;
 use lb_common::{map_names, program_names, PIN_LAYOUT_VERSION};
-
-use super::{error_chain, LoadError};
 
 /// Where everything of one agent is pinned.
 #[derive(Clone, Debug)]
@@ -41,46 +37,6 @@ impl PinLayout {
     pub fn links_dir(&self) -> PathBuf {
         self.root.join("links")
     }
-}
-
-/// Pins `link` as `links_dir/name` and returns the path. The pin goes to a
-/// temporary name first and is renamed over the old one: the old link loses its
-/// last reference (and detaches) only once the new one is live.
-pub(crate) fn pin_link(
-    link: FdLink,
-    program: &'static str,
-    links_dir: &Path,
-    name: &str,
-) -> Result<PathBuf, LoadError> {
-    let final_path = links_dir.join(name);
-    // bpffs refuses names containing '.', hence the underscore.
-    let staging = links_dir.join(format!("{name}_new"));
-    let _ = fs::remove_file(&staging);
-    let pin_error = |message: String| LoadError::PinLink {
-        program,
-        path: final_path.clone(),
-        message,
-    };
-    link.pin(&staging).map_err(|e| pin_error(error_chain(&e)))?;
-    fs::rename(&staging, &final_path).map_err(|e| pin_error(e.to_string()))?;
-    Ok(final_path)
-}
-
-/// Unpins (and so detaches) links of a previous agent that this one did not
-/// replace, e.g. a device since deleted.
-pub fn remove_stale_links(layout: &PinLayout, keep: &BTreeSet<PathBuf>) -> Result<(), LoadError> {
-    let links_dir = &layout.links_dir();
-    let stale_error = |source| LoadError::StaleLinks {
-        path: links_dir.to_path_buf(),
-        source,
-    };
-    for entry in fs::read_dir(links_dir).map_err(stale_error)? {
-        let path = entry.map_err(stale_error)?.path();
-        if !keep.contains(&path) {
-            fs::remove_file(&path).map_err(stale_error)?;
-        }
-    }
-    Ok(())
 }
 
 /// Map directories of other layout versions under the pin directory: what an agent
@@ -128,7 +84,7 @@ pub enum CleanupError {
     )]
     NotBpffs { path: PathBuf },
     #[error(transparent)]
-    Locked(#[from] crate::pin_lock::PinLockError),
+    Locked(#[from] super::lock::PinLockError),
     #[error("cleaning up {}: {source}", path.display())]
     Io {
         path: PathBuf,
@@ -164,7 +120,7 @@ fn io_error(path: &Path) -> impl FnOnce(io::Error) -> CleanupError {
 
 /// The right to clean a pin directory: it is on bpffs and no agent holds it.
 pub struct CleanupLock {
-    _lock: crate::pin_lock::PinLock,
+    _lock: super::lock::PinLock,
 }
 
 /// Checks that `layout` is lb's to clean and locks it against an agent starting
@@ -183,7 +139,7 @@ pub fn lock_for_cleanup(layout: &PinLayout) -> Result<Option<CleanupLock>, Clean
             path: root.to_path_buf(),
         });
     }
-    let lock = crate::pin_lock::PinLock::acquire(root, crate::pin_lock::Wait::No)?;
+    let lock = super::lock::PinLock::acquire(root, super::lock::Wait::No)?;
     Ok(Some(CleanupLock { _lock: lock }))
 }
 

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use lb_common::{Backend, ServiceKey, ServiceValue};
 
-use crate::codec::MapOp;
+use crate::datapath::codec::MapOp;
 
 /// The kernel's service table as read from the pinned maps.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

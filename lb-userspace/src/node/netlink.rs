@@ -16,7 +16,7 @@ use rtnetlink::MulticastGroup;
 use tokio::sync::watch;
 use tracing::{debug, warn};
 
-use crate::node_net::{Link, NodeNet};
+use crate::node::{Link, NodeNet};
 
 /// Room for bursts of notifications (hundreds of pods starting at once); past it
 /// the kernel drops notifications, and a full dump puts the view right again.

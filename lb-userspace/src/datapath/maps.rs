@@ -14,8 +14,8 @@ use lb_common::{
     SockRevNatValue, SourceRangeKey, SvcStats,
 };
 
-use crate::codec::{self, Capacity, MapOp, MapSnapshot, SourceRange};
-use crate::loader::PinLayout;
+use crate::datapath::codec::{self, Capacity, MapOp, MapSnapshot, SourceRange};
+use crate::datapath::pins::PinLayout;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MapsError {
@@ -147,7 +147,7 @@ impl PinnedMaps {
             capacity: Capacity {
                 services: services_max,
                 backends: backends_max,
-                frontend_ids: crate::reconcile::MAX_REV_NAT_ID,
+                frontend_ids: crate::control::plan::MAX_REV_NAT_ID,
             },
         })
     }
@@ -419,7 +419,7 @@ impl PinnedMaps {
     }
 
     /// Adds the entries of `wanted` the trie lacks and, with `prune`, removes every
-    /// other one (see [`crate::source_ranges`] for when each is safe). Returns how
+    /// other one (see [`crate::datapath::source_ranges`] for when each is safe). Returns how
     /// many entries changed.
     pub fn sync_source_ranges(
         &mut self,

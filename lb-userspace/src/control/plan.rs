@@ -5,12 +5,13 @@ use std::collections::{BTreeMap, BTreeSet};
 
 // Keyed by the ids this agent hands out (or by map values), never by names from the
 // API: a fast hash without seed is safe, and SipHash was 8% of a 100k start.
-use roaring::RoaringBitmap;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use lb_common::{map_names, Backend, ServiceKey, ServiceValue};
 
-use crate::codec::{
+use super::ids::IdAllocator;
+use super::known::{allocators, Entries, KnownTable};
+use crate::datapath::codec::{
     backend_value, master_value, slot_value, Capacity, FrontendKey, MapOp, MapSnapshot,
 };
 use crate::model::{DesiredState, Frontend, FrontendSpec, Scope};
@@ -62,154 +63,6 @@ pub const MAX_BACKENDS_PER_FRONTEND: usize = u16::MAX as usize - 1;
 /// Largest `rev_nat_id`; 0 is reserved for "none". Ids are 32-bit in the maps; this
 /// leaves room far beyond any service map while keeping counts in a `u32`.
 pub const MAX_REV_NAT_ID: u32 = u32::MAX - 1;
-
-/// The entries one frontend has in the current maps.
-#[derive(Default)]
-struct Entries {
-    master: Option<ServiceValue>,
-    slots: BTreeMap<u16, ServiceValue>,
-}
-
-/// Hands out ids counting up from the highest one in use and wrapping to 1, so an id
-/// freed by a recent plan is not given to another frontend or backend at once: LRU
-/// affinity and reverse-translation entries may still name it.
-#[derive(Clone, Debug)]
-struct IdAllocator {
-    /// Compressed: ids are handed out counting up, so they sit in long runs.
-    used: RoaringBitmap,
-    next: u32,
-    max: u32,
-}
-
-impl IdAllocator {
-    fn new(used: impl IntoIterator<Item = u32>, max: u32) -> Self {
-        let used: RoaringBitmap = used
-            .into_iter()
-            .filter(|&id| id != 0 && id <= max)
-            .collect();
-        let next = match used.max() {
-            Some(top) if top < max => top + 1,
-            _ => 1,
-        };
-        IdAllocator { used, next, max }
-    }
-
-    fn free(&self) -> u64 {
-        u64::from(self.max) - self.used.len()
-    }
-
-    fn release(&mut self, id: u32) {
-        self.used.remove(id);
-    }
-
-    /// `id` was taken by a plan that did not ask this allocator (a full plan): it
-    /// is in use, and the count goes on above it, as if this allocator had handed
-    /// it out (else the next id would be searched for from far below, through
-    /// every id in use: 2.6 ms at 10k Services, measured).
-    fn mark(&mut self, id: u32) {
-        if id != 0 && id <= self.max {
-            self.used.insert(id);
-            if id >= self.next {
-                self.next = if id >= self.max { 1 } else { id + 1 };
-            }
-        }
-    }
-
-    fn alloc(&mut self) -> Option<u32> {
-        if self.free() == 0 {
-            return None;
-        }
-        loop {
-            let id = self.next;
-            self.next = if id >= self.max { 1 } else { id + 1 };
-            if self.used.insert(id) {
-                return Some(id);
-            }
-        }
-    }
-}
-
-/// The backend and frontend id allocators for a table: every id it names is in use.
-fn allocators(table: &MapSnapshot, capacity: Capacity) -> (IdAllocator, IdAllocator) {
-    let slot_ids = table
-        .services
-        .iter()
-        .filter(|(k, _)| k.backend_slot != 0)
-        .map(|(_, v)| v.backend_id);
-    let backend_ids = IdAllocator::new(table.backends.keys().copied().chain(slot_ids), u32::MAX);
-    let rev_nat_ids = IdAllocator::new(
-        table.services.values().map(|v| v.rev_nat_id),
-        capacity.frontend_ids,
-    );
-    (backend_ids, rev_nat_ids)
-}
-
-/// What the agent wrote, kept between changes with what planning one change needs
-/// without walking the whole table: the ids in use. Built once from a snapshot
-/// (start, relist, repair: O(table)); then each change costs its own entries.
-#[derive(Clone, Debug)]
-pub struct KnownTable {
-    snapshot: MapSnapshot,
-    backend_ids: IdAllocator,
-    rev_nat_ids: IdAllocator,
-}
-
-impl KnownTable {
-    pub fn new(snapshot: MapSnapshot, capacity: Capacity) -> Self {
-        let (backend_ids, rev_nat_ids) = allocators(&snapshot, capacity);
-        KnownTable {
-            snapshot,
-            backend_ids,
-            rev_nat_ids,
-        }
-    }
-
-    pub fn snapshot(&self) -> &MapSnapshot {
-        &self.snapshot
-    }
-
-    pub fn into_snapshot(self) -> MapSnapshot {
-        self.snapshot
-    }
-
-    /// Records `ops` as written: the snapshot follows them, the ids they write are
-    /// in use (whichever plan chose them), and the ids of deleted backends and
-    /// masters become free again (after the ids ahead of them).
-    pub fn apply(&mut self, ops: &[MapOp]) {
-        for op in ops {
-            match *op {
-                MapOp::PutBackend { id, .. } => self.backend_ids.mark(id),
-                MapOp::PutService { value, .. } => self.rev_nat_ids.mark(value.rev_nat_id),
-                MapOp::DeleteBackend { id } => self.backend_ids.release(id),
-                MapOp::DeleteService { key } if key.backend_slot == 0 => {
-                    if let Some(master) = self.snapshot.services.get(&key) {
-                        self.rev_nat_ids.release(master.rev_nat_id);
-                    }
-                }
-                _ => {}
-            }
-        }
-        self.snapshot.apply(ops);
-    }
-
-    /// The entries `key` has in the table (master and slots), found by key range.
-    fn entries_of(&self, key: FrontendKey) -> Entries {
-        let master = ServiceKey {
-            address: key.address,
-            port: key.port.to_map(),
-            backend_slot: 0,
-            proto: key.proto,
-            scope: key.scope,
-            _pad: [0; 2],
-        };
-        let mut entries = Entries::default();
-        if let Some(group) = self.snapshot.services.group(&master) {
-            entries.master = group.master;
-            entries.slots = group.slots.iter().copied().collect();
-        }
-        entries
-    }
-}
 
 /// Plans `desired` into maps that are empty (`known` holds nothing yet) `piece`
 /// frontends at a time, each piece against what the pieces before it wrote, as one
@@ -620,9 +473,9 @@ mod tests {
     use std::net::Ipv4Addr;
 
     use super::*;
-    use crate::codec::service_key;
+    use crate::datapath::codec::service_key;
+    use crate::datapath::table;
     use crate::model::{BackendAddr, Protocol};
-    use crate::table;
 
     const ROOMY: Capacity = Capacity {
         services: 1 << 20,

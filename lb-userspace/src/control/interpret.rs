@@ -12,86 +12,19 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use super::lean::{EndpointAddress, EndpointSlice, Service, ServicePort, ServiceSpec};
 use ipnet::IpNet;
 
-use super::{ObjectError, Problem};
-
-mod topology;
+use super::options::{NodePortRange, SourceOptions};
+use super::topology::{self, EndpointInfo};
 use crate::model::{
     BackendAddr, DesiredState, Frontend, FrontendSpec, HealthCheck, Protocol, Scope,
 };
-pub use topology::LABEL_ZONE;
-
-/// Settings that change how objects are read, not what they say.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct SourceOptions {
-    /// This node's name as EndpointSlices spell it in `endpoints[].nodeName`, for
-    /// `internalTrafficPolicy: Local`.
-    pub node_name: String,
-    /// This node's addresses, both families: NodePorts are served on each of them.
-    pub node_ips: Vec<IpAddr>,
-    /// The cluster's `--service-node-port-range`; NodePorts outside it are refused
-    /// so a Service cannot take over a port the node itself uses.
-    pub node_port_range: NodePortRange,
-    /// This node's zone (its Node's `topology.kubernetes.io/zone` label, else
-    /// `--zone`), for endpoints hinted `forZones`; empty when unknown.
-    pub zone: String,
-}
-
-/// An inclusive port range, `30000-32767` unless the cluster says otherwise.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct NodePortRange {
-    pub first: u16,
-    pub last: u16,
-}
-
-impl Default for NodePortRange {
-    fn default() -> Self {
-        NodePortRange {
-            first: 30000,
-            last: 32767,
-        }
-    }
-}
-
-impl std::str::FromStr for NodePortRange {
-    type Err = String;
-
-    /// `FIRST-LAST`, as kube-apiserver's `--service-node-port-range` takes it.
-    fn from_str(s: &str) -> Result<Self, String> {
-        let (first, last) = s
-            .split_once('-')
-            .ok_or_else(|| format!("{s:?}: expected FIRST-LAST, e.g. 30000-32767"))?;
-        let port = |p: &str| {
-            p.trim()
-                .parse::<u16>()
-                .ok()
-                .filter(|&p| p != 0)
-                .ok_or_else(|| format!("{p:?} is not a port (1-65535)"))
-        };
-        let range = NodePortRange {
-            first: port(first)?,
-            last: port(last)?,
-        };
-        if range.first > range.last {
-            return Err(format!("{s:?}: the first port is above the last"));
-        }
-        Ok(range)
-    }
-}
-
-impl std::fmt::Display for NodePortRange {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}-{}", self.first, self.last)
-    }
-}
+use crate::source::labels::{LABEL_HEADLESS, LABEL_PROXY_NAME};
+use crate::source::lean::{EndpointAddress, EndpointSlice, Service, ServicePort, ServiceSpec};
+use crate::source::{ObjectError, Problem};
 
 const SERVICE: &str = "Service";
 const SLICE: &str = "EndpointSlice";
-pub(super) const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
-pub(super) const LABEL_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
-pub(super) const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
 const DEFAULT_AFFINITY_TIMEOUT: i32 = 10_800;
 const MAX_AFFINITY_TIMEOUT: i32 = 86_400;
 
@@ -101,7 +34,7 @@ type ObjectId<'a> = (&'a str, &'a str);
 
 /// Objects without a namespace are taken to be in `default`, as `kubectl apply` of
 /// the same file would place them with a default context.
-fn object_id(meta: &super::lean::Meta) -> ObjectId<'_> {
+fn object_id(meta: &crate::source::lean::Meta) -> ObjectId<'_> {
     (
         meta.namespace.as_deref().unwrap_or("default"),
         meta.name.as_deref().unwrap_or_default(),
@@ -221,16 +154,6 @@ impl ServicePlan<'_> {
         }
         out
     }
-}
-
-/// One endpoint of one slice, with its conditions resolved as kube-proxy does.
-struct EndpointInfo {
-    ip: IpAddr,
-    ready: bool,
-    serving: bool,
-    terminating: bool,
-    local: bool,
-    hints: topology::Hints,
 }
 
 /// An IPv4 or IPv6 EndpointSlice that passed validation.
@@ -835,7 +758,7 @@ mod tests {
     }
 
     /// As `kubectl get svc,endpointslices -o yaml` prints them, trimmed of status.
-    const WEB: &str = include_str!("testdata/kubectl-web-list.yaml");
+    const WEB: &str = include_str!("../source/testdata/kubectl-web-list.yaml");
 
     #[test]
     fn service_with_endpoint_slice() {
@@ -1600,6 +1523,46 @@ mod tests {
         assert_eq!(
             &*d.frontends[&fe("10.96.0.10", 443, Protocol::Tcp)].service,
             "default/zeta"
+        );
+    }
+
+    /// A Service and its slice as a real API server sends them interpret as the
+    /// same objects written with only the fields read.
+    #[test]
+    fn api_objects_as_served_interpret_without_errors() {
+        let (service, slice) = crate::source::lean::tests::full_api_objects();
+        let mut service: Service = serde_json::from_value(service).unwrap();
+        let slice: EndpointSlice = serde_json::from_value(slice).unwrap();
+        // Without the proxy-name label the Service is ours.
+        service.metadata.labels = None;
+        let opts = SourceOptions {
+            node_name: "node-a".into(),
+            node_ips: vec!["192.168.50.2".parse().unwrap()],
+            ..SourceOptions::default()
+        };
+        let (state, errors) = build_desired(
+            std::slice::from_ref(&service),
+            std::slice::from_ref(&slice),
+            &opts,
+        );
+        assert!(errors.is_empty(), "{errors:?}");
+        assert!(!state.frontends.is_empty());
+    }
+
+    /// A huge name is logged as its start and its length.
+    #[test]
+    fn huge_names_are_cut_in_messages() {
+        let huge = "x".repeat(10 << 20);
+        let text = format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {huge}\n  namespace: default\nspec:\n  clusterIP: 10.96.0.10\n  ports:\n  - port: 70000\n"
+        );
+        let o = parse_str(std::path::Path::new("x.yaml"), &text);
+        let (_, errors) = build_desired(&o.services, &o.slices, &SourceOptions::default());
+        let message = errors[0].to_string();
+        assert!(message.len() < 1000, "{} bytes logged", message.len());
+        assert!(
+            message.contains(&format!("({} bytes)", huge.len())),
+            "{message}"
         );
     }
 }

@@ -10,10 +10,20 @@
 //! kube-proxy reads nothing but the hints, so a Service whose slices carry hints is
 //! routed by them whatever its spec says, and one whose slices carry none is not.
 
-use super::{EndpointInfo, SourceOptions};
+use std::net::IpAddr;
 
-/// The Node label kube-proxy takes this node's zone from.
-pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
+use super::options::SourceOptions;
+
+/// One endpoint of one slice, with its conditions resolved as kube-proxy does:
+/// what the endpoint rules, topology's among them, decide on.
+pub(super) struct EndpointInfo {
+    pub(super) ip: IpAddr,
+    pub(super) ready: bool,
+    pub(super) serving: bool,
+    pub(super) terminating: bool,
+    pub(super) local: bool,
+    pub(super) hints: Hints,
+}
 
 /// `hints` of one endpoint.
 #[derive(Clone, Debug, Default)]
@@ -25,7 +35,7 @@ pub(super) struct Hints {
 }
 
 impl Hints {
-    pub(super) fn read(hints: Option<&super::super::lean::EndpointHints>) -> Self {
+    pub(super) fn read(hints: Option<&crate::source::lean::EndpointHints>) -> Self {
         let Some(hints) = hints else {
             return Hints::default();
         };
@@ -117,9 +127,9 @@ pub(super) fn mode<'a>(
 mod tests {
     use std::path::Path;
 
+    use crate::control::{build_desired, NodePortRange, SourceOptions};
     use crate::model::{Frontend, Protocol, Scope};
     use crate::source::yaml::parse_str;
-    use crate::source::{build_desired, NodePortRange, SourceOptions};
 
     /// One endpoint: its address's last octet (10.1.2.N, and fd00:1:2::N in the
     /// IPv6 slice), and what the slice says.

@@ -1,7 +1,7 @@
 //! The node's network as the per-packet path sees it, and the two decisions drawn
 //! from it: on which addresses NodePorts are served (kube-proxy's
 //! `--nodeport-addresses`), and which program each device gets. Pure: the netlink
-//! watcher ([`crate::netlink`]) fills a [`NodeNet`], the agent acts on the answers.
+//! watcher ([`crate::node::netlink`]) fills a [`NodeNet`], the agent acts on the answers.
 //!
 //! Why devices are told apart by their kind and addresses, not their names: a pod's
 //! host-side device is a veth (or netkit) pair end the CNI created, and it holds
@@ -12,6 +12,9 @@
 //! tunnels even without an address of their own, so traffic from outside the node
 //! arriving on a bond slave is still seen as external. That holds for bridge and
 //! routed (Calico-style) CNIs alike and needs no name pattern.
+
+pub mod host;
+pub mod netlink;
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;

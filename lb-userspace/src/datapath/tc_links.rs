@@ -18,8 +18,9 @@ use lb_common::{
 use serde::Serialize;
 use tracing::{info, warn};
 
-use crate::loader::{self, LoadError, PinLayout, TcAttach, TcLink};
-use crate::node_net::{Attachment, Reason, Role};
+use crate::datapath::loader::{self, LoadError, TcAttach, TcLink};
+use crate::datapath::pins::PinLayout;
+use crate::node::{Attachment, Reason, Role};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TcLinksError {

@@ -9,7 +9,29 @@ use aya::maps::MapInfo;
 use lb_common::map_names;
 use tracing::{info, warn};
 
-use crate::loader::{self, MapSizes, PinLayout};
+use super::layout::{remove_layout, PinLayout};
+
+/// `max_entries` of the maps the agent sizes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapSizes {
+    pub services: u32,
+    pub backends: u32,
+    pub sock_revnat: u32,
+    pub affinity: u32,
+    pub conntrack: u32,
+}
+
+impl Default for MapSizes {
+    fn default() -> Self {
+        Self {
+            services: lb_common::DEFAULT_SERVICES_MAX,
+            backends: lb_common::DEFAULT_BACKENDS_MAX,
+            sock_revnat: lb_common::DEFAULT_SOCK_REVNAT_MAX,
+            affinity: lb_common::DEFAULT_AFFINITY_MAX,
+            conntrack: lb_common::DEFAULT_CT_MAX,
+        }
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum PinsError {
@@ -130,7 +152,7 @@ impl Drop for CreatedPins {
             let removed = if fs::read_dir(dir).is_ok_and(|mut d| d.next().is_none()) {
                 fs::remove_dir(dir)
             } else {
-                loader::remove_layout(dir)
+                remove_layout(dir)
             };
             match removed {
                 Ok(()) => info!(dir = %dir.display(), "removed what this failed start pinned"),

@@ -125,7 +125,7 @@ pub fn socket_addr(address: IpAddrBe, port: u16) -> SocketAddr {
     SocketAddr::new(address.into(), Be16::from_map(port).to_host())
 }
 
-pub use crate::snapshot::MapSnapshot;
+pub use crate::datapath::snapshot::MapSnapshot;
 
 /// `max_entries` of the maps the plan writes to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -10,8 +10,8 @@
 
 use std::collections::BTreeSet;
 
-pub use crate::codec::SourceRange;
-use crate::codec::{service_key, MapSnapshot};
+pub use crate::datapath::codec::SourceRange;
+use crate::datapath::codec::{service_key, MapSnapshot};
 use crate::model::{Frontend, FrontendSpec};
 
 /// The entries the restricted frontends need (`frontends`: the desired ones with
