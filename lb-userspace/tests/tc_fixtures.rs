@@ -14,7 +14,7 @@ use lb_userspace::control::plan as reconcile;
 use lb_userspace::datapath::loader;
 use lb_userspace::datapath::maps::PinnedMaps;
 use lb_userspace::datapath::pins::{self, MapSizes, PinLayout};
-use lb_userspace::datapath::{codec, source_ranges};
+use lb_userspace::datapath::source_ranges;
 use lb_userspace::model::{BackendAddr, DesiredState, Frontend, FrontendSpec, Protocol, Scope};
 use lb_userspace::node::host as sys;
 
@@ -1088,7 +1088,8 @@ fn a_large_table_is_written_in_batches_exactly_as_planned() {
             .filter(|op| {
                 matches!(
                     op,
-                    codec::MapOp::PutBackend { .. } | codec::MapOp::PutService { .. }
+                    lb_userspace::datapath::snapshot::MapOp::PutBackend { .. }
+                        | lb_userspace::datapath::snapshot::MapOp::PutService { .. }
                 )
             })
             .count() as u64;

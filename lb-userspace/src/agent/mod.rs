@@ -5,7 +5,9 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
 use lb_common::map_names;
@@ -204,7 +206,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         }
         match stats_maps.service_stats() {
             Ok(counters) => {
-                let names = names.lock().unwrap_or_else(|e| e.into_inner());
+                let names = names.lock();
                 let rows: Vec<(String, u64, u64)> = counters
                     .iter()
                     .filter_map(|(id, c)| {
@@ -410,7 +412,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 for e in health_checks.update(&desired.health_checks).await {
                     warn!("healthCheckNodePort not served: {e}");
                 }
-                let mut names = frontend_names.lock().unwrap_or_else(|e| e.into_inner());
+                let mut names = frontend_names.lock();
                 match outcome.frontend_names {
                     NamesUpdate::Unchanged => {}
                     NamesUpdate::Replace(all) => *names = all,

@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 use lb_common::{ServiceKey, ServiceValue};
 
 use super::ids::IdAllocator;
-use crate::datapath::codec::{Capacity, FrontendKey, MapOp, MapSnapshot};
+use crate::datapath::codec::{Capacity, FrontendKey};
+use crate::datapath::snapshot::{MapOp, MapSnapshot};
 
 /// The entries one frontend has in the current maps.
 #[derive(Default)]

@@ -125,7 +125,11 @@ pub fn socket_addr(address: IpAddrBe, port: u16) -> SocketAddr {
     SocketAddr::new(address.into(), Be16::from_map(port).to_host())
 }
 
-pub use crate::datapath::snapshot::MapSnapshot;
+/// Most backends one frontend can have: slot numbers are `u16` and slot 0 is the master.
+pub const MAX_BACKENDS_PER_FRONTEND: usize = u16::MAX as usize - 1;
+/// Largest `rev_nat_id`; 0 is reserved for "none". Ids are 32-bit in the maps; this
+/// leaves room far beyond any service map while keeping counts in a `u32`.
+pub const MAX_REV_NAT_ID: u32 = u32::MAX - 1;
 
 /// `max_entries` of the maps the plan writes to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -134,25 +138,6 @@ pub struct Capacity {
     pub backends: u32,
     /// Largest frontend id (`rev_nat_id`) to hand out; 0 is reserved.
     pub frontend_ids: u32,
-}
-
-/// One map write, applied in plan order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MapOp {
-    PutBackend {
-        id: u32,
-        backend: Backend,
-    },
-    PutService {
-        key: ServiceKey,
-        value: ServiceValue,
-    },
-    DeleteService {
-        key: ServiceKey,
-    },
-    DeleteBackend {
-        id: u32,
-    },
 }
 
 /// A frontend as the map spells it, so that entries with a protocol or scope the

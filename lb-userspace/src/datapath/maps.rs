@@ -14,8 +14,9 @@ use lb_common::{
     SockRevNatValue, SourceRangeKey, SvcStats,
 };
 
-use crate::datapath::codec::{self, Capacity, MapOp, MapSnapshot, SourceRange};
+use crate::datapath::codec::{self, Capacity, SourceRange};
 use crate::datapath::pins::PinLayout;
+use crate::datapath::snapshot::{MapOp, MapSnapshot};
 
 #[derive(Debug, thiserror::Error)]
 pub enum MapsError {
@@ -147,7 +148,7 @@ impl PinnedMaps {
             capacity: Capacity {
                 services: services_max,
                 backends: backends_max,
-                frontend_ids: crate::control::plan::MAX_REV_NAT_ID,
+                frontend_ids: codec::MAX_REV_NAT_ID,
             },
         })
     }

@@ -5,7 +5,24 @@ use std::collections::BTreeMap;
 
 use lb_common::{Backend, ServiceKey, ServiceValue};
 
-use crate::datapath::codec::MapOp;
+/// One map write, applied in plan order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MapOp {
+    PutBackend {
+        id: u32,
+        backend: Backend,
+    },
+    PutService {
+        key: ServiceKey,
+        value: ServiceValue,
+    },
+    DeleteService {
+        key: ServiceKey,
+    },
+    DeleteBackend {
+        id: u32,
+    },
+}
 
 /// The kernel's service table as read from the pinned maps.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -10,8 +10,9 @@
 
 use std::collections::BTreeSet;
 
+use crate::datapath::codec::service_key;
 pub use crate::datapath::codec::SourceRange;
-use crate::datapath::codec::{service_key, MapSnapshot};
+use crate::datapath::snapshot::MapSnapshot;
 use crate::model::{Frontend, FrontendSpec};
 
 /// The entries the restricted frontends need (`frontends`: the desired ones with

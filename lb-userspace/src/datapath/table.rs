@@ -9,7 +9,8 @@ use std::net::IpAddr;
 use lb_common::ServiceValue;
 use serde::Serialize;
 
-use crate::datapath::codec::{affinity_timeout, backend_addr, frontend_of, MapOp, MapSnapshot};
+use crate::datapath::codec::{affinity_timeout, backend_addr, frontend_of};
+use crate::datapath::snapshot::{MapOp, MapSnapshot};
 use crate::model::Frontend;
 
 /// One frontend as programmed.

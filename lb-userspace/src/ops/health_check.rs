@@ -6,13 +6,14 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use hyper::StatusCode;
 use tokio::net::TcpListener;
 
 use super::http::{self, Limits, Reply};
-use super::status::lock;
 use super::{OpsError, DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_TIMEOUT};
 use crate::model::HealthCheck;
 
@@ -40,7 +41,7 @@ impl HealthCheckServers {
         let mut errors = Vec::new();
         for (&port, check) in checks {
             if let Some((shared, _)) = self.running.get(&port) {
-                *lock(shared) = check.clone();
+                *shared.lock() = check.clone();
                 continue;
             }
             let listener = match bind_any(port) {
@@ -52,7 +53,7 @@ impl HealthCheckServers {
             };
             let shared = Arc::new(Mutex::new(check.clone()));
             let current = shared.clone();
-            let answer: http::Answer = Arc::new(move |_: &str| Some(answer(&lock(&current))));
+            let answer: http::Answer = Arc::new(move |_: &str| Some(answer(&current.lock())));
             let limits = Limits {
                 request_timeout: DEFAULT_REQUEST_TIMEOUT,
                 max_connections: DEFAULT_MAX_CONNECTIONS,

@@ -8,7 +8,9 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::source::EndpointSlice;
@@ -19,8 +21,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, linear_buckets, Histogram};
 use prometheus_client::registry::Registry;
-
-use super::status::lock;
 
 /// The content type of [`Metrics::encode`]'s text.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -275,14 +275,14 @@ impl Metrics {
     }
 
     pub(super) fn set_datapath_counters(&self, counters: &[(&str, u64)]) {
-        *lock(&self.kernel.datapath) = counters
+        *self.kernel.datapath.lock() = counters
             .iter()
             .map(|(name, value)| (name.to_string(), *value))
             .collect();
     }
 
     pub(super) fn set_service_counters(&self, counters: &[(String, u64, u64)]) {
-        *lock(&self.kernel.services) = counters
+        *self.kernel.services.lock() = counters
             .iter()
             .map(|(frontend, connections, refused)| (frontend.clone(), (*connections, *refused)))
             .collect();
@@ -316,7 +316,7 @@ struct KernelCounters {
 
 impl Collector for KernelCounters {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let datapath = lock(&self.datapath).clone();
+        let datapath = self.datapath.lock().clone();
         let mut family = encoder.encode_descriptor(
             "lb_datapath_events",
             "Datapath events counted by the kernel programs, summed over CPUs",
@@ -327,7 +327,7 @@ impl Collector for KernelCounters {
             let labels = [("event", event.as_str())];
             ConstCounter::new(*value).encode(family.encode_family(&labels)?)?;
         }
-        let services = lock(&self.services).clone();
+        let services = self.services.lock().clone();
         for (name, help, pick) in [
             (
                 "lb_service_connections",

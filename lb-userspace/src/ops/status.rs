@@ -8,7 +8,9 @@
 //! stays healthy.
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::source::EndpointSlice;
@@ -59,25 +61,17 @@ impl ManualClock {
     }
 
     pub fn advance(&self, by: Duration) {
-        *lock(&self.elapsed) += by;
+        *self.elapsed.lock() += by;
     }
 }
 
 impl Clock for ManualClock {
     fn monotonic(&self) -> Instant {
-        self.monotonic + *lock(&self.elapsed)
+        self.monotonic + *self.elapsed.lock()
     }
     fn wall(&self) -> SystemTime {
-        self.wall + *lock(&self.elapsed)
+        self.wall + *self.elapsed.lock()
     }
-}
-
-/// A lock that a panic elsewhere does not poison for good: the state is plain
-/// numbers, consistent after every statement.
-pub(super) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 type ScrapeHook = Arc<dyn Fn(&AgentStatus) + Send + Sync>;
@@ -139,7 +133,7 @@ impl AgentStatus {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        lock(&self.state)
+        self.state.lock()
     }
 
     /// The first full service table is in the maps: from now on `/healthz` can say 200.
@@ -246,7 +240,7 @@ impl AgentStatus {
     /// Runs `hook` before each `/metrics` answer, e.g. to read fresh datapath
     /// counters with [`AgentStatus::set_datapath_counters`]. Replaces an earlier hook.
     pub fn on_scrape(&self, hook: impl Fn(&AgentStatus) + Send + Sync + 'static) {
-        *lock(&self.scrape_hook) = Some(Arc::new(hook));
+        *self.scrape_hook.lock() = Some(Arc::new(hook));
     }
 
     /// Healthy when the initial sync is done and either no change is pending or the
@@ -300,7 +294,7 @@ impl AgentStatus {
     /// The `/metrics` body in the OpenMetrics text format, after running the
     /// scrape hook.
     pub fn encode_metrics(&self) -> String {
-        let hook = lock(&self.scrape_hook).clone();
+        let hook = self.scrape_hook.lock().clone();
         if let Some(hook) = hook {
             hook(self);
         }

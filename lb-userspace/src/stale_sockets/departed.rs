@@ -6,7 +6,8 @@ use std::net::SocketAddr;
 
 use lb_common::{SockRevNatKey, SockRevNatValue, SCOPE_INTERNAL};
 
-use crate::datapath::codec::{socket_addr, FrontendKey, MapOp, MapSnapshot};
+use crate::datapath::codec::{socket_addr, FrontendKey};
+use crate::datapath::snapshot::{MapOp, MapSnapshot};
 use crate::model::Protocol;
 
 /// A backend that left a frontend of the socket hooks: sockets the hooks connected
