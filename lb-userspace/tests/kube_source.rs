@@ -4,13 +4,70 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::FutureExt;
 use lb_fake_apiserver::{node, service, slice, slice_with_labels, Call, FakeApiServer, Res};
+use lb_userspace::source::changes::{ChangeReceiver, ObjectView};
 use lb_userspace::source::kube::{self as kube_source, KubeWatchOptions};
-use lb_userspace::source::Objects;
-use tokio::sync::watch::Receiver;
 use tokio::time::timeout;
 
-type Snapshots = Receiver<Option<Arc<Objects>>>;
+/// What a consumer holds after one hand-on, and the keys that hand-on changed.
+#[derive(Debug)]
+struct Objects {
+    view: ObjectView,
+    changed: Vec<String>,
+}
+
+impl std::ops::Deref for Objects {
+    type Target = ObjectView;
+    fn deref(&self) -> &ObjectView {
+        &self.view
+    }
+}
+
+/// The source's hand-ons, applied as the agent applies them.
+struct Snapshots {
+    rx: ChangeReceiver,
+    view: ObjectView,
+}
+
+impl Snapshots {
+    fn new(rx: ChangeReceiver) -> Self {
+        Snapshots {
+            rx,
+            view: ObjectView::default(),
+        }
+    }
+
+    /// The next hand-on, applied.
+    async fn changed(&mut self) -> Option<Arc<Objects>> {
+        let changes = self.rx.next().await?;
+        self.view.apply(&changes);
+        let mut changed: Vec<String> = changes
+            .services
+            .keys()
+            .map(|k| format!("service {k}"))
+            .chain(changes.slices.keys().map(|k| format!("slice {k}")))
+            .collect();
+        changed.sort();
+        Some(Arc::new(Objects {
+            view: self.view.clone(),
+            changed,
+        }))
+    }
+
+    /// Nothing handed on that was not taken yet.
+    fn nothing_handed_on(&mut self) -> bool {
+        self.rx.next().now_or_never().is_none()
+    }
+
+    /// What the consumer holds now.
+    fn current(&self) -> Objects {
+        Objects {
+            view: self.view.clone(),
+            changed: Vec::new(),
+        }
+    }
+}
 
 /// Upper bound for anything expected to happen; tests normally take far less.
 const WAIT: Duration = Duration::from_secs(8);
@@ -38,11 +95,11 @@ fn names<'a>(metas: impl IntoIterator<Item = &'a lb_userspace::source::lean::Met
 }
 
 fn services(o: &Objects) -> Vec<String> {
-    names(o.all_services().map(|s| &s.metadata))
+    names(o.services.values().map(|s| &s.metadata))
 }
 
 fn slices(o: &Objects) -> Vec<String> {
-    names(o.all_slices().map(|s| &s.metadata))
+    names(o.slices.values().map(|s| &s.metadata))
 }
 
 fn nodes(o: &Objects) -> Vec<String> {
@@ -58,7 +115,8 @@ fn nodes(o: &Objects) -> Vec<String> {
 /// The endpoint addresses of slice `name`, `None` when there is no such slice.
 fn addresses(o: &Objects, name: &str) -> Option<Vec<String>> {
     let slice = o
-        .all_slices()
+        .slices
+        .values()
         .find(|s| s.metadata.name.as_deref() == Some(name))?;
     Some(
         slice
@@ -70,15 +128,12 @@ fn addresses(o: &Objects, name: &str) -> Option<Vec<String>> {
     )
 }
 
-/// The next published snapshot.
+/// The next hand-on.
 async fn next(rx: &mut Snapshots) -> Arc<Objects> {
     timeout(WAIT, rx.changed())
         .await
-        .expect("a snapshot within the time limit")
-        .expect("the source is running");
-    rx.borrow_and_update()
-        .clone()
-        .expect("once published, snapshots are never None")
+        .expect("a hand-on within the time limit")
+        .expect("the source is running")
 }
 
 /// Snapshots up to and including the first that `pred` accepts.
@@ -90,8 +145,7 @@ async fn until(
     let mut seen = Vec::new();
     let result = timeout(WAIT, async {
         loop {
-            rx.changed().await.expect("the source is running");
-            let snapshot = rx.borrow_and_update().clone().expect("never None again");
+            let snapshot = rx.changed().await.expect("the source is running");
             let done = pred(&snapshot);
             seen.push(snapshot);
             if done {
@@ -109,10 +163,11 @@ async fn until(
 
 /// Asserts that nothing is published for a while.
 async fn quiet(rx: &mut Snapshots, why: &str) {
-    if timeout(QUIET, rx.changed()).await.is_ok() {
-        let o = rx.borrow_and_update().clone();
-        let o = o.as_deref().map(|o| (services(o), slices(o), nodes(o)));
-        panic!("unexpected snapshot ({why}): {o:?}");
+    if let Ok(o) = timeout(QUIET, rx.changed()).await {
+        let o = o
+            .as_deref()
+            .map(|o| (services(o), slices(o), nodes(o), o.changed.clone()));
+        panic!("unexpected hand-on ({why}): {o:?}");
     }
 }
 
@@ -125,7 +180,7 @@ fn seed(server: &FakeApiServer) {
 
 /// Starts the source and returns its first snapshot.
 async fn started(server: &FakeApiServer, options: KubeWatchOptions) -> (Snapshots, Arc<Objects>) {
-    let mut rx = kube_source::watch(server.client(), options);
+    let mut rx = Snapshots::new(kube_source::watch(server.client(), options));
     let first = next(&mut rx).await;
     for res in Res::ALL {
         server.wait_watching(res, 1, WAIT).await;
@@ -154,7 +209,7 @@ async fn nothing_is_published_until_every_initial_list_completes() {
         page_size: Some(2),
         ..KubeWatchOptions::default()
     };
-    let mut rx = kube_source::watch(server.client(), options);
+    let mut rx = Snapshots::new(kube_source::watch(server.client(), options));
     // Services and slices are fully listed once their watches start; Nodes are held.
     server
         .wait_call(WAIT, |c| c.res == Res::Services && c.watch)
@@ -165,9 +220,9 @@ async fn nothing_is_published_until_every_initial_list_completes() {
     server
         .wait_call(WAIT, |c| c.res == Res::Nodes && !c.watch)
         .await;
-    assert!(rx.borrow().is_none());
+    assert!(rx.nothing_handed_on());
     quiet(&mut rx, "the Node list is still held").await;
-    assert!(rx.borrow().is_none());
+    assert!(rx.nothing_handed_on());
 
     server.hold_lists(Res::Nodes, false);
     let first = next(&mut rx).await;
@@ -272,10 +327,7 @@ async fn watch_expired_410_relists_and_sees_changes_made_in_the_gap() {
     server.delete(Res::EndpointSlices, "default", "a-2");
     server.apply(Res::EndpointSlices, slice("a-3", "a", &["10.0.0.3"], &[]));
     quiet(&mut rx, "the relist is held; the last snapshot stays").await;
-    assert_eq!(
-        slices(rx.borrow().as_deref().unwrap()),
-        ["default/a-1", "default/a-2"]
-    );
+    assert_eq!(slices(&rx.current()), ["default/a-1", "default/a-2"]);
 
     server.hold_lists(Res::EndpointSlices, false);
     let seen = until(&mut rx, "a-2 gone and a-3 there", |o| {
@@ -374,7 +426,7 @@ async fn an_api_server_outage_keeps_the_last_snapshot() {
         timeout(Duration::from_secs(1), rx.changed()).await.is_err(),
         "published during the outage"
     );
-    assert!(Arc::ptr_eq(rx.borrow().as_ref().unwrap(), &first));
+    assert_eq!(services(&rx.current()), services(&first));
 
     server.resume().await;
     let seen = until(&mut rx, "Service b after the outage", |o| {
@@ -431,10 +483,7 @@ async fn requests_use_kube_proxys_label_selectors() {
 
     // A Service labelled for another proxy later leaves the selection.
     server.apply(Res::Services, service("a", "10.96.0.1", &other));
-    let seen = until(&mut rx, "Service a gone", |o| {
-        o.all_services().next().is_none()
-    })
-    .await;
+    let seen = until(&mut rx, "Service a gone", |o| o.services.is_empty()).await;
     assert_eq!(slices(seen.last().unwrap()), ["default/a-1"]);
     assert_eq!(server.delivered(Res::Services, "DELETED", "a"), 1);
 
@@ -528,10 +577,10 @@ async fn a_relist_that_finds_nothing_new_publishes_nothing() {
     quiet(&mut rx, "the relist found the same objects").await;
 }
 
-/// A change republishes the part of its object only: every other part of the
-/// snapshot is the same allocation as before, so the agent skips it whole.
+/// A change hands on its own object only, with what it replaced: the agent
+/// derives that object's Service and looks at nothing else.
 #[tokio::test]
-async fn a_change_replaces_only_its_part() {
+async fn a_change_hands_on_only_its_object() {
     let server = FakeApiServer::start().await;
     seed(&server);
     for i in 0..200 {
@@ -543,6 +592,7 @@ async fn a_change_replaces_only_its_part() {
     }
     let (mut rx, first) = started(&server, KubeWatchOptions::default()).await;
     assert_eq!(services(&first).len(), 201);
+    assert_eq!(first.changed.len(), 202, "the first hand-on is everything");
 
     server.apply(Res::EndpointSlices, slice("a-1", "a", &["10.0.0.9"], &[]));
     let seen = until(&mut rx, "a-1 changed", |o| {
@@ -550,14 +600,5 @@ async fn a_change_replaces_only_its_part() {
     })
     .await;
     let last = seen.last().expect("until returns what it saw");
-    assert_eq!(first.parts.len(), last.parts.len());
-    let replaced: Vec<usize> = (0..first.parts.len())
-        .filter(|&i| !Arc::ptr_eq(&first.parts[i], &last.parts[i]))
-        .collect();
-    assert_eq!(replaced.len(), 1, "parts replaced: {replaced:?}");
-    // The replaced part shares its unchanged objects with the one before.
-    let (before, after) = (&first.parts[replaced[0]], &last.parts[replaced[0]]);
-    for svc in &after.services {
-        assert!(before.services.iter().any(|b| Arc::ptr_eq(b, svc)));
-    }
+    assert_eq!(last.changed, ["slice default/a-1"]);
 }

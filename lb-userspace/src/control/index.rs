@@ -5,71 +5,29 @@
 //! check node port are kept, so the winner of a conflict (the first Service by
 //! namespace/name, as in a full derivation) is known without looking at the rest.
 //!
-//! [`DesiredIndex::sync`] takes the sources' latest object set and finds what
-//! changed by pointer: the sources share unchanged objects (`Arc`), so an object
-//! that is not the same allocation is new, changed or gone. Only those are named
-//! (namespace/name keys built); the rest costs a pointer lookup each. Measured on
-//! 10k Services x 10 endpoints (20k objects), keying every object by name on each
-//! sync took 7.5-12 ms; by pointer (Fx hashing of addresses) it is a fraction. It returns the
-//! frontends whose entry changed, which is what `reconcile::plan_changes` plans.
-//! A full derivation stays the reference: the property test below holds the two
-//! to the same state over random changes.
+//! [`DesiredIndex::sync`] takes the sources' changes, keyed by namespace/name with
+//! what each object was and is (see [`crate::source::changes`]), and derives again
+//! exactly the Services they touch: a changed Service, and the Service a changed
+//! slice names (before and after the change). It returns the frontends whose entry
+//! changed, which is what `plan::plan_changes` plans. A full derivation stays the
+//! reference: the property test below holds the two to the same state over random
+//! changes.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use litemap::LiteMap;
 
-use rustc_hash::{FxHashMap, FxHashSet};
-
-use crate::source::lean::{EndpointSlice, Meta, Service};
-
 use super::{build_desired, SourceOptions};
 use crate::model::{DesiredState, Frontend, FrontendSpec, HealthCheck, Scope};
-use crate::source::intern::{intern, Shared};
-use crate::source::{ObjectError, Objects, Problem};
-
-/// `(namespace, name)`; objects without a namespace are in `default`. Allocated
-/// once per arriving object and shared (a pointer) by every map here that keys by
-/// it: as two `String`s it was 48 bytes and two allocations per copy, in seven
-/// maps. The namespace is shared by all its objects. Ordered by namespace, then
-/// name, as a full derivation reads objects.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-struct Key(Arc<(Shared, Box<str>)>);
-
-impl Key {
-    /// `namespace` as the object holds it (already shared).
-    fn new(namespace: Option<&Shared>, name: &str) -> Self {
-        let namespace = namespace.cloned().unwrap_or_else(|| intern("default"));
-        Key(Arc::new((namespace, name.into())))
-    }
-
-    fn namespace(&self) -> &str {
-        &self.0 .0
-    }
-
-    fn name(&self) -> &str {
-        &self.0 .1
-    }
-}
-
-impl std::fmt::Display for Key {
-    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        write!(f, "{}/{}", self.namespace(), self.name())
-    }
-}
-
-fn key_of(meta: &Meta) -> Key {
-    Key::new(
-        meta.namespace.as_ref(),
-        meta.name.as_deref().unwrap_or_default(),
-    )
-}
+use crate::source::changes::{Changes, ObjectKey};
+use crate::source::lean::{EndpointSlice, Service};
+use crate::source::{ObjectError, Problem};
 
 /// The Service a slice belongs to, by its `kubernetes.io/service-name` label.
-fn owner_of(slice: &EndpointSlice) -> Option<Key> {
+fn owner_of(slice: &EndpointSlice) -> Option<ObjectKey> {
     let name = slice.service_name.as_ref()?;
-    Some(Key::new(slice.metadata.namespace.as_ref(), name))
+    Some(ObjectKey::new(slice.metadata.namespace.as_ref(), name))
 }
 
 /// What one Service contributes, from itself and its slices.
@@ -88,7 +46,7 @@ const _: () = assert!(std::mem::size_of::<Derived>() <= 48);
 
 /// What one [`DesiredIndex::sync`] changed.
 #[derive(Debug, Default)]
-pub struct Changes {
+pub struct Delta {
     /// Frontends whose entry (winner's spec, or presence) changed, with the
     /// internal twin of every external one (its master's flag follows).
     pub frontends: BTreeSet<Frontend>,
@@ -99,43 +57,47 @@ pub struct Changes {
     pub new_errors: Vec<ObjectError>,
     /// Services derived again (for the log).
     pub services: usize,
-    /// EndpointSlices new or changed, and gone, in this sync.
+    /// EndpointSlices as they are now (new or changed), and as they were (changed
+    /// or gone), in this sync.
     pub slices: Vec<Arc<EndpointSlice>>,
     pub gone_slices: Vec<Arc<EndpointSlice>>,
 }
 
-impl Changes {
+impl Delta {
     pub fn is_empty(&self) -> bool {
         self.frontends.is_empty() && self.health_checks.is_empty()
+    }
+
+    /// What a later sync changed, added to this one's.
+    pub fn absorb(&mut self, later: Delta) {
+        self.frontends.extend(later.frontends);
+        self.health_checks.extend(later.health_checks);
+        self.new_errors.extend(later.new_errors);
+        self.services += later.services;
+        self.slices.extend(later.slices);
+        self.gone_slices.extend(later.gone_slices);
     }
 }
 
 #[derive(Default)]
 pub struct DesiredIndex {
     opts: SourceOptions,
-    services: HashMap<Key, Arc<Service>>,
-    /// Every slice, with the Service its label names (`None`: no label).
-    slices: HashMap<Key, (Option<Key>, Arc<EndpointSlice>)>,
+    services: HashMap<ObjectKey, Arc<Service>>,
     /// The slices naming each Service, in name order (as a full derivation reads
     /// them), whether or not the Service exists.
-    slices_of: HashMap<Key, LiteMap<Key, Arc<EndpointSlice>>>,
-    derived: HashMap<Key, Derived>,
+    slices_of: HashMap<ObjectKey, LiteMap<ObjectKey, Arc<EndpointSlice>>>,
+    derived: HashMap<ObjectKey, Derived>,
     /// Every Service's claim on each frontend, by Service key: the first wins.
-    claims: HashMap<Frontend, LiteMap<Key, FrontendSpec>>,
-    health_claims: HashMap<u16, LiteMap<Key, HealthCheck>>,
+    claims: HashMap<Frontend, LiteMap<ObjectKey, FrontendSpec>>,
+    health_claims: HashMap<u16, LiteMap<ObjectKey, HealthCheck>>,
     desired: DesiredState,
-    /// The allocation of every object held from the flat lists, and its key.
-    service_ptrs: FxHashMap<usize, Key>,
-    slice_ptrs: FxHashMap<usize, Key>,
-    /// The parts held, by allocation.
-    parts: FxHashMap<usize, Arc<Objects>>,
     /// The problem count, kept as objects change (recounting walks everything):
     /// Services' own problems, conflict losers, slices naming a missing Service
     /// (by the Service they name) and slices naming none.
     own_errors: usize,
     losers: usize,
     orphans: usize,
-    orphans_of: HashMap<Key, usize>,
+    orphans_of: HashMap<ObjectKey, usize>,
     unlabeled: usize,
     /// Backends over all desired frontends, and the frontends with source ranges:
     /// what the agent reports and syncs after each change, kept as they change.
@@ -146,56 +108,6 @@ pub struct DesiredIndex {
 /// How many conflict losers a claim list of `len` has.
 fn losers(len: usize) -> usize {
     len.saturating_sub(1)
-}
-
-fn ptr<T>(object: &Arc<T>) -> usize {
-    Arc::as_ptr(object) as usize
-}
-
-/// What [`arrivals`] finds: (allocation, key) of the objects gone, and the
-/// objects come, each with its key.
-type Arrivals<'a, T> = (Vec<(usize, Key)>, Vec<(Key, &'a Arc<T>)>);
-
-/// The objects of one kind that left (allocation, key) and that came since the
-/// last sync: flat ones one by one against `held` (updated), those of parts by
-/// comparing each replaced part with the parts that came. Only what came is named.
-fn arrivals<'a, T>(
-    held: &mut FxHashMap<usize, Key>,
-    flat: &'a [Arc<T>],
-    gone_parts: &'a [Arc<Objects>],
-    new_parts: &'a [Arc<Objects>],
-    of_part: fn(&Objects) -> &Vec<Arc<T>>,
-    key: fn(&T) -> Key,
-) -> Arrivals<'a, T> {
-    let next: FxHashSet<usize> = flat.iter().map(ptr).collect();
-    let mut gone: Vec<(usize, Key)> = held
-        .iter()
-        .filter(|(p, _)| !next.contains(p))
-        .map(|(p, k)| (*p, k.clone()))
-        .collect();
-    for (p, _) in &gone {
-        held.remove(p);
-    }
-    // A part replaced by another may share objects with it (the API source rebuilds
-    // the shard of a change from the same allocations): only the difference counts.
-    let in_parts = |parts: &'a [Arc<Objects>]| parts.iter().flat_map(move |p| of_part(p).iter());
-    let kept_in: FxHashSet<usize> = in_parts(new_parts).map(ptr).collect();
-    let held_in: FxHashSet<usize> = in_parts(gone_parts).map(ptr).collect();
-    for object in in_parts(gone_parts).filter(|o| !kept_in.contains(&ptr(o))) {
-        gone.push((ptr(object), key(object)));
-    }
-    let mut came = Vec::new();
-    for object in flat {
-        if let std::collections::hash_map::Entry::Vacant(e) = held.entry(ptr(object)) {
-            came.push((e.insert(key(object)).clone(), object));
-        }
-    }
-    came.extend(
-        in_parts(new_parts)
-            .filter(|o| !held_in.contains(&ptr(o)))
-            .map(|o| (key(o), o)),
-    );
-    (gone, came)
 }
 
 impl DesiredIndex {
@@ -245,118 +157,78 @@ impl DesiredIndex {
                 .values()
                 .map(|c| losers(c.len()))
                 .sum::<usize>();
-        let orphans = self
-            .slices
-            .values()
-            .filter(|(owner, _)| {
-                owner
-                    .as_ref()
-                    .is_none_or(|o| !self.services.contains_key(o))
-            })
-            .count();
-        own + losers + orphans
+        let orphans: usize = self
+            .slices_of
+            .iter()
+            .filter(|(owner, _)| !self.services.contains_key(*owner))
+            .map(|(_, slices)| slices.len())
+            .sum();
+        own + losers + orphans + self.unlabeled
     }
 
-    /// Brings the index to `objects`: what is not the same allocation as before is
-    /// derived again, with every Service whose slices changed.
-    pub fn sync(&mut self, objects: &Objects) -> Changes {
-        let mut touched: BTreeSet<Key> = BTreeSet::new();
-        let mut new_errors = Vec::new();
-
-        // What left and what came, by allocation: parts whole, flat objects one by
-        // one. Nothing is named until it is known to have changed.
-        let next_parts: FxHashSet<usize> = objects.parts.iter().map(ptr).collect();
-        let gone_parts: Vec<Arc<Objects>> = self
-            .parts
-            .iter()
-            .filter(|(p, _)| !next_parts.contains(p))
-            .map(|(_, part)| part.clone())
+    /// Reads every Service again under `opts` (this node's addresses or zone
+    /// moved): the frontends whose entry that changes.
+    pub fn set_options(&mut self, opts: SourceOptions) -> Delta {
+        let mut delta = Delta::default();
+        if opts == self.opts {
+            return delta;
+        }
+        self.opts = opts;
+        let keys: BTreeSet<ObjectKey> = self
+            .services
+            .keys()
+            .chain(self.slices_of.keys())
+            .cloned()
             .collect();
-        for part in &gone_parts {
-            self.parts.remove(&ptr(part));
+        let mut new_errors = Vec::new();
+        delta.services = keys.len();
+        for key in keys {
+            self.derive(&key, &mut delta, &mut new_errors);
         }
-        let mut new_parts = Vec::new();
-        for part in &objects.parts {
-            if self.parts.insert(ptr(part), part.clone()).is_none() {
-                new_parts.push(part.clone());
-            }
-        }
+        self.finish(delta, new_errors)
+    }
 
-        let (gone_services, new_services) = arrivals(
-            &mut self.service_ptrs,
-            &objects.services,
-            &gone_parts,
-            &new_parts,
-            |part| &part.services,
-            |svc| key_of(&svc.metadata),
-        );
-        // Gone first: a changed object is a gone allocation and a new one.
-        for (p, key) in gone_services {
-            if self.services.get(&key).is_some_and(|held| ptr(held) == p) {
-                self.services.remove(&key);
-                touched.insert(key);
-            }
+    /// Applies the sources' `changes`: the Services they touch are derived again.
+    pub fn sync(&mut self, changes: &Changes) -> Delta {
+        let mut touched: BTreeSet<ObjectKey> = BTreeSet::new();
+        let mut new_errors = Vec::new();
+        let mut delta = Delta::default();
+        for (key, change) in &changes.services {
+            match &change.current {
+                Some(service) => self.services.insert(key.clone(), service.clone()),
+                None => self.services.remove(key),
+            };
+            touched.insert(key.clone());
         }
-        for (key, svc) in new_services {
-            // Two objects under one key: the later one is what a full derivation
-            // (keyed the same way) would keep.
-            self.services.insert(key.clone(), svc.clone());
-            touched.insert(key);
-        }
-
-        let (gone, new_slices_in) = arrivals(
-            &mut self.slice_ptrs,
-            &objects.slices,
-            &gone_parts,
-            &new_parts,
-            |part| &part.slices,
-            |slice| key_of(&slice.metadata),
-        );
-
-        let mut gone_slices = Vec::new();
-        for (p, key) in gone {
-            if self.slices.get(&key).is_none_or(|(_, held)| ptr(held) != p) {
-                continue;
-            }
-            match self.slices.remove(&key) {
-                Some((Some(owner), old)) => {
-                    self.unlink_slice(&owner, &key);
-                    touched.insert(owner);
-                    gone_slices.push(old);
-                }
-                Some((None, old)) => {
-                    self.unlabeled -= 1;
-                    gone_slices.push(old);
-                }
-                None => {}
-            }
-        }
-        let mut new_slices = Vec::new();
-        for (key, slice) in new_slices_in {
-            if let Some((old_owner, _)) = self.slices.remove(&key) {
-                match old_owner {
-                    Some(old_owner) => {
-                        self.unlink_slice(&old_owner, &key);
-                        touched.insert(old_owner);
+        for (key, change) in &changes.slices {
+            if let Some(before) = &change.previous {
+                match owner_of(before) {
+                    Some(owner) => {
+                        self.unlink_slice(&owner, key);
+                        touched.insert(owner);
                     }
                     None => self.unlabeled -= 1,
                 }
+                delta.gone_slices.push(before.clone());
             }
-            // The owner's key as the index holds it already, if it does.
-            let owner = owner_of(slice).map(|o| match self.slices_of.get_key_value(&o) {
-                Some((held, _)) => held.clone(),
-                None => self
-                    .services
-                    .get_key_value(&o)
-                    .map_or(o, |(held, _)| held.clone()),
-            });
-            match &owner {
-                Some(o) => {
+            let Some(slice) = &change.current else {
+                continue;
+            };
+            match owner_of(slice) {
+                Some(owner) => {
+                    // The owner's key as the index holds it already, if it does.
+                    let owner = match self.slices_of.get_key_value(&owner) {
+                        Some((held, _)) => held.clone(),
+                        None => self
+                            .services
+                            .get_key_value(&owner)
+                            .map_or(owner, |(held, _)| held.clone()),
+                    };
                     self.slices_of
-                        .entry(o.clone())
+                        .entry(owner.clone())
                         .or_insert_with(|| LiteMap::with_capacity(1))
                         .insert(key.clone(), slice.clone());
-                    touched.insert(o.clone());
+                    touched.insert(owner);
                 }
                 None => {
                     self.unlabeled += 1;
@@ -368,31 +240,30 @@ impl DesiredIndex {
                     ));
                 }
             }
-            self.slices.insert(key, (owner, slice.clone()));
-            new_slices.push(slice.clone());
+            delta.slices.push(slice.clone());
         }
-
-        let mut changes = Changes {
-            services: touched.len(),
-            slices: new_slices,
-            gone_slices,
-            ..Changes::default()
-        };
+        delta.services = touched.len();
         for key in touched {
-            self.derive(&key, &mut changes, &mut new_errors);
+            self.derive(&key, &mut delta, &mut new_errors);
         }
-        let twins: Vec<Frontend> = changes
+        self.finish(delta, new_errors)
+    }
+
+    /// Every changed external frontend brings its internal twin (its master's flag
+    /// follows it).
+    fn finish(&self, mut delta: Delta, new_errors: Vec<ObjectError>) -> Delta {
+        let twins: Vec<Frontend> = delta
             .frontends
             .iter()
             .filter(|f| f.scope == Scope::External)
             .map(|f| f.with_scope(Scope::Internal))
             .collect();
-        changes.frontends.extend(twins);
-        changes.new_errors = new_errors;
-        changes
+        delta.frontends.extend(twins);
+        delta.new_errors = new_errors;
+        delta
     }
 
-    fn unlink_slice(&mut self, owner: &Key, slice: &Key) {
+    fn unlink_slice(&mut self, owner: &ObjectKey, slice: &ObjectKey) {
         if let Some(slices) = self.slices_of.get_mut(owner) {
             slices.remove(slice);
             if slices.is_empty() {
@@ -402,7 +273,7 @@ impl DesiredIndex {
     }
 
     /// Derives Service `key` again (or drops it, gone) and moves its claims.
-    fn derive(&mut self, key: &Key, changes: &mut Changes, new_errors: &mut Vec<ObjectError>) {
+    fn derive(&mut self, key: &ObjectKey, changes: &mut Delta, new_errors: &mut Vec<ObjectError>) {
         let old = self.derived.remove(key).unwrap_or_default();
         let new = match self.services.get(key) {
             Some(svc) => {
@@ -500,7 +371,7 @@ impl DesiredIndex {
     }
 
     /// Puts the first claim on `frontend` (if any) in the desired state.
-    fn settle(&mut self, frontend: Frontend, changes: &mut Changes, errors: &mut Vec<ObjectError>) {
+    fn settle(&mut self, frontend: Frontend, changes: &mut Delta, errors: &mut Vec<ObjectError>) {
         let winner = self.claims.get(&frontend).and_then(|c| c.first());
         let now = winner.map(|(_, spec)| spec.clone());
         if let Some(claims) = self.claims.get(&frontend) {
@@ -536,7 +407,7 @@ impl DesiredIndex {
         }
     }
 
-    fn settle_health_check(&mut self, port: u16, changes: &mut Changes) {
+    fn settle_health_check(&mut self, port: u16, changes: &mut Delta) {
         let now = self
             .health_claims
             .get(&port)
@@ -675,14 +546,16 @@ mod tests {
         ]
     }
 
-    /// The object set as a source holds it: unchanged objects keep their `Arc`.
+    /// One event as recorded: a Service (true) or slice, its id, and what it is now.
+    type Recorded = (bool, u8, Option<Arc<Service>>, Option<Arc<EndpointSlice>>);
+
+    /// The object set as a source holds it, and the changes it hands on.
     #[derive(Default, Clone)]
     struct World {
         services: BTreeMap<u8, Arc<Service>>,
         slices: BTreeMap<u8, Arc<EndpointSlice>>,
-        /// As the file source would hold them: three "files" (objects by id
-        /// modulo 3), each the same part as long as none of its objects changed.
-        parts: [Option<(Vec<usize>, Arc<Objects>)>; 3],
+        /// Recorded since last taken, as a source's tracker holds them.
+        pending: Vec<Recorded>,
     }
 
     impl World {
@@ -695,11 +568,13 @@ mod tests {
                     node_port,
                 } => {
                     let (ns, name) = names(*s);
-                    self.services
-                        .insert(*s, Arc::new(service(ns, &name, *ip, ports, *node_port)));
+                    let svc = Arc::new(service(ns, &name, *ip, ports, *node_port));
+                    self.services.insert(*s, svc.clone());
+                    self.pending.push((true, *s, Some(svc), None));
                 }
                 Event::DeleteService { s } => {
                     self.services.remove(s);
+                    self.pending.push((true, *s, None, None));
                 }
                 Event::PutSlice { n, s, pods, ports } => {
                     // Slices live in the namespace of the Service they name.
@@ -710,53 +585,75 @@ mod tests {
                         }
                         None => ("default", None),
                     };
-                    let sl = slice(ns, &format!("slice-{n}"), owner.as_deref(), pods, ports);
-                    self.slices.insert(*n, Arc::new(sl));
+                    let sl = Arc::new(slice(
+                        ns,
+                        &format!("slice-{n}"),
+                        owner.as_deref(),
+                        pods,
+                        ports,
+                    ));
+                    self.slices.insert(*n, sl.clone());
+                    self.pending.push((false, *n, None, Some(sl)));
                 }
                 Event::DeleteSlice { n } => {
                     self.slices.remove(n);
+                    self.pending.push((false, *n, None, None));
                 }
             }
         }
 
-        fn objects(&self) -> Objects {
-            Objects {
-                services: self.services.values().cloned().collect(),
-                slices: self.slices.values().cloned().collect(),
-                ..Objects::default()
-            }
-        }
-
-        fn objects_in_parts(&mut self) -> Objects {
-            let mut all = Objects::default();
-            for (i, cached) in self.parts.iter_mut().enumerate() {
-                let part = Objects {
-                    services: self
-                        .services
-                        .iter()
-                        .filter(|(id, _)| usize::from(**id) % 3 == i)
-                        .map(|(_, s)| s.clone())
-                        .collect(),
-                    slices: self
-                        .slices
-                        .iter()
-                        .filter(|(id, _)| usize::from(**id) % 3 == i)
-                        .map(|(_, s)| s.clone())
-                        .collect(),
-                    ..Objects::default()
-                };
-                let ptrs: Vec<usize> = part
-                    .services
-                    .iter()
-                    .map(ptr)
-                    .chain(part.slices.iter().map(ptr))
-                    .collect();
-                if cached.as_ref().is_none_or(|(held, _)| *held != ptrs) {
-                    *cached = Some((ptrs, Arc::new(part)));
+        /// Everything recorded since the last call, keyed as a source keys it,
+        /// with what the consumer saw before (`seen`, updated).
+        fn changes(&mut self, seen: &mut World) -> Changes {
+            let mut changes = Changes::default();
+            for (is_service, id, svc, sl) in std::mem::take(&mut self.pending) {
+                // A source keys by namespace and name: an object that moved to
+                // another namespace is one object gone and another come.
+                if is_service {
+                    let before = seen.services.get(&id).cloned();
+                    match &svc {
+                        Some(s) => seen.services.insert(id, s.clone()),
+                        None => seen.services.remove(&id),
+                    };
+                    record(
+                        before,
+                        svc,
+                        |k, b, c| changes.service(k, b, c),
+                        |s| &s.metadata,
+                    );
+                } else {
+                    let before = seen.slices.get(&id).cloned();
+                    match &sl {
+                        Some(s) => seen.slices.insert(id, s.clone()),
+                        None => seen.slices.remove(&id),
+                    };
+                    record(
+                        before,
+                        sl,
+                        |k, b, c| changes.slice(k, b, c),
+                        |s| &s.metadata,
+                    );
                 }
-                all.parts.push(cached.as_ref().expect("just set").1.clone());
             }
-            all
+            changes
+        }
+    }
+
+    /// Records `before -> now` as keyed changes.
+    fn record<T>(
+        before: Option<Arc<T>>,
+        now: Option<Arc<T>>,
+        mut put: impl FnMut(ObjectKey, Option<Arc<T>>, Option<Arc<T>>),
+        meta: fn(&T) -> &crate::source::lean::Meta,
+    ) {
+        let key = |o: &Option<Arc<T>>| o.as_deref().map(|o| ObjectKey::of(meta(o)));
+        match (key(&before), key(&now)) {
+            (Some(a), Some(b)) if a != b => {
+                put(a, before, None);
+                put(b, None, now);
+            }
+            (Some(k), _) | (None, Some(k)) => put(k, before, now),
+            (None, None) => {}
         }
     }
 
@@ -769,17 +666,21 @@ mod tests {
         #[test]
         fn the_index_agrees_with_a_full_derivation(
             events in proptest::collection::vec(event(), 1..40),
-            in_parts: bool,
+            batch in 1..4usize,
         ) {
             let mut world = World::default();
+            let mut seen = World::default();
             let mut index = DesiredIndex::new(opts());
             let mut before = DesiredState::default();
-            for e in &events {
-                world.apply(e);
-                let objects = if in_parts { world.objects_in_parts() } else { world.objects() };
-                let changes = index.sync(&objects);
-                let services: Vec<Arc<Service>> = objects.all_services().cloned().collect();
-                let slices: Vec<Arc<EndpointSlice>> = objects.all_slices().cloned().collect();
+            // Several events may be recorded before the consumer takes them.
+            for events in events.chunks(batch) {
+                for e in events {
+                    world.apply(e);
+                }
+                let e = events.last().expect("chunks are not empty");
+                let changes = index.sync(&world.changes(&mut seen));
+                let services: Vec<Arc<Service>> = world.services.values().cloned().collect();
+                let slices: Vec<Arc<EndpointSlice>> = world.slices.values().cloned().collect();
                 let (full, _) = build_desired(&services, &slices, &opts());
                 prop_assert_eq!(&index.desired().frontends, &full.frontends, "after {:?}", e);
                 prop_assert_eq!(&index.desired().health_checks, &full.health_checks, "after {:?}", e);
@@ -804,6 +705,7 @@ mod tests {
     #[test]
     fn a_slice_change_derives_only_its_service() {
         let mut world = World::default();
+        let mut seen = World::default();
         for s in 0..6 {
             world.apply(&Event::PutService {
                 s,
@@ -819,32 +721,68 @@ mod tests {
             });
         }
         let mut index = DesiredIndex::new(opts());
-        assert_eq!(index.sync(&world.objects()).services, 6);
+        assert_eq!(index.sync(&world.changes(&mut seen)).services, 6);
         world.apply(&Event::PutSlice {
             n: 2,
             s: Some(2),
             pods: vec![1, 2],
             ports: vec![80],
         });
-        let changes = index.sync(&world.objects());
+        let changes = index.sync(&world.changes(&mut seen));
         assert_eq!(changes.services, 1);
         assert_eq!(changes.frontends.len(), 1);
-        assert!(index.sync(&world.objects()).is_empty(), "nothing changed");
-
-        // In parts (as the API source's shards): the replaced part shares its other
-        // objects with the one before, and only the changed one counts.
-        let mut index = DesiredIndex::new(opts());
-        assert_eq!(index.sync(&world.objects_in_parts()).services, 6);
-        world.apply(&Event::PutSlice {
-            n: 4,
-            s: Some(4),
-            pods: vec![3],
-            ports: vec![80],
-        });
-        let changes = index.sync(&world.objects_in_parts());
-        assert_eq!(changes.services, 1);
         assert_eq!(changes.slices.len(), 1);
         assert_eq!(changes.gone_slices.len(), 1);
-        assert!(index.sync(&world.objects_in_parts()).is_empty());
+        assert!(
+            index.sync(&world.changes(&mut seen)).is_empty(),
+            "nothing changed"
+        );
+
+        // A slice moving to another Service derives both.
+        world.apply(&Event::PutSlice {
+            n: 2,
+            s: Some(3),
+            pods: vec![1, 2],
+            ports: vec![80],
+        });
+        assert_eq!(index.sync(&world.changes(&mut seen)).services, 2);
+    }
+
+    /// New node addresses read every Service again; only the frontends they move
+    /// are reported.
+    #[test]
+    fn new_options_report_only_what_they_change() {
+        let mut world = World::default();
+        let mut seen = World::default();
+        for s in 0..4 {
+            world.apply(&Event::PutService {
+                s,
+                ip: s + 1,
+                ports: vec![80],
+                node_port: (s == 0).then_some(30000),
+            });
+        }
+        let mut index = DesiredIndex::new(opts());
+        index.sync(&world.changes(&mut seen));
+        let moved = SourceOptions {
+            node_ips: vec!["192.168.0.9".parse().unwrap()],
+            ..opts()
+        };
+        let delta = index.set_options(moved.clone());
+        assert_eq!(delta.services, 4);
+        let services: Vec<Arc<Service>> = world.services.values().cloned().collect();
+        let (full, _) = build_desired(&services, &[] as &[Arc<EndpointSlice>], &moved);
+        assert_eq!(index.desired().frontends, full.frontends);
+        // The NodePort's frontends on the old and the new address, with twins; no
+        // cluster IP frontend.
+        assert!(!delta.frontends.is_empty());
+        assert!(delta
+            .frontends
+            .iter()
+            .all(|f| f.port == 30000 || f.scope == Scope::Internal));
+        assert!(
+            index.set_options(moved).is_empty(),
+            "the same options again"
+        );
     }
 }

@@ -302,11 +302,66 @@ fn plan_service<'a>(
         return None;
     }
 
+    let cluster_ips = read_cluster_ips(spec, &mut |p| errors.push(error(p)))?;
+    let cluster_ips = cluster_families(spec, cluster_ips, &mut |p| errors.push(error(p)))?;
+    let affinity_timeout_sec = match read_affinity(spec) {
+        Ok(timeout) => timeout,
+        Err(problem) => {
+            errors.push(error(problem));
+            return None;
+        }
+    };
+
+    let has_node_ports = matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer"));
+    let mut ports = Vec::new();
+    for sp in spec.ports.iter().flatten() {
+        let node_ports = has_node_ports.then_some(&opts.node_port_range);
+        if let Some(port) = plan_port(sp, node_ports, &mut |p| errors.push(error(p))) {
+            ports.push(port);
+        }
+    }
+
+    let (external_ips, load_balancer_ips) =
+        read_external_addresses(svc, spec, &mut |p| errors.push(error(p)));
+    let source_ranges = SourceRanges::read(spec.load_balancer_source_ranges.as_deref(), &mut |p| {
+        errors.push(error(p))
+    });
+
+    let external_local = spec.external_traffic_policy.as_deref() == Some("Local");
+    let health_check_node_port = match spec.health_check_node_port {
+        Some(port) if external_local => {
+            let valid = valid_port(port);
+            if valid.is_none() {
+                errors.push(error(Problem::HealthCheckNodePortOutOfRange { port }));
+            }
+            valid
+        }
+        _ => None,
+    };
+
+    Some(ServicePlan {
+        id,
+        ports,
+        cluster_ips,
+        external_ips,
+        load_balancer_ips,
+        source_ranges,
+        affinity_timeout_sec,
+        internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
+        external_local,
+        health_check_node_port,
+    })
+}
+
+/// `spec.clusterIPs` (or `spec.clusterIP`), parsed, without repeats. `None` for a
+/// headless Service, or one whose cluster IPs are missing or not addresses
+/// (reported).
+fn read_cluster_ips(spec: &ServiceSpec, report: &mut dyn FnMut(Problem)) -> Option<Vec<IpAddr>> {
     let cluster_ips: &[String] = match (&spec.cluster_ips, &spec.cluster_ip) {
         (Some(ips), _) if !ips.is_empty() => ips,
         (_, Some(ip)) if !ip.is_empty() => std::slice::from_ref(ip),
         _ => {
-            errors.push(error(Problem::MissingClusterIp));
+            report(Problem::MissingClusterIp);
             return None;
         }
     };
@@ -319,47 +374,48 @@ fn plan_service<'a>(
             Ok(ip) if !ips.contains(&ip) => ips.push(ip),
             Ok(_) => {}
             Err(_) => {
-                errors.push(error(Problem::InvalidClusterIp {
+                report(Problem::InvalidClusterIp {
                     value: value.clone(),
-                }));
+                });
                 return None;
             }
         }
     }
-    let cluster_ips = cluster_families(spec, ips, &mut |p| errors.push(error(p)))?;
+    Some(ips)
+}
 
-    let affinity_timeout_sec = if spec.session_affinity.as_deref() == Some("ClientIP") {
-        let seconds = spec
-            .session_affinity_config
-            .as_ref()
-            .and_then(|c| c.client_ip.as_ref())
-            .and_then(|c| c.timeout_seconds)
-            .unwrap_or(DEFAULT_AFFINITY_TIMEOUT);
-        if !(1..=MAX_AFFINITY_TIMEOUT).contains(&seconds) {
-            errors.push(error(Problem::AffinityTimeoutOutOfRange { seconds }));
-            return None;
-        }
-        Some(seconds as u32)
-    } else {
-        None
-    };
-
-    let has_node_ports = matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer"));
-    let mut ports = Vec::new();
-    for sp in spec.ports.iter().flatten() {
-        let node_ports = has_node_ports.then_some(&opts.node_port_range);
-        if let Some(port) = plan_port(sp, node_ports, &mut |p| errors.push(error(p))) {
-            ports.push(port);
-        }
+/// `sessionAffinity: ClientIP`'s timeout, `None` without affinity; a timeout out of
+/// range is a problem that keeps the Service from being proxied.
+fn read_affinity(spec: &ServiceSpec) -> Result<Option<u32>, Problem> {
+    if spec.session_affinity.as_deref() != Some("ClientIP") {
+        return Ok(None);
     }
+    let seconds = spec
+        .session_affinity_config
+        .as_ref()
+        .and_then(|c| c.client_ip.as_ref())
+        .and_then(|c| c.timeout_seconds)
+        .unwrap_or(DEFAULT_AFFINITY_TIMEOUT);
+    if !(1..=MAX_AFFINITY_TIMEOUT).contains(&seconds) {
+        return Err(Problem::AffinityTimeoutOutOfRange { seconds });
+    }
+    Ok(Some(seconds as u32))
+}
 
+/// `spec.externalIPs` and the load balancer's ingress IPs (an address in both is an
+/// external IP), sorted; addresses that are none are reported and skipped.
+fn read_external_addresses(
+    svc: &Service,
+    spec: &ServiceSpec,
+    report: &mut dyn FnMut(Problem),
+) -> (Vec<IpAddr>, Vec<IpAddr>) {
     let mut address = |field, value: &str| match value.parse::<IpAddr>() {
         Ok(ip) => Some(ip),
         Err(_) => {
-            errors.push(error(Problem::InvalidExternalAddress {
+            report(Problem::InvalidExternalAddress {
                 field,
                 value: value.to_owned(),
-            }));
+            });
             None
         }
     };
@@ -383,34 +439,10 @@ fn plan_service<'a>(
         .filter_map(|ip| address("status.loadBalancer.ingress.ip", ip))
         .filter(|ip| !external_ips.contains(ip))
         .collect();
-    let source_ranges = SourceRanges::read(spec.load_balancer_source_ranges.as_deref(), &mut |p| {
-        errors.push(error(p))
-    });
-
-    let external_local = spec.external_traffic_policy.as_deref() == Some("Local");
-    let health_check_node_port = match spec.health_check_node_port {
-        Some(port) if external_local => {
-            let valid = valid_port(port);
-            if valid.is_none() {
-                errors.push(error(Problem::HealthCheckNodePortOutOfRange { port }));
-            }
-            valid
-        }
-        _ => None,
-    };
-
-    Some(ServicePlan {
-        id,
-        ports,
-        cluster_ips,
-        external_ips: external_ips.into_iter().collect(),
-        load_balancer_ips: load_balancer_ips.into_iter().collect(),
-        source_ranges,
-        affinity_timeout_sec,
-        internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
-        external_local,
-        health_check_node_port,
-    })
+    (
+        external_ips.into_iter().collect(),
+        load_balancer_ips.into_iter().collect(),
+    )
 }
 
 fn plan_port<'a>(

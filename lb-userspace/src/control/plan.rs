@@ -143,6 +143,14 @@ pub fn plan_changes(
     Plan { ops, rejected }
 }
 
+/// A frontend the planner accepted: its slot count, the backends it wants (with
+/// the ids they keep), and its frontend id.
+struct Admitted {
+    count: u16,
+    wanted: Vec<(Backend, Option<u32>)>,
+    rev_nat_id: u32,
+}
+
 struct Planner<'a> {
     desired: &'a DesiredState,
     current: &'a MapSnapshot,
@@ -272,6 +280,68 @@ impl<'a> Planner<'a> {
     }
 
     fn upsert(&mut self, frontend: &Frontend, spec: &FrontendSpec, entries: &Entries) {
+        let Some(admitted) = self.admit(frontend, spec, entries) else {
+            return;
+        };
+        let key = FrontendKey::of(frontend);
+        let mut ids = Vec::with_capacity(admitted.wanted.len());
+        for (backend, id) in admitted.wanted {
+            let id = match id {
+                Some(id) => id,
+                None => {
+                    let id = self
+                        .backend_ids
+                        .alloc()
+                        .expect("free ids were counted before accepting the frontend");
+                    self.ops.push(MapOp::PutBackend { id, backend });
+                    id
+                }
+            };
+            self.claimed_backends.insert(id);
+            ids.push(id);
+        }
+        let count = admitted.count;
+        for (slot, &id) in (1..=count).zip(&ids) {
+            self.put_slot(
+                key.slot(slot),
+                entries.slots.get(&slot),
+                slot_value(id, admitted.rev_nat_id),
+            );
+        }
+        let external_scope = frontend.scope == Scope::Internal
+            && self
+                .desired
+                .frontends
+                .contains_key(&frontend.with_scope(Scope::External));
+        let master = master_value(spec, count, admitted.rev_nat_id, external_scope);
+        if entries.master != Some(master) {
+            self.ops.push(MapOp::PutService {
+                key: key.slot(0),
+                value: master,
+            });
+        }
+        for (&slot, old) in entries.slots.range(count + 1..) {
+            self.delete_slot(key.slot(slot), old);
+        }
+        let kept: HashSet<u32> = ids.into_iter().collect();
+        let dropped: BTreeSet<u32> = entries
+            .slots
+            .values()
+            .map(|v| v.backend_id)
+            .filter(|id| !kept.contains(id))
+            .collect();
+        self.delete_unreferenced(dropped);
+    }
+
+    /// Whether `frontend` fits (slots, map room, ids), with the backends it wants
+    /// (each with the id it keeps, if any) and its frontend id; a frontend that does
+    /// not fit is rejected and stays as the kernel has it.
+    fn admit(
+        &mut self,
+        frontend: &Frontend,
+        spec: &FrontendSpec,
+        entries: &Entries,
+    ) -> Option<Admitted> {
         let n = spec.backends.len();
         if n > MAX_BACKENDS_PER_FRONTEND {
             self.reject(
@@ -283,7 +353,7 @@ impl<'a> Planner<'a> {
                     max: MAX_BACKENDS_PER_FRONTEND,
                 },
             );
-            return;
+            return None;
         }
         let count = n as u16;
 
@@ -326,7 +396,7 @@ impl<'a> Planner<'a> {
                 "services-map-size",
             );
             self.reject(entries, e);
-            return;
+            return None;
         }
         if self.backends_used + new_backends > u64::from(self.capacity.backends)
             || self.backend_ids.free() < new_backends
@@ -337,7 +407,7 @@ impl<'a> Planner<'a> {
                 "backends-map-size",
             );
             self.reject(entries, e);
-            return;
+            return None;
         }
         let rev_nat_id = match entries.master {
             Some(m) if m.rev_nat_id != 0 && !self.claimed_rev_nat_ids.contains(&m.rev_nat_id) => {
@@ -352,61 +422,18 @@ impl<'a> Planner<'a> {
                         max: self.capacity.frontend_ids,
                     };
                     self.reject(entries, e);
-                    return;
+                    return None;
                 }
             },
         };
-
         self.services_used += new_service_keys;
         self.backends_used += new_backends;
         self.claimed_rev_nat_ids.insert(rev_nat_id);
-        let key = FrontendKey::of(frontend);
-        let mut ids = Vec::with_capacity(n);
-        for (backend, id) in wanted {
-            let id = match id {
-                Some(id) => id,
-                None => {
-                    let id = self
-                        .backend_ids
-                        .alloc()
-                        .expect("free ids were counted before accepting the frontend");
-                    self.ops.push(MapOp::PutBackend { id, backend });
-                    id
-                }
-            };
-            self.claimed_backends.insert(id);
-            ids.push(id);
-        }
-        for (slot, &id) in (1..=count).zip(&ids) {
-            self.put_slot(
-                key.slot(slot),
-                entries.slots.get(&slot),
-                slot_value(id, rev_nat_id),
-            );
-        }
-        let external_scope = frontend.scope == Scope::Internal
-            && self
-                .desired
-                .frontends
-                .contains_key(&frontend.with_scope(Scope::External));
-        let master = master_value(spec, count, rev_nat_id, external_scope);
-        if entries.master != Some(master) {
-            self.ops.push(MapOp::PutService {
-                key: key.slot(0),
-                value: master,
-            });
-        }
-        for (&slot, old) in entries.slots.range(count + 1..) {
-            self.delete_slot(key.slot(slot), old);
-        }
-        let kept: HashSet<u32> = ids.into_iter().collect();
-        let dropped: BTreeSet<u32> = entries
-            .slots
-            .values()
-            .map(|v| v.backend_id)
-            .filter(|id| !kept.contains(id))
-            .collect();
-        self.delete_unreferenced(dropped);
+        Some(Admitted {
+            count,
+            wanted,
+            rev_nat_id,
+        })
     }
 
     /// The frontend stays as the kernel has it; its ids stay its own.

@@ -10,17 +10,20 @@
 //! overflowed) re-lists the directory, and still parses only files whose size,
 //! mtime or inode moved.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 use notify::{RecursiveMode, Watcher};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
+use super::changes::{self, ChangeReceiver, Changes, ObjectKey};
+use super::lean::{EndpointSlice, Meta, Service};
 use super::yaml;
-use super::{FileError, Objects, SourceError};
+use super::{FileError, ObjectError, Objects, Problem, SourceError};
+use k8s_openapi::api::core::v1::Node;
 
 /// What a file looked like when last read: size, mtime, inode. Tools replace files
 /// by rename, which changes the inode even when size and mtime match.
@@ -42,15 +45,178 @@ struct Cached {
     error: Option<FileError>,
 }
 
+/// The objects one kind's key stands for, across the files: the first definition
+/// by file name, then by document, is used (the API server holds one object per
+/// name; a second definition is a mistake, reported, not applied).
+struct Defined<T> {
+    /// The definition used, per key.
+    used: HashMap<ObjectKey, Arc<T>>,
+    /// Keys defined more than once, with how many definitions: only these need the
+    /// files searched when one definition goes.
+    repeated: HashMap<ObjectKey, usize>,
+}
+
+impl<T> Default for Defined<T> {
+    fn default() -> Self {
+        Defined {
+            used: HashMap::new(),
+            repeated: HashMap::new(),
+        }
+    }
+}
+
+/// A kind of object the file source keys: where a file holds them, and their names.
+trait Keyed: PartialEq + Sized {
+    fn of(objects: &Objects) -> &[Arc<Self>];
+    fn meta(&self) -> &Meta;
+}
+
+impl Keyed for Service {
+    fn of(objects: &Objects) -> &[Arc<Self>] {
+        &objects.services
+    }
+    fn meta(&self) -> &Meta {
+        &self.metadata
+    }
+}
+
+impl Keyed for EndpointSlice {
+    fn of(objects: &Objects) -> &[Arc<Self>] {
+        &objects.slices
+    }
+    fn meta(&self) -> &Meta {
+        &self.metadata
+    }
+}
+
+/// A file whose objects changed: what it held before and holds now.
+struct Reread<'a> {
+    before: Option<&'a Objects>,
+    after: Option<&'a Objects>,
+}
+
+impl<T: Keyed> Defined<T> {
+    /// Brings the definitions to what the files hold after `reread` (the files
+    /// whose objects changed, with their objects before and after), and records
+    /// each key whose object changed. An object read again unchanged keeps the
+    /// allocation handed on before, so it is no change.
+    fn settle(
+        &mut self,
+        files: &BTreeMap<PathBuf, Cached>,
+        reread: &[Reread],
+        record: &mut impl FnMut(ObjectKey, Option<Arc<T>>, Option<Arc<T>>),
+    ) {
+        // How many definitions each touched key gains (or loses) in the re-read files.
+        let mut delta: HashMap<ObjectKey, (isize, Option<Arc<T>>)> = HashMap::new();
+        for file in reread {
+            for object in file.before.map(T::of).unwrap_or_default() {
+                delta.entry(ObjectKey::of(object.meta())).or_default().0 -= 1;
+            }
+            for object in file.after.map(T::of).unwrap_or_default() {
+                let entry = delta.entry(ObjectKey::of(object.meta())).or_default();
+                entry.0 += 1;
+                entry.1.get_or_insert_with(|| object.clone());
+            }
+        }
+        for (key, (gained, fresh)) in delta {
+            let before = self
+                .repeated
+                .get(&key)
+                .copied()
+                .unwrap_or(usize::from(self.used.contains_key(&key)));
+            let count = (before as isize + gained).max(0) as usize;
+            let previous = self.used.get(&key).cloned();
+            let current = match (count, before) {
+                (0, _) => None,
+                // One definition before and after, and it was re-read: the new one.
+                (1, 1) | (1, 0) if gained >= 0 && fresh.is_some() => fresh,
+                // The one left is in a file that was not re-read: as before.
+                (1, _) if fresh.is_none() && before <= 1 => previous.clone(),
+                // Several: the first in the files' order.
+                _ => first_definition(files, &key),
+            };
+            // Unchanged content keeps what was handed on.
+            let current = match (&previous, current) {
+                (Some(p), Some(c)) if **p == *c => Some(p.clone()),
+                (_, c) => c,
+            };
+            match count {
+                0 | 1 => self.repeated.remove(&key),
+                n => self.repeated.insert(key.clone(), n),
+            };
+            match &current {
+                Some(c) => self.used.insert(key.clone(), c.clone()),
+                None => self.used.remove(&key),
+            };
+            record(key, previous, current);
+        }
+    }
+
+    /// The repeated definitions, named for the operator.
+    fn problems(&self, kind: &str, files: &BTreeMap<PathBuf, Cached>) -> Vec<ObjectError> {
+        let mut problems = Vec::new();
+        let mut keys: Vec<&ObjectKey> = self.repeated.keys().collect();
+        keys.sort();
+        for key in keys {
+            let holders = holders::<T>(files, key);
+            let Some((kept_in, _)) = holders.first() else {
+                continue;
+            };
+            for (file, _) in &holders[1..] {
+                problems.push(ObjectError::new(
+                    kind,
+                    key.namespace(),
+                    key.name(),
+                    Problem::DuplicateObject {
+                        file: file.to_path_buf(),
+                        kept_in: kept_in.to_path_buf(),
+                    },
+                ));
+            }
+        }
+        problems
+    }
+}
+
+/// Every definition of `key` in the files, in order.
+fn holders<'a, T: Keyed>(
+    files: &'a BTreeMap<PathBuf, Cached>,
+    key: &ObjectKey,
+) -> Vec<(&'a Path, &'a Arc<T>)> {
+    files
+        .iter()
+        .filter_map(|(path, cached)| Some((path, cached.objects.as_deref()?)))
+        .flat_map(|(path, objects)| T::of(objects).iter().map(move |o| (path.as_path(), o)))
+        .filter(|(_, o)| ObjectKey::of(o.meta()) == *key)
+        .collect()
+}
+
+fn first_definition<T: Keyed>(
+    files: &BTreeMap<PathBuf, Cached>,
+    key: &ObjectKey,
+) -> Option<Arc<T>> {
+    holders::<T>(files, key).first().map(|(_, o)| Arc::clone(o))
+}
+
 /// The files' objects as last read, in path order, so a change re-reads only the
 /// files it touched: with one big file and one small one, editing the small one
-/// costs only that.
+/// costs only that; and what it hands on is only the objects whose definition
+/// changed, keyed by namespace and name.
 ///
 /// A file that cannot be read keeps the objects of its last good read, as the whole
 /// source does when the path cannot be read at all: a transient I/O error or a
 /// botched copy must not withdraw its Services.
 #[derive(Default)]
-struct FileCache(BTreeMap<PathBuf, Cached>);
+struct FileCache {
+    files: BTreeMap<PathBuf, Cached>,
+    services: Defined<Service>,
+    slices: Defined<EndpointSlice>,
+    /// The nodes, problems and unreadable files last handed on (`None`: never).
+    handed_on: Option<HandedOn>,
+}
+
+/// The nodes, the problems, and the unreadable files (path, problem) as handed on.
+type HandedOn = (Vec<Arc<Node>>, Vec<ObjectError>, Vec<(PathBuf, String)>);
 
 /// Which entries of the source changed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -74,14 +240,18 @@ impl Changed {
     }
 }
 
+/// The objects a file held before a look and holds after it (`None`: none).
+type Contribution = (Option<Arc<Objects>>, Option<Arc<Objects>>);
+
 impl FileCache {
     /// Reads `file` (as [`yaml::manifest_entry`] found it) unless its stamp says it
-    /// is unchanged.
-    fn update(&mut self, file: PathBuf, entry: Result<PathBuf, FileError>) {
+    /// is unchanged; returns its objects before and after when they changed.
+    fn update(&mut self, file: PathBuf, entry: Result<PathBuf, FileError>) -> Option<Contribution> {
         // Stamped before reading: a file that changes during the read differs from
         // its stamp at the next look and is read again.
         let before = stamp(&file);
-        let cached = self.0.remove(&file);
+        let cached = self.files.remove(&file);
+        let held = cached.as_ref().and_then(|c| c.objects.clone());
         let unchanged = cached
             .as_ref()
             .filter(|c| before.is_some() && c.stamp == before && c.error.is_none())
@@ -99,54 +269,108 @@ impl FileCache {
             },
             Err(e) => Cached {
                 stamp: None,
-                objects: cached.and_then(|c| c.objects),
+                objects: held.clone(),
                 error: Some(e),
             },
         };
-        self.0.insert(file, entry);
+        let now = entry.objects.clone();
+        self.files.insert(file, entry);
+        let same = match (&held, &now) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (None, None) => true,
+            _ => false,
+        };
+        (!same).then_some((held, now))
+    }
+
+    /// A file gone (or no manifest any more): the objects it held.
+    fn forget(&mut self, file: &Path) -> Option<Contribution> {
+        let cached = self.files.remove(file)?;
+        cached.objects.map(|objects| (Some(objects), None))
     }
 
     /// Lists the source and brings every file up to date.
-    fn load(&mut self, path: &Path) -> Result<Objects, SourceError> {
+    fn load(&mut self, path: &Path) -> Result<Changes, SourceError> {
         let files = yaml::manifest_files(path)?;
         let listed: HashSet<PathBuf> = files.iter().map(|e| entry_path(e).to_owned()).collect();
-        self.0.retain(|file, _| listed.contains(file));
+        let gone: Vec<PathBuf> = self
+            .files
+            .keys()
+            .filter(|f| !listed.contains(*f))
+            .cloned()
+            .collect();
+        let mut reread: Vec<Contribution> = gone.iter().filter_map(|f| self.forget(f)).collect();
         for entry in files {
-            self.update(entry_path(&entry).to_owned(), entry);
+            reread.extend(self.update(entry_path(&entry).to_owned(), entry));
         }
-        Ok(self.objects())
+        Ok(self.changes(&reread))
     }
 
     /// Brings only `changed` up to date: each is read again, dropped (gone, or no
     /// manifest any more) or left alone (not a manifest name).
-    fn load_files(&mut self, changed: &BTreeSet<PathBuf>) -> Objects {
+    fn load_files(&mut self, changed: &BTreeSet<PathBuf>) -> Changes {
+        let mut reread = Vec::new();
         for file in changed {
-            match yaml::manifest_entry(file) {
+            reread.extend(match yaml::manifest_entry(file) {
                 Some(entry) => self.update(file.clone(), entry),
-                None => {
-                    self.0.remove(file);
-                }
-            }
+                None => self.forget(file),
+            });
         }
-        self.objects()
+        self.changes(&reread)
     }
 
-    /// Everything cached, in path order, each file's objects as one shared part
-    /// (an unchanged file is the same part as before); `unreadable` lists the
-    /// broken files.
-    fn objects(&self) -> Objects {
-        let mut all = Objects::default();
-        for cached in self.0.values() {
+    /// What the re-read files changed, keyed by object, with the source's nodes,
+    /// problems and unreadable files as they now stand.
+    fn changes(&mut self, reread: &[Contribution]) -> Changes {
+        let reread: Vec<Reread> = reread
+            .iter()
+            .map(|(before, after)| Reread {
+                before: before.as_deref(),
+                after: after.as_deref(),
+            })
+            .collect();
+        let mut changes = Changes::default();
+        self.services.settle(&self.files, &reread, &mut |k, p, c| {
+            changes.service(k, p, c)
+        });
+        self.slices
+            .settle(&self.files, &reread, &mut |k, p, c| changes.slice(k, p, c));
+        let (mut nodes, mut errors, mut unreadable) = (Vec::new(), Vec::new(), Vec::new());
+        for cached in self.files.values() {
             if let Some(e) = &cached.error {
-                all.unreadable.push(e.clone());
+                unreadable.push(e.clone());
             }
             if let Some(objects) = &cached.objects {
-                all.nodes.extend(objects.nodes.iter().cloned());
-                all.errors.extend(objects.errors.iter().cloned());
-                all.parts.push(objects.clone());
+                nodes.extend(objects.nodes.iter().cloned());
+                errors.extend(objects.errors.iter().cloned());
             }
         }
-        all
+        errors.extend(self.services.problems("Service", &self.files));
+        errors.extend(self.slices.problems("EndpointSlice", &self.files));
+        // Handed on when they changed, so that a file saved unchanged is no news.
+        let files: Vec<(PathBuf, String)> = unreadable
+            .iter()
+            .map(|e| (e.path.clone(), e.problem.to_string()))
+            .collect();
+        let last = self.handed_on.take();
+        let (last_nodes, last_errors, last_files) = match &last {
+            Some((n, e, f)) => (Some(n), Some(e), Some(f)),
+            None => (None, None, None),
+        };
+        let same_nodes = last_nodes.is_some_and(|n| {
+            n.len() == nodes.len() && n.iter().zip(&nodes).all(|(a, b)| Arc::ptr_eq(a, b))
+        });
+        if !same_nodes {
+            changes.nodes = Some(nodes.clone());
+        }
+        if last_errors != Some(&errors) {
+            changes.errors = Some(errors.clone());
+        }
+        if last_files != Some(&files) {
+            changes.unreadable = Some(unreadable);
+        }
+        self.handed_on = Some((nodes, errors, files));
+        changes
     }
 }
 
@@ -234,12 +458,12 @@ fn classify(root: &Path, dir: &Path, event: notify::Result<notify::Event>) -> Op
     (!files.is_empty()).then_some(Changed::Files(files))
 }
 
-/// Spawns the watcher. The receiver holds `None` until the files were read once;
-/// after that, every change publishes a fresh snapshot. A source that cannot be
-/// read at all publishes nothing, so the datapath keeps its last state instead of
+/// Spawns the watcher. Nothing is handed on until the files were read once; then
+/// everything is, and after each change what it changed. A source that cannot be
+/// read at all hands on nothing, so the datapath keeps its last state instead of
 /// being flushed.
-pub fn watch(path: PathBuf) -> Result<watch::Receiver<Option<Arc<Objects>>>, WatchError> {
-    let (tx, rx) = watch::channel(None);
+pub fn watch(path: PathBuf) -> Result<ChangeReceiver, WatchError> {
+    let (tx, rx) = changes::channel();
     let (events_tx, mut events) = mpsc::unbounded_channel();
     let dir = if path.is_dir() {
         path.clone()
@@ -256,7 +480,7 @@ pub fn watch(path: PathBuf) -> Result<watch::Receiver<Option<Arc<Objects>>>, Wat
     let (root, watched) = (path.clone(), dir.clone());
     let mut watcher = notify::recommended_watcher(move |event| {
         if let Some(changed) = classify(&root, &watched, event) {
-            let _ = events_tx.send(changed);
+            let _ = events_tx.send((changed, Instant::now()));
         }
     })
     .map_err(watch_error)?;
@@ -268,7 +492,7 @@ pub fn watch(path: PathBuf) -> Result<watch::Receiver<Option<Arc<Objects>>>, Wat
         let _watcher = watcher;
         let mut cache = FileCache::default();
         let mut unreadable = Vec::new();
-        let mut changed = Changed::All;
+        let (mut changed, mut since) = (Changed::All, Instant::now());
         loop {
             // Parsing takes the CPUs for a while at scale: off the async workers,
             // so /healthz and the agent loop stay responsive.
@@ -288,34 +512,35 @@ pub fn watch(path: PathBuf) -> Result<watch::Receiver<Option<Arc<Objects>>>, Wat
             };
             cache = returned;
             match loaded {
-                Ok(objects) => {
-                    report_unreadable(&unreadable, &objects.unreadable);
-                    unreadable = objects.unreadable.clone();
+                Ok(mut found) => {
+                    let now_unreadable = found.unreadable.clone().unwrap_or_default();
+                    report_unreadable(&unreadable, &now_unreadable);
+                    unreadable = now_unreadable;
                     info!(
-                        services = objects
-                            .parts
-                            .iter()
-                            .map(|p| p.services.len())
-                            .sum::<usize>(),
-                        endpoint_slices =
-                            objects.parts.iter().map(|p| p.slices.len()).sum::<usize>(),
-                        problems = objects.errors.len(),
-                        unreadable_files = objects.unreadable.len(),
+                        services = cache.services.used.len(),
+                        endpoint_slices = cache.slices.used.len(),
+                        changed = found.services.len() + found.slices.len(),
+                        problems = found.errors.as_ref().map_or(0, Vec::len),
+                        unreadable_files = unreadable.len(),
                         read_ms = started.elapsed().as_millis() as u64,
                         "manifests read"
                     );
-                    if tx.send(Some(Arc::new(objects))).is_err() {
-                        return;
-                    }
+                    found.since = Some(since);
+                    tx.record(found);
+                    tx.publish();
                 }
                 Err(e) => warn!("{e}; keeping the current service table"),
             }
             // Whatever arrived meanwhile is handled in one go.
-            let Some(next) = events.recv().await else {
+            let next = tokio::select! {
+                next = events.recv() => next,
+                () = tx.closed() => return,
+            };
+            let Some((next, at)) = next else {
                 return;
             };
-            changed = next;
-            while let Ok(more) = events.try_recv() {
+            (changed, since) = (next, at);
+            while let Ok((more, _)) = events.try_recv() {
                 changed = changed.merge(more);
             }
         }
@@ -326,14 +551,27 @@ pub fn watch(path: PathBuf) -> Result<watch::Receiver<Option<Arc<Objects>>>, Wat
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::source::changes::ObjectView;
 
     const SERVICE: &str = "apiVersion: v1\nkind: Service\nmetadata:\n  name: NAME\n  namespace: default\nspec:\n  clusterIP: 10.96.0.10\n  ports:\n  - port: 80\n";
 
-    fn names(objects: &Objects) -> Vec<String> {
-        objects
-            .all_services()
-            .filter_map(|s| Some(s.metadata.name.as_deref()?.to_owned()))
-            .collect()
+    /// A cache and what a consumer applying its changes holds.
+    #[derive(Default)]
+    struct Seen {
+        cache: FileCache,
+        view: ObjectView,
+    }
+
+    impl Seen {
+        fn load(&mut self, path: &Path) -> &ObjectView {
+            let changes = self.cache.load(path).unwrap();
+            self.view.apply(&changes);
+            &self.view
+        }
+    }
+
+    fn names(view: &ObjectView) -> Vec<String> {
+        view.service_names()
     }
 
     #[test]
@@ -347,20 +585,36 @@ mod tests {
         };
         write("a.yaml", "a");
         write("b.yaml", "b");
-        let mut cache = FileCache::default();
-        assert_eq!(names(&cache.load(&dir).unwrap()), ["a", "b"]);
-        let a_before = cache.0[&dir.join("a.yaml")].objects.clone().unwrap();
+        let mut seen = Seen::default();
+        assert_eq!(names(seen.load(&dir)), ["a", "b"]);
+        let a_before = seen.cache.files[&dir.join("a.yaml")]
+            .objects
+            .clone()
+            .unwrap();
 
         write("b.yaml", "b2");
-        assert_eq!(names(&cache.load(&dir).unwrap()), ["a", "b2"]);
+        let changes = seen.cache.load(&dir).unwrap();
+        // Only what changed is handed on: b gone, b2 come.
+        let mut changed: Vec<String> = changes
+            .services
+            .keys()
+            .map(|k| k.name().to_owned())
+            .collect();
+        changed.sort();
+        assert_eq!(changed, ["b", "b2"]);
+        seen.view.apply(&changes);
+        assert_eq!(names(&seen.view), ["a", "b2"]);
         // a.yaml was not read again: the same parsed objects are reused.
-        let a_after = cache.0[&dir.join("a.yaml")].objects.clone().unwrap();
+        let a_after = seen.cache.files[&dir.join("a.yaml")]
+            .objects
+            .clone()
+            .unwrap();
         assert!(Arc::ptr_eq(&a_before, &a_after));
 
         std::fs::remove_file(dir.join("a.yaml")).unwrap();
         write("c.yaml", "c");
-        assert_eq!(names(&cache.load(&dir).unwrap()), ["b2", "c"]);
-        assert_eq!(cache.0.len(), 2, "a removed file leaves the cache");
+        assert_eq!(names(seen.load(&dir)), ["b2", "c"]);
+        assert_eq!(seen.cache.files.len(), 2, "a removed file leaves the cache");
     }
 
     /// One unreadable file must not stop the others: each kind of failure that
@@ -383,9 +637,9 @@ mod tests {
         )
         .unwrap();
 
-        let mut cache = FileCache::default();
-        let loaded = cache.load(&dir).unwrap();
-        assert_eq!(names(&loaded), ["good"]);
+        let mut seen = Seen::default();
+        let loaded = seen.load(&dir);
+        assert_eq!(names(loaded), ["good"]);
         let problems: Vec<(String, String)> = loaded
             .unreadable
             .iter()
@@ -422,24 +676,24 @@ mod tests {
             SERVICE.replace("NAME", "was-binary"),
         )
         .unwrap();
-        let loaded = cache.load(&dir).unwrap();
-        assert_eq!(names(&loaded), ["was-binary", "good"]);
+        let loaded = seen.load(&dir);
+        assert_eq!(names(loaded), ["good", "was-binary"]);
         assert_eq!(loaded.unreadable.len(), 5);
         std::fs::write(dir.join("binary.yaml"), b"\xff").unwrap();
-        let loaded = cache.load(&dir).unwrap();
-        assert_eq!(names(&loaded), ["was-binary", "good"]);
+        let loaded = seen.load(&dir);
+        assert_eq!(names(loaded), ["good", "was-binary"]);
         assert_eq!(loaded.unreadable.len(), 6);
         std::fs::write(dir.join("binary.yaml"), b"\xfe").unwrap();
-        let loaded = cache.load(&dir).unwrap();
+        let loaded = seen.load(&dir);
         assert_eq!(
-            names(&loaded),
-            ["was-binary", "good"],
+            names(loaded),
+            ["good", "was-binary"],
             "still the last good read"
         );
         std::fs::remove_file(dir.join("binary.yaml")).unwrap();
-        let loaded = cache.load(&dir).unwrap();
+        let loaded = seen.load(&dir);
         assert_eq!(
-            names(&loaded),
+            names(loaded),
             ["good"],
             "a removed file takes its objects along"
         );
@@ -522,42 +776,88 @@ mod tests {
         symlink("..v1", dir.join("..data")).unwrap();
         symlink("..data/svc.yaml", dir.join("svc.yaml")).unwrap();
         let mut rx = watch(dir.clone()).unwrap();
-        let wait_for = |rx: &mut watch::Receiver<Option<Arc<Objects>>>, want: Vec<&str>| {
-            let want: Vec<String> = want.into_iter().map(String::from).collect();
-            let mut rx = rx.clone();
-            async move {
-                let found = tokio::time::timeout(std::time::Duration::from_secs(5), async {
-                    loop {
-                        if let Some(o) = rx.borrow_and_update().as_ref() {
-                            if names(o) == want {
-                                return;
-                            }
-                        }
-                        rx.changed().await.unwrap();
-                    }
-                })
-                .await;
-                assert!(
-                    found.is_ok(),
-                    "never saw {want:?}: {:?}",
-                    rx.borrow().as_ref().map(|o| names(o))
-                );
-            }
-        };
-        wait_for(&mut rx, vec!["one"]).await;
+        let mut view = ObjectView::default();
+        async fn wait_for(rx: &mut ChangeReceiver, view: &mut ObjectView, want: Vec<&str>) {
+            let found = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+                while names(view) != want {
+                    view.apply(&rx.next().await.expect("the source goes on"));
+                }
+            })
+            .await;
+            assert!(found.is_ok(), "never saw {want:?}: {:?}", names(view));
+        }
+        wait_for(&mut rx, &mut view, vec!["one"]).await;
 
         // kubelet's atomic update: a new timestamped dir, `..data` swapped by rename.
         std::fs::create_dir(dir.join("..v2")).unwrap();
         std::fs::write(dir.join("..v2/svc.yaml"), svc("two")).unwrap();
         symlink("..v2", dir.join("..data_tmp")).unwrap();
         std::fs::rename(dir.join("..data_tmp"), dir.join("..data")).unwrap();
-        wait_for(&mut rx, vec!["two"]).await;
+        wait_for(&mut rx, &mut view, vec!["two"]).await;
 
         // An editor writes a temporary file and renames it over the target.
         std::fs::write(dir.join(".extra.yaml.tmp"), svc("three")).unwrap();
         std::fs::rename(dir.join(".extra.yaml.tmp"), dir.join("extra.yaml")).unwrap();
-        wait_for(&mut rx, vec!["three", "two"]).await;
+        wait_for(&mut rx, &mut view, vec!["three", "two"]).await;
         std::fs::remove_file(dir.join("extra.yaml")).unwrap();
-        wait_for(&mut rx, vec!["two"]).await;
+        wait_for(&mut rx, &mut view, vec!["two"]).await;
+    }
+
+    /// One name defined in two files: the first file by name is used and the other
+    /// reported; when the first drops it, the other takes over. An object read again
+    /// unchanged (another object of its file changed) is not handed on.
+    #[test]
+    fn a_name_defined_twice_is_used_once_and_reported() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
+        let svc = |name: &str, ip: &str| SERVICE.replace("NAME", name).replace("10.96.0.10", ip);
+        std::fs::write(dir.join("a.yaml"), svc("web", "10.96.0.1")).unwrap();
+        std::fs::write(
+            dir.join("b.yaml"),
+            svc("web", "10.96.0.2") + "---\n" + &svc("other", "10.96.0.3"),
+        )
+        .unwrap();
+        let mut seen = Seen::default();
+        let ip = |view: &ObjectView, name: &str| {
+            let key = ObjectKey::new(None, name);
+            view.services[&key]
+                .spec
+                .as_ref()
+                .unwrap()
+                .cluster_ip
+                .clone()
+                .unwrap()
+        };
+        let view = seen.load(&dir);
+        assert_eq!(names(view), ["other", "web"]);
+        assert_eq!(ip(view, "web"), "10.96.0.1");
+        assert_eq!(view.errors.len(), 1, "{:?}", view.errors);
+        let message = view.errors[0].to_string();
+        assert!(
+            message.starts_with("Service default/web: is defined again in")
+                && message.contains("b.yaml")
+                && message.contains("a.yaml"),
+            "{message}"
+        );
+
+        // b.yaml changes its other object only: web's definition there is read
+        // again unchanged and is no change; `other` is.
+        std::fs::write(
+            dir.join("b.yaml"),
+            svc("web", "10.96.0.2") + "---\n" + &svc("other", "10.96.0.4"),
+        )
+        .unwrap();
+        let changes = seen.cache.load(&dir).unwrap();
+        let changed: Vec<&str> = changes.services.keys().map(|k| k.name()).collect();
+        assert_eq!(changed, ["other"]);
+        seen.view.apply(&changes);
+
+        // a.yaml drops it: b.yaml's definition is used, and nothing is reported.
+        std::fs::write(dir.join("a.yaml"), "").unwrap();
+        let view = seen.load(&dir);
+        assert_eq!(ip(view, "web"), "10.96.0.2");
+        assert!(view.errors.is_empty(), "{:?}", view.errors);
+        std::fs::remove_file(dir.join("b.yaml")).unwrap();
+        assert!(names(seen.load(&dir)).is_empty());
     }
 }

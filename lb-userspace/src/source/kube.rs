@@ -1,20 +1,20 @@
 //! Following the Kubernetes API server: Services, EndpointSlices and Nodes are kept
-//! in sharded caches ([`ShardedStore`]) filled by kube-runtime watchers, and every
-//! change publishes a fresh [`Objects`] snapshot on the same kind of channel as
-//! [`super::files::watch`]; the snapshot shares every part the change did not touch.
+//! in caches ([`Store`]) filled by kube-runtime watchers, and every change is handed
+//! on keyed by the object's namespace and name, with what it replaced (see
+//! [`super::changes`]), as the file source hands on its own.
 //!
 //! The caches are filled by list+watch with kube-proxy's label selectors. A watch
 //! that ends is resumed from the last resourceVersion; one answered with `410 Gone`
 //! is replaced by a fresh list, whose result replaces the cache at once. Failed
 //! requests are retried with a bounded backoff (0.1 s doubling to 1 s, jittered, see
-//! [`RecoveryBackoff`]) while the caches, and so the last published snapshot, stay
-//! as they were: an API server outage freezes the service table instead of emptying
+//! [`RecoveryBackoff`]) while the caches, and so what was handed on, stay as they
+//! were: an API server outage freezes the service table instead of emptying
 //! it, and a change made during the outage is seen within about a second of the
 //! server answering again.
 //!
-//! A change is published at once when changes are rare; only while they follow
+//! A change is handed on at once when changes are rare; only while they follow
 //! each other closely are they coalesced, for a wait that doubles with each busy
-//! publish up to [`KubeWatchOptions::coalesce_max`] (see [`Coalescer`]).
+//! hand-on up to [`KubeWatchOptions::coalesce_max`] (see [`Coalescer`]).
 
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -29,14 +29,13 @@ use kube::config::{Config, InClusterError, KubeConfigOptions, Kubeconfig, Kubeco
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
-use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 use tracing::{debug, info, warn};
 
+use super::changes::{ChangeReceiver, ChangeSender, Changes, ObjectKey};
 use super::labels::{SERVICE_LABEL_SELECTOR, SLICE_LABEL_SELECTOR};
-use super::lean::{trim_node, EndpointSlice, Service, Wire};
-use super::shards::{Cached, ShardedStore, SHARDS};
-use super::Objects;
+use super::lean::{trim_node, EndpointSlice, Meta, Service, Wire};
+use super::store::{Cached, Replaced, Store};
 
 /// How the API server is followed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -161,16 +160,13 @@ fn default_kubeconfig_location() -> String {
     }
 }
 
-/// Spawns the watchers. The receiver holds `None` until Services, EndpointSlices and
-/// Nodes have each been listed once; after that, changes publish a fresh snapshot
-/// (coalesced only under bursts, see [`Coalescer`]). A relist that finds nothing new
-/// publishes nothing. Services and EndpointSlices come in [`SHARDS`] parts (see
-/// [`ShardedStore`]): a change replaces the part of the objects it touched, and the
-/// others are the same allocations as in the previous snapshot. Objects hold only
-/// what the agent reads (see [`super::lean`]); `errors` stays empty. Call it inside a
-/// Tokio runtime; the tasks stop when the receiver is dropped.
-pub fn watch(client: Client, options: KubeWatchOptions) -> watch::Receiver<Option<Arc<Objects>>> {
-    let (tx, rx) = watch::channel(None);
+/// Spawns the watchers. Nothing is handed on until Services, EndpointSlices and
+/// Nodes have each been listed once; then everything is, and after that each change
+/// (coalesced only under bursts, see [`Coalescer`]). A relist hands on only what it
+/// found changed. Objects hold only what the agent reads (see [`super::lean`]).
+/// Call it inside a Tokio runtime; the tasks stop when the receiver is dropped.
+pub fn watch(client: Client, options: KubeWatchOptions) -> ChangeReceiver {
+    let (tx, rx) = super::changes::channel();
     let paged = watcher::Config {
         page_size: options.page_size,
         ..watcher::Config::default()
@@ -338,8 +334,8 @@ impl kube::runtime::utils::Backoff for RecoveryBackoff {
 /// [`Self::BURST_GAP`] of the one before, as when a Deployment's pods all move),
 /// during which the wait grows from `BURST_GAP`, doubling with each change of the
 /// burst, bounded by `max`. A steady churn of a few hundred changes a second is
-/// not a burst: each of its changes is published at once (a snapshot costs the
-/// shard it touched). The agent's channel keeps only the newest snapshot, so a
+/// not a burst: each of its changes is handed on at once (it costs its own
+/// objects). Changes the agent has not taken yet merge with the next ones, so a
 /// slow sync coalesces further on its own.
 #[derive(Debug)]
 struct Coalescer {
@@ -417,17 +413,28 @@ impl Due {
 enum Step {
     /// Nothing visible yet (a relist started or is under way), or nothing new.
     Nothing,
-    /// An object was added, changed or deleted.
+    /// Objects were added, changed or deleted.
     Changed,
     /// A (re)list finished and replaced the cache.
     Listed,
 }
 
-fn apply<K: Cached>(store: &mut ShardedStore<K>, event: watcher::Event<K>) -> Step {
-    let changed = |yes: bool| if yes { Step::Changed } else { Step::Nothing };
+/// Applies `event` to `store`; what it replaced goes to `changed`.
+fn apply<K: Cached>(
+    store: &mut Store<K>,
+    event: watcher::Event<K>,
+    changed: &mut Vec<Replaced<K>>,
+) -> Step {
+    let mut one = |replaced: Option<Replaced<K>>| match replaced {
+        Some(r) => {
+            changed.push(r);
+            Step::Changed
+        }
+        None => Step::Nothing,
+    };
     match event {
-        watcher::Event::Apply(object) => changed(store.apply(object)),
-        watcher::Event::Delete(object) => changed(store.delete(&object)),
+        watcher::Event::Apply(object) => one(store.apply(object)),
+        watcher::Event::Delete(object) => one(store.delete(&object)),
         watcher::Event::Init => {
             store.relist_begin();
             Step::Nothing
@@ -437,7 +444,7 @@ fn apply<K: Cached>(store: &mut ShardedStore<K>, event: watcher::Event<K>) -> St
             Step::Nothing
         }
         watcher::Event::InitDone => {
-            store.relist_done();
+            changed.extend(store.relist_done());
             Step::Listed
         }
     }
@@ -445,78 +452,105 @@ fn apply<K: Cached>(store: &mut ShardedStore<K>, event: watcher::Event<K>) -> St
 
 #[derive(Default)]
 struct Caches {
-    services: ShardedStore<Service>,
-    slices: ShardedStore<EndpointSlice>,
-    nodes: ShardedStore<Node>,
-    /// The parts of the last snapshot, one per shard.
-    parts: Vec<Arc<Objects>>,
-    nodes_published: Vec<Arc<Node>>,
+    services: Store<Service>,
+    slices: Store<EndpointSlice>,
+    nodes: Store<Node>,
 }
 
 impl Caches {
-    fn apply(&mut self, update: Update) -> Step {
+    /// Applies a watcher event; its changes go to `changes` when `handing_on`
+    /// (every cache listed once), else they stay in the cache only.
+    fn apply(&mut self, update: Update, changes: &mut Changes, handing_on: bool) -> Step {
         match update {
-            Update::Service(event) => apply(&mut self.services, *event),
-            Update::Slice(event) => apply(&mut self.slices, *event),
-            Update::Node(event) => apply(&mut self.nodes, *event),
+            Update::Service(event) => {
+                let mut changed = Vec::new();
+                let step = apply(&mut self.services, *event, &mut changed);
+                if handing_on {
+                    for (previous, current) in changed {
+                        let key = key_of(&previous, &current, |s| &s.metadata);
+                        changes.service(key, previous, current);
+                    }
+                }
+                step
+            }
+            Update::Slice(event) => {
+                let mut changed = Vec::new();
+                let step = apply(&mut self.slices, *event, &mut changed);
+                if handing_on {
+                    for (previous, current) in changed {
+                        let key = key_of(&previous, &current, |s| &s.metadata);
+                        changes.slice(key, previous, current);
+                    }
+                }
+                step
+            }
+            Update::Node(event) => {
+                let mut changed = Vec::new();
+                let step = apply(&mut self.nodes, *event, &mut changed);
+                if handing_on && !changed.is_empty() {
+                    changes.nodes = Some(self.all_nodes());
+                }
+                step
+            }
         }
     }
 
-    /// The next snapshot: the parts of the shards changed since the last one are
-    /// rebuilt, the rest shared. `None` when nothing changed since the last one.
-    fn snapshot(&mut self) -> Option<Objects> {
-        let first = self.parts.is_empty();
-        if first {
-            self.parts = (0..SHARDS).map(|_| Arc::new(Objects::default())).collect();
+    /// Everything cached, as changes from nothing: the first hand-on.
+    fn everything(&self) -> Changes {
+        let mut changes = Changes::default();
+        for service in self.services.all() {
+            changes.service(
+                ObjectKey::of(&service.metadata),
+                None,
+                Some(service.clone()),
+            );
         }
-        let mut dirty = self.services.take_dirty();
-        dirty.append(&mut self.slices.take_dirty());
-        let nodes_changed = !self.nodes.take_dirty().is_empty();
-        if !first && dirty.is_empty() && !nodes_changed {
-            return None;
+        for slice in self.slices.all() {
+            changes.slice(ObjectKey::of(&slice.metadata), None, Some(slice.clone()));
         }
-        for index in dirty {
-            self.parts[index] = Arc::new(Objects {
-                services: self.services.shard(index).cloned().collect(),
-                slices: self.slices.shard(index).cloned().collect(),
-                ..Objects::default()
-            });
-        }
-        if nodes_changed || first {
-            let mut nodes: Vec<Arc<Node>> = self.nodes.all().cloned().collect();
-            nodes.sort_by_cached_key(|n| n.name_any());
-            self.nodes_published = nodes;
-        }
-        Some(Objects {
-            nodes: self.nodes_published.clone(),
-            parts: self.parts.clone(),
-            ..Objects::default()
-        })
+        changes.nodes = Some(self.all_nodes());
+        changes
+    }
+
+    fn all_nodes(&self) -> Vec<Arc<Node>> {
+        let mut nodes: Vec<Arc<Node>> = self.nodes.all().cloned().collect();
+        nodes.sort_by_cached_key(|n| n.name_any());
+        nodes
     }
 }
 
-/// Drives the watchers and publishes snapshots until the receiver is gone.
-async fn follow(
-    mut events: stream::SelectAll<Events>,
-    tx: watch::Sender<Option<Arc<Objects>>>,
-    coalesce_max: Duration,
-) {
+/// The key of a changed object, from whichever side of the change is there.
+fn key_of<K>(
+    previous: &Option<Arc<K>>,
+    current: &Option<Arc<K>>,
+    meta: fn(&K) -> &Meta,
+) -> ObjectKey {
+    let object = current
+        .as_ref()
+        .or(previous.as_ref())
+        .expect("a change has one side");
+    ObjectKey::of(meta(object))
+}
+
+/// Drives the watchers and hands changes on until the consumer is gone.
+async fn follow(mut events: stream::SelectAll<Events>, tx: ChangeSender, coalesce_max: Duration) {
     let mut caches = Caches::default();
     let mut listed = [false; Kind::ALL.len()];
+    let mut handing_on = false;
     let mut coalescer = Coalescer::new(coalesce_max);
-    // Set while changes wait to be published: at once (`Now`), or at a time.
-    // Publishing at once must not go through a timer: tokio's timers round a
+    // Set while changes wait to be handed on: at once (`Now`), or at a time.
+    // Handing on at once must not go through a timer: tokio's timers round a
     // deadline up to the next millisecond tick, which held every change for about
     // a millisecond more (the API source's change p50 sat 1 ms above the file
     // source's in the bench).
     let mut due = Due::Never;
     loop {
-        let ready = listed.iter().all(|&l| l);
         tokio::select! {
-            // Events already queued go into the cache before a publish that is due.
+            // Events already queued go into the cache before a hand-on that is due.
             biased;
             event = events.next() => {
                 let Some(event) = event else { return };
+                let arrived = std::time::Instant::now();
                 let update = match event {
                     Ok(update) => update,
                     Err((kind, e)) => {
@@ -525,7 +559,8 @@ async fn follow(
                     }
                 };
                 let kind = update.kind();
-                match caches.apply(update) {
+                let mut changes = Changes::default();
+                match caches.apply(update, &mut changes, handing_on) {
                     Step::Nothing => continue,
                     Step::Changed => {}
                     Step::Listed => {
@@ -535,6 +570,25 @@ async fn follow(
                         listed[kind.index()] = true;
                     }
                 }
+                if !handing_on {
+                    // Nothing is handed on until every cache has listed once: the
+                    // first hand-on is everything.
+                    if !listed.iter().all(|&l| l) {
+                        continue;
+                    }
+                    handing_on = true;
+                    changes = caches.everything();
+                    changes.since = Some(arrived);
+                    tx.record(changes);
+                    due = Due::Now;
+                    continue;
+                }
+                if changes.is_empty() {
+                    debug!(?kind, "no change after relist; nothing handed on");
+                    continue;
+                }
+                changes.since = Some(arrived);
+                tx.record(changes);
                 let now = Instant::now();
                 coalescer.changed(now);
                 let at = coalescer.due(now);
@@ -544,15 +598,9 @@ async fn follow(
                     due = Due::At(Box::pin(tokio::time::sleep_until(at)));
                 }
             }
-            () = due.elapsed(), if ready && !matches!(due, Due::Never) => {
+            () = due.elapsed(), if !matches!(due, Due::Never) => {
                 due = Due::Never;
-                let Some(snapshot) = caches.snapshot() else {
-                    debug!("no change after relist; nothing published");
-                    continue;
-                };
-                if tx.send(Some(Arc::new(snapshot))).is_err() {
-                    return;
-                }
+                tx.publish();
                 coalescer.published(Instant::now());
             }
             () = tx.closed() => return,

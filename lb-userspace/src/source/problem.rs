@@ -207,6 +207,13 @@ pub enum Problem {
     InvalidSourceRange { value: String },
     #[error("frontend {frontend} is already used by Service {}, which keeps it; give one of them another cluster IP or port", Capped(.owner))]
     DuplicateFrontend { frontend: Frontend, owner: String },
+    #[error(
+        "is defined again in {}; the definition in {} (the first by file name, then \
+         document) is the one used; remove the other",
+        .file.display(),
+        .kept_in.display()
+    )]
+    DuplicateObject { file: PathBuf, kept_in: PathBuf },
 
     #[error("has no label kubernetes.io/service-name; add it to tie the slice to its Service")]
     MissingServiceName,

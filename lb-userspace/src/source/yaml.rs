@@ -57,15 +57,14 @@ impl FileError {
 }
 
 /// Load a file, or every `*.yaml`, `*.yml` and `*.json` file directly in a directory,
-/// in file name order so that "first one wins" rules are reproducible. Files that
-/// cannot be read are in `unreadable`; only a path that cannot be read at all is an
-/// error.
+/// in file name order; files that cannot be read are passed over. Only a path that
+/// cannot be read at all is an error.
+#[cfg(test)]
 pub fn load_path(path: &Path) -> Result<Objects, SourceError> {
     let mut objects = Objects::default();
     for file in manifest_files(path)? {
-        match file.and_then(|file| load_file(&file)) {
-            Ok(loaded) => objects.append(loaded),
-            Err(e) => objects.unreadable.push(e),
+        if let Ok(loaded) = file.and_then(|file| load_file(&file)) {
+            objects.append(loaded);
         }
     }
     Ok(objects)
@@ -239,7 +238,6 @@ impl Objects {
         self.slices.extend(other.slices);
         self.nodes.extend(other.nodes);
         self.errors.extend(other.errors);
-        self.unreadable.extend(other.unreadable);
     }
 }
 

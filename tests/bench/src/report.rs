@@ -210,7 +210,7 @@ one real endpoint (pod-a) so that every connection reaches the same server.\n\n"
     o += "\n";
 
     o += "## Control plane (S Services x 10 endpoints)\n\n";
-    o += "| datapath | S | program (s) | of which (agent log, ms) | EndpointSlice change → datapath (ms) | agent VmHWM (MiB) | rules (bytes) | how |\n|---|---|---|---|---|---|---|---|\n";
+    o += "| datapath | S | program (s) | of which (agent log, ms) | first EndpointSlice change after start → datapath (ms) | agent VmHWM when ready / at the end (MiB) | rules (bytes) | how |\n|---|---|---|---|---|---|---|---|\n";
     for c in &res.control {
         let _ = writeln!(
             o,
@@ -222,14 +222,17 @@ one real endpoint (pod-a) so that every connection reaches the same server.\n\n"
                 .unwrap_or("–".into()),
             phases(&c.agent_phases),
             c.change_ms.map(|v| format!("{v:.1}")).unwrap_or("–".into()),
-            c.agent_vmhwm_kib
-                .map(|v| format!("{:.1}", v as f64 / 1024.0))
-                .unwrap_or("–".into()),
+            match (c.agent_vmhwm_ready_kib, c.agent_vmhwm_kib) {
+                (Some(r), Some(e)) => format!("{:.1} / {:.1}", r as f64 / 1024.0, e as f64 / 1024.0),
+                (None, Some(e)) => format!("{:.1}", e as f64 / 1024.0),
+                _ => "–".into(),
+            },
             c.rules_bytes.map(|v| v.to_string()).unwrap_or("–".into()),
             c.note
         );
     }
-    o += "\nChange: the measured Service's only endpoint moves from pod-a to pod-b; a client \
+    o += "\nChange: the first change after the agent is ready (one sample; the distribution \
+          under churn is in the targets below); the measured Service's only endpoint moves from pod-a to pod-b; a client \
           connecting in a loop records the first answer from pod-b (CLOCK_MONOTONIC, shared by \
           all namespaces). For the peers the change is the partial sync kube-proxy would run \
           (`iptables-restore --noflush` of the rewritten chains; `nft -f` of the service chain); \
@@ -264,9 +267,11 @@ one real endpoint (pod-a) so that every connection reaches the same server.\n\n"
   cycles over 200 ms, `errors` failed ones).\n\
 - iptables mode pays for every KUBE-SERVICES rule it skips: the measured Service is last \
   (worst case); a random position averages half of that.\n\
-- The agent's EndpointSlice change time includes its manifest poll interval (200 ms), \
-  re-reading the changed file and rebuilding the desired state from all objects; an \
-  API-server watch would not poll.\n\
+- The file source follows the manifests through inotify, without polling: a change \
+  costs reading the changed file and deriving the Services whose objects it changed. \
+  The first-change column is one sample, taken right after the agent said it was \
+  ready; the distribution under churn (targets) is what the change targets are judged \
+  by.\n\
 - The agent's programming time includes loading the BPF programs (about 0.1 s, \
   overlapping the manifest parse) and attaching them (the S=1 row is the floor).\n\
 - The paired ratios are the figures to judge the ≤1.03x / ≥0.95x targets by: the \
@@ -318,30 +323,39 @@ fn verdict(ok: Option<bool>) -> &'static str {
 
 /// The target row of the change-latency distribution of `datapath`, if measured.
 fn change_row(res: &Results, datapath: &str, source: &str) -> String {
-    let changes: Vec<(usize, f64, f64, usize)> = res
+    let changes: Vec<&crate::run::ControlResult> = res
         .control
         .iter()
-        .filter(|c| c.datapath == datapath)
-        .filter_map(|c| {
-            Some((
-                c.services,
-                c.change_p50_ms?,
-                c.change_p99_ms?,
-                c.changes_measured,
-            ))
-        })
+        .filter(|c| c.datapath == datapath && c.change_p50_ms.is_some())
         .collect();
     if changes.is_empty() {
         return String::new();
     }
+    let ms = |v: Option<f64>| v.map_or("–".to_owned(), |v| format!("{v:.2} ms"));
     let shown = changes
         .iter()
-        .map(|(s, p50, p99, n)| format!("S={s}: p50 {p50:.2} ms, p99 {p99:.2} ms ({n} changes)"))
+        .map(|c| {
+            let slow: Vec<String> = c
+                .slow_changes
+                .iter()
+                .map(|(stage, n)| format!("{n} {stage}"))
+                .collect();
+            format!(
+                "S={}: p50 {}, p99 {}, p99.9 {}, max {} ({} changes; over 10 ms, by longest stage: {})",
+                c.services,
+                ms(c.change_p50_ms),
+                ms(c.change_p99_ms),
+                ms(c.change_p999_ms),
+                ms(c.change_max_ms),
+                c.changes_measured,
+                if slow.is_empty() { "none".to_owned() } else { slow.join(", ") },
+            )
+        })
         .collect::<Vec<_>>()
         .join("; ");
-    let met = changes
-        .iter()
-        .all(|(_, p50, p99, _)| *p50 < 2.0 && *p99 < 10.0);
+    let met = changes.iter().all(|c| {
+        c.change_p50_ms.is_some_and(|v| v < 2.0) && c.change_p99_ms.is_some_and(|v| v < 10.0)
+    });
     format!(
         "| one EndpointSlice change -> datapath p50 < 2 ms, p99 < 10 ms ({source}, {} changes/s of other Services meanwhile) | {shown} | {} |\n",
         crate::run::CHURN_PER_SEC,
@@ -527,10 +541,18 @@ fn targets(res: &Results) -> String {
             ))
         })
         .collect();
+    let ready_of = |d: &str, s: usize| {
+        res.control
+            .iter()
+            .find(|c| c.datapath == d && c.services == s)
+            .and_then(|c| c.agent_vmhwm_ready_kib)
+            .map(|k| format!("{:.0} MiB when ready, ", k as f64 / 1024.0))
+            .unwrap_or_default()
+    };
     if !rss.is_empty() {
         let shown = rss
             .iter()
-            .map(|(d, s, mib)| format!("{d} S={s}: {mib:.0} MiB"))
+            .map(|(d, s, mib)| format!("{d} S={s}: {}{mib:.0} MiB after the churn", ready_of(d, *s)))
             .collect::<Vec<_>>()
             .join("; ");
         let met = rss.iter().all(|(_, s, mib)| match s {
@@ -539,7 +561,7 @@ fn targets(res: &Results) -> String {
         });
         let _ = writeln!(
             o,
-            "| agent peak RSS (VmHWM) < 64 MiB at 10k x 10, < 400 MiB at 100k x 10 | {shown} | {} |",
+            "| agent peak RSS (VmHWM) < 64 MiB at 10k x 10, < 400 MiB at 100k x 10, when ready and after the churn | {shown} | {} |",
             verdict(Some(met))
         );
     }

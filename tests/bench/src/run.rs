@@ -39,9 +39,16 @@ use lb_tests::topology::{pod_ip, pod_ip6, pod_name, Topology, GATEWAY6, SERVICE_
 use lb_tests::util::unique_name;
 
 pub const ENDPOINTS_PER_SERVICE: usize = 10;
-/// Changes timed per scale for the change-latency distribution, and the churn of
-/// other Services meanwhile (the measurement: >= 200 changes under 50/s).
-pub const MEASURED_CHANGES: usize = 200;
+/// Changes timed per scale for the change-latency distribution (enough for a
+/// p99.9 where the targets are judged, 10k and up), and the churn of other
+/// Services meanwhile.
+pub fn measured_changes(s: usize) -> usize {
+    if s >= 10_000 {
+        1000
+    } else {
+        200
+    }
+}
 pub const CHURN_PER_SEC: u64 = 50;
 /// Services `churn.yaml` holds (each write moves one of them to another endpoint).
 const CHURN_SERVICES: u64 = 20;
@@ -118,7 +125,7 @@ pub struct Config {
     pub tc_path: bool,
     /// Only these datapaths (empty: all).
     pub only: Vec<String>,
-    /// Time MEASURED_CHANGES changes under churn (full runs; `--change-distribution`).
+    /// Time `measured_changes` changes under churn (full runs; `--change-distribution`).
     #[serde(default)]
     pub change_distribution: bool,
 }
@@ -238,8 +245,20 @@ pub struct ControlResult {
     #[serde(default)]
     pub change_p99_ms: Option<f64>,
     #[serde(default)]
+    pub change_p999_ms: Option<f64>,
+    #[serde(default)]
+    pub change_max_ms: Option<f64>,
+    #[serde(default)]
     pub changes_measured: usize,
+    /// The agent's `slow change` log lines (over 10 ms) during the distribution,
+    /// and the stage that took longest in each, counted.
+    #[serde(default)]
+    pub slow_changes: std::collections::BTreeMap<String, usize>,
+    /// Peak RSS at the end of the row (after the churn, when measured).
     pub agent_vmhwm_kib: Option<u64>,
+    /// Peak RSS read once the agent was ready.
+    #[serde(default)]
+    pub agent_vmhwm_ready_kib: Option<u64>,
     pub rules_bytes: Option<usize>,
     pub note: String,
     /// Where the agent's start went, from its own log (ms; `operations` is a count).
@@ -897,8 +916,12 @@ impl Env {
             change_ms,
             change_p50_ms: None,
             change_p99_ms: None,
+            change_p999_ms: None,
+            change_max_ms: None,
             changes_measured: 0,
+            slow_changes: Default::default(),
             agent_vmhwm_kib: None,
+            agent_vmhwm_ready_kib: None,
             rules_bytes: Some(rules.len()),
             note,
             agent_phases: Default::default(),
@@ -936,8 +959,12 @@ impl Env {
             change_ms: Some(change_ms),
             change_p50_ms: None,
             change_p99_ms: None,
+            change_p999_ms: None,
+            change_max_ms: None,
             changes_measured: 0,
+            slow_changes: Default::default(),
             agent_vmhwm_kib: None,
+            agent_vmhwm_ready_kib: None,
             rules_bytes: Some(rules.len()),
             note: "nft -f of the whole table (one transaction)".into(),
             agent_phases: Default::default(),
@@ -1024,7 +1051,7 @@ impl Env {
         Ok((agent, ready, pid))
     }
 
-    /// [`MEASURED_CHANGES`] changes of the measured Service's endpoint (pod-a and
+    /// [`measured_changes`] changes of the measured Service's endpoint (pod-a and
     /// pod-b in turn), each timed from just before its manifest write to the first
     /// connection that reaches the new backend, while a thread rewrites
     /// `churn.yaml` (other Services, one endpoint moved per write)
@@ -1052,7 +1079,8 @@ impl Env {
             .max(1);
         let period = Duration::from_micros(1_000_000 / rate);
         let stop = AtomicBool::new(false);
-        let mut samples = Vec::with_capacity(MEASURED_CHANGES);
+        let count = measured_changes(s);
+        let mut samples = Vec::with_capacity(count);
         let (measured, writes) = std::thread::scope(|scope| {
             // Written as every manifest of the bench is (staged, then renamed in).
             let churn = scope.spawn(|| -> Result<u64> {
@@ -1066,7 +1094,7 @@ impl Env {
                 Ok(writes)
             });
             let measured = (|| -> Result<()> {
-                for k in 0..MEASURED_CHANGES {
+                for k in 0..count {
                     lb_tests::interrupt::check()?;
                     let target = if k % 2 == 0 { 1 } else { 0 };
                     let ms = self.change_latency_until(ns, true, to, &pod_name(target), || {
@@ -1096,6 +1124,7 @@ impl Env {
         let _ = peers_too;
         self.write_manifests(s)?;
         let (agent, listed, pid) = self.start_agent(s, false)?;
+        let ready_kib = vm_hwm_kib(pid);
         println!("  socket-lb  S={s:<6} agent programmed in {listed:.2} s");
         let to = self.vip_addr(s);
         let bulk = SocketAddr::new(vip(s - 1).into(), SVC_PORT + 1);
@@ -1133,6 +1162,7 @@ impl Env {
             "socket-lb",
             s,
             (&agent, listed, pid),
+            ready_kib,
             change_ms,
             &distribution,
             "agent start (load, parse, sync, attach) until it logs `ready and serving`, then checked with `lb services --json`; change = manifest file rewrite (inotify)",
@@ -1167,6 +1197,7 @@ impl Env {
             loading.elapsed().as_secs_f64()
         );
         let (agent, listed, pid) = self.start_agent_from(s, false, Some(api.kubeconfig()))?;
+        let ready_kib = vm_hwm_kib(pid);
         println!("  socket-lb-api S={s:<6} agent listed and programmed in {listed:.2} s");
         let to = self.vip_addr(s);
         let ns = self.topo.client().netns();
@@ -1192,6 +1223,7 @@ impl Env {
             "socket-lb-api",
             s,
             (&agent, listed, pid),
+            ready_kib,
             change_ms,
             &distribution,
             "agent start until `ready and serving` (BPF load, list of S Services and S slices from the fake API server in pages of 500, sync, attach); change = one EndpointSlice written to the fake API server (watch event)",
@@ -1238,8 +1270,12 @@ impl Env {
             change_ms: None,
             change_p50_ms: None,
             change_p99_ms: None,
+            change_p999_ms: None,
+            change_max_ms: None,
             changes_measured: 0,
+            slow_changes: Default::default(),
             agent_vmhwm_kib: vm_hwm_kib(pid),
+            agent_vmhwm_ready_kib: None,
             rules_bytes: None,
             note: "agent in the node namespace, devices and addresses found by the agent (no interface flags)".into(),
             agent_phases: agent_phases(&agent.log()),
@@ -1257,6 +1293,7 @@ fn control_row(
     datapath: &str,
     s: usize,
     started: (&Agent, f64, u64),
+    ready_kib: Option<u64>,
     change_ms: f64,
     distribution: &[f64],
     note: &str,
@@ -1264,9 +1301,11 @@ fn control_row(
     let (agent, listed, pid) = started;
     let quantile =
         |q: f64| (!distribution.is_empty()).then(|| crate::netio::percentile(distribution, q));
-    if let (Some(p50), Some(p99)) = (quantile(0.5), quantile(0.99)) {
+    let slow_changes = slow_changes(&agent.log());
+    if let (Some(p50), Some(p99), Some(p999)) = (quantile(0.5), quantile(0.99), quantile(0.999)) {
         println!(
-            "  {datapath:<10} S={s:<6} change -> datapath: p50 {p50:.2} ms, p99 {p99:.2} ms ({} changes)",
+            "  {datapath:<10} S={s:<6} change -> datapath: p50 {p50:.2} ms, p99 {p99:.2} ms, p99.9 {p999:.2} ms, max {:.2} ms ({} changes); slow changes by stage: {slow_changes:?}",
+            distribution.last().copied().unwrap_or_default(),
             distribution.len()
         );
     }
@@ -1278,12 +1317,37 @@ fn control_row(
         change_ms: Some(change_ms),
         change_p50_ms: quantile(0.5),
         change_p99_ms: quantile(0.99),
+        change_p999_ms: quantile(0.999),
+        change_max_ms: distribution.last().copied(),
         changes_measured: distribution.len(),
+        slow_changes,
         agent_vmhwm_kib: vm_hwm_kib(pid),
+        agent_vmhwm_ready_kib: ready_kib,
         rules_bytes: None,
         note: note.into(),
         agent_phases: agent_phases(&agent.log()),
     }
+}
+
+/// The agent's `slow change` lines, counted by the stage that took longest in
+/// each (`queued`: between reaching the source and being taken by the agent's
+/// loop, which includes reading the file; `derive`, `ranges`, `write`, `record`).
+fn slow_changes(log: &[String]) -> std::collections::BTreeMap<String, usize> {
+    let mut by_stage = std::collections::BTreeMap::new();
+    for line in log.iter().filter(|l| l.contains("slow change")) {
+        let stage = ["queued_us", "derive_us", "ranges_us", "write_us", "record_us"]
+            .iter()
+            .filter_map(|field| {
+                let at = line.find(&format!("{field}="))? + field.len() + 1;
+                let digits: String = line[at..].chars().take_while(char::is_ascii_digit).collect();
+                Some((digits.parse::<u64>().ok()?, field.trim_end_matches("_us")))
+            })
+            .max();
+        if let Some((_, stage)) = stage {
+            *by_stage.entry(stage.to_owned()).or_default() += 1;
+        }
+    }
+    by_stage
 }
 
 /// With LB_BENCH_SHOW_CHANGES set, prints the agent's log lines about its syncs

@@ -1,4 +1,3 @@
-
 use super::*;
 use crate::source::yaml::parse_str;
 use std::path::Path;

@@ -1,0 +1,153 @@
+//! The loop: every event becomes at most one change. Objects from the source,
+//! the node's devices and addresses, the conntrack collector, the consistency check
+//! and the retry of a refused write each wait in one `select!`.
+
+use std::time::Duration;
+
+use tokio::time::{interval, interval_at, Instant, MissedTickBehavior};
+use tracing::{debug, info, warn};
+
+use super::change::Cause;
+use super::node_objects::served_addresses;
+use super::start::{Agent, Inputs};
+use super::AgentError;
+use crate::datapath::conntrack;
+use crate::datapath::maps::{MapsError, PinnedMaps};
+
+/// How long to wait before retrying a service table the kernel refused.
+const RETRY_INTERVAL: Duration = Duration::from_secs(1);
+
+/// What woke the loop, when it needs a change.
+enum Wake {
+    Changes(crate::source::changes::Changes),
+    Resync,
+    Stop,
+}
+
+/// Runs the loop until a signal, the source's end, or a fatal error; hands the
+/// agent back for [`Agent::stop`].
+pub(super) async fn follow(
+    (mut agent, mut inputs): (Agent, Inputs),
+) -> (Agent, Result<(), AgentError>) {
+    let mut sigterm = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+    {
+        Ok(s) => s,
+        Err(e) => return (agent, Err(AgentError::Signal(e))),
+    };
+    let mut gc = interval(agent.config.ct_gc_interval);
+    gc.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let every = agent.config.consistency_interval;
+    let mut consistency = interval_at(Instant::now() + every, every);
+    consistency.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut net_followed = true;
+    let mut retry = false;
+    loop {
+        let wake = tokio::select! {
+            _ = gc.tick() => {
+                collect(&mut agent.maps, &agent.config.ct_timeouts);
+                continue;
+            }
+            _ = consistency.tick(), if agent.attached => {
+                match agent.check_consistency() {
+                    true => continue,
+                    false => Wake::Resync,
+                }
+            }
+            changes = inputs.objects.next() => match changes {
+                Some(changes) => Wake::Changes(changes),
+                None => Wake::Stop,
+            },
+            changed = inputs.node_net.changed(), if net_followed => {
+                if changed.is_err() {
+                    // The watcher logged why; what is attached stays attached.
+                    net_followed = false;
+                    continue;
+                }
+                agent.net = inputs.node_net.borrow_and_update().clone();
+                if agent.attached {
+                    agent.sync_devices();
+                }
+                // Only a change of the served addresses needs a new table.
+                let served = served_addresses(&agent.net, &agent.config, &agent.nodes);
+                if served == agent.index.options().node_ips {
+                    continue;
+                }
+                info!(addresses = ?served, "node addresses changed");
+                Wake::Resync
+            }
+            _ = tokio::time::sleep(RETRY_INTERVAL), if retry => Wake::Resync,
+            _ = tokio::signal::ctrl_c() => Wake::Stop,
+            _ = sigterm.recv() => Wake::Stop,
+        };
+        let outcome = match wake {
+            Wake::Changes(changes) => agent.apply(Some(changes), Cause::Objects).await,
+            Wake::Resync => agent.apply(None, Cause::Resync).await,
+            Wake::Stop => break,
+        };
+        match outcome {
+            Ok(failed) => retry = failed,
+            Err(e) => return (agent, Err(e.into())),
+        }
+    }
+    (agent, Ok(()))
+}
+
+impl Agent {
+    /// The agent plans against what it remembers writing; an entry changed behind
+    /// its back (bpftool, another tool, a bug) would stay wrong until the Service
+    /// changed. Compares, and on a difference forgets the memory so the next change
+    /// reads the kernel's table. False when a repair is due.
+    fn check_consistency(&mut self) -> bool {
+        let Some(known) = &self.known_table else {
+            return true;
+        };
+        match self.maps.holds(known.snapshot()) {
+            Ok(true) => true,
+            Ok(false) => {
+                warn!(
+                    "the service table in the kernel differs from what this agent wrote; repairing"
+                );
+                self.status.record_drift_repair();
+                self.known_table = None;
+                false
+            }
+            Err(e) => {
+                warn!("consistency check could not read the maps: {e}");
+                true
+            }
+        }
+    }
+}
+
+fn collect(maps: &mut PinnedMaps, timeouts: &conntrack::Timeouts) {
+    match collect_idle_flows(maps, timeouts) {
+        Ok(0) => {}
+        Ok(n) => debug!(entries = n, "conntrack entries expired"),
+        Err(e) => warn!("conntrack garbage collection failed: {e}"),
+    }
+}
+
+/// Deletes the entries of flows idle past their timeout. An entry is re-read just
+/// before its deletion and kept if a packet touched it since the scan, so a flow
+/// that came back to life at the last moment keeps its backend.
+fn collect_idle_flows(
+    maps: &mut PinnedMaps,
+    timeouts: &conntrack::Timeouts,
+) -> Result<usize, MapsError> {
+    let entries = maps.conntrack()?;
+    let idle = conntrack::expired(&entries, conntrack::monotonic_now_ns(), timeouts);
+    drop(entries);
+    let mut removed = 0;
+    for (key, seen) in idle {
+        let Some(current) = maps.conntrack_entry(&key)? else {
+            continue;
+        };
+        // Seen again since it was read: the flow is alive.
+        if current.last_seen_ns != seen {
+            continue;
+        }
+        maps.remove_conntrack(&key)?;
+        removed += 1;
+    }
+    Ok(removed)
+}
