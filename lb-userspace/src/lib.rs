@@ -5,6 +5,7 @@ pub mod agent;
 pub mod codec;
 pub mod conntrack;
 pub mod loader;
+pub mod maglev;
 pub mod maps;
 pub mod model;
 pub mod netlink;
