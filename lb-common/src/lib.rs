@@ -16,6 +16,8 @@
 //! master that counts them, so a reader never sees a count larger than the slots present.
 #![no_std]
 
+pub mod maglev;
+
 /// Bumped whenever a map's key or value layout changes. Maps are pinned under
 /// `<pin-dir>/v<PIN_LAYOUT_VERSION>/` so an agent never reuses a map with another layout.
 pub const PIN_LAYOUT_VERSION: u32 = 4;

@@ -8,6 +8,7 @@ pub mod ids;
 pub mod index;
 pub mod interpret;
 pub mod known;
+pub mod maglev;
 pub mod options;
 pub mod plan;
 pub mod topology;

@@ -223,7 +223,8 @@ one real endpoint (pod-a) so that every connection reaches the same server.\n\n"
             phases(&c.agent_phases),
             c.change_ms.map(|v| format!("{v:.1}")).unwrap_or("–".into()),
             match (c.agent_vmhwm_ready_kib, c.agent_vmhwm_kib) {
-                (Some(r), Some(e)) => format!("{:.1} / {:.1}", r as f64 / 1024.0, e as f64 / 1024.0),
+                (Some(r), Some(e)) =>
+                    format!("{:.1} / {:.1}", r as f64 / 1024.0, e as f64 / 1024.0),
                 (None, Some(e)) => format!("{:.1}", e as f64 / 1024.0),
                 _ => "–".into(),
             },
@@ -552,7 +553,9 @@ fn targets(res: &Results) -> String {
     if !rss.is_empty() {
         let shown = rss
             .iter()
-            .map(|(d, s, mib)| format!("{d} S={s}: {}{mib:.0} MiB after the churn", ready_of(d, *s)))
+            .map(|(d, s, mib)| {
+                format!("{d} S={s}: {}{mib:.0} MiB after the churn", ready_of(d, *s))
+            })
             .collect::<Vec<_>>()
             .join("; ");
         let met = rss.iter().all(|(_, s, mib)| match s {

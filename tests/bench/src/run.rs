@@ -1335,14 +1335,23 @@ fn control_row(
 fn slow_changes(log: &[String]) -> std::collections::BTreeMap<String, usize> {
     let mut by_stage = std::collections::BTreeMap::new();
     for line in log.iter().filter(|l| l.contains("slow change")) {
-        let stage = ["queued_us", "derive_us", "ranges_us", "write_us", "record_us"]
-            .iter()
-            .filter_map(|field| {
-                let at = line.find(&format!("{field}="))? + field.len() + 1;
-                let digits: String = line[at..].chars().take_while(char::is_ascii_digit).collect();
-                Some((digits.parse::<u64>().ok()?, field.trim_end_matches("_us")))
-            })
-            .max();
+        let stage = [
+            "queued_us",
+            "derive_us",
+            "ranges_us",
+            "write_us",
+            "record_us",
+        ]
+        .iter()
+        .filter_map(|field| {
+            let at = line.find(&format!("{field}="))? + field.len() + 1;
+            let digits: String = line[at..]
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            Some((digits.parse::<u64>().ok()?, field.trim_end_matches("_us")))
+        })
+        .max();
         if let Some((_, stage)) = stage {
             *by_stage.entry(stage.to_owned()).or_default() += 1;
         }
