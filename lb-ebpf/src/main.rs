@@ -30,6 +30,7 @@ mod sock_lb;
 mod source_ranges;
 mod stats;
 mod tc_lb;
+mod verdict;
 
 use aya_ebpf::{
     macros::{cgroup_sock_addr, classifier},

@@ -15,9 +15,8 @@ use crate::{
     nat::{self, Tuple},
     packet::{self, Flow, Parsed},
     reject, select, source_ranges, stats,
+    verdict::{TC_ACT_OK, TC_ACT_SHOT},
 };
-
-pub use aya_ebpf::bindings::{TC_ACT_OK, TC_ACT_SHOT};
 
 /// Source ports for SNAT when the client's own port is taken on the backend side.
 const SNAT_PORT_MIN: u32 = 32_768;
