@@ -7,15 +7,18 @@
 //!
 //! Entry points stay thin. Socket hooks: `sock` (context access), `sock_lb`
 //! (translation). Per-packet path: `packet` (parsing), `ct` (conntrack), `nat`
-//! (rewrite + checksums), `frag` (later fragments follow their first), `source_ranges` (loadBalancerSourceRanges), `tc_lb` (the
-//! flow logic). Shared: `select` (frontend
+//! (rewrite + checksums), `frag` (later fragments follow their first), `source_ranges` (loadBalancerSourceRanges), `flow` (a
+//! new flow's frontend, backend and conntrack entries), `tc_lb` (TC's entry
+//! flow), `access` (reading and writing the packet). Shared: `select` (frontend
 //! lookup, backend choice, affinity), `stats`.
 #![no_std]
 #![no_main]
 
+mod access;
 mod csum;
 mod ct;
 mod fib;
+mod flow;
 mod frag;
 mod hdr;
 mod icmp;
