@@ -115,6 +115,19 @@ pub fn source_towards<P: Packet>(
     (source != 0).then_some(IpAddrBe::from_v4(source))
 }
 
+/// Whether the packet may be forwarded: its TTL (hop limit) outlives this hop.
+#[inline(always)]
+pub fn hops_left<P: Packet>(ctx: &P, v6: bool) -> bool {
+    // Read with the byte beside it (see `Packet::read`): TTL and protocol, next
+    // header and hop limit.
+    let hops = if v6 {
+        ctx.read::<[u8; 2]>(IP6_NEXT_HDR_OFF).map(|[_, hops]| hops)
+    } else {
+        ctx.read::<[u8; 2]>(IP_TTL_OFF).map(|[ttl, _]| ttl)
+    };
+    hops.is_ok_and(|hops| hops > 1)
+}
+
 /// Decrements the TTL (IPv4, with its header checksum) or the hop limit (IPv6,
 /// which has none); `None` when it would expire, or a write failed.
 #[inline(always)]

@@ -54,6 +54,9 @@ pub struct Flow {
     pub tcp_flags: u8,
     /// Offset of the L4 header from the start of the frame.
     pub l4_off: usize,
+    /// Length of the IP packet (IPv4 total length, or the IPv6 header and its
+    /// payload), capped at 65535: what a route's MTU is checked against.
+    pub ip_len: u16,
     /// The identification (IPv4's 16 bits, zero-extended, or the IPv6 Fragment
     /// header's 32, network byte order) when the packet is the first fragment of a
     /// datagram: its translation must be remembered for the rest.
@@ -80,6 +83,14 @@ impl Flow {
             off: self.l4_csum_off(),
             udp: self.proto == IPPROTO_UDP,
         }
+    }
+
+    /// Where TCP/UDP sits right behind a fixed IP header: no IPv4 options, no IPv6
+    /// extension header in between.
+    #[inline(always)]
+    pub fn has_plain_ip_header(&self) -> bool {
+        let fixed = if self.v6 { IPV6_HLEN } else { IPV4_MIN_HLEN };
+        self.l4_off == ETH_HLEN + fixed
     }
 }
 
@@ -200,6 +211,7 @@ fn try_parse<P: Packet>(ctx: &P) -> Result<Parsed, ()> {
         proto,
         tcp_flags,
         l4_off,
+        ip_len: total_len as u16,
         first_fragment_id: fragmented.then_some(id),
         v6: false,
     }))
@@ -300,6 +312,7 @@ fn try_parse6<P: Packet>(ctx: &P, packet_len: usize) -> Result<Parsed, ()> {
         proto: next,
         tcp_flags,
         l4_off: off,
+        ip_len: (end - ETH_HLEN).min(u16::MAX as usize) as u16,
         first_fragment_id: fragment.filter(|f| f.1).map(|f| f.0),
         v6: true,
     }))
@@ -446,6 +459,7 @@ fn parse_icmp_error<P: Packet>(
         proto: inner_proto,
         tcp_flags: 0,
         l4_off: inner_l4_off,
+        ip_len: 0,
         first_fragment_id: None,
         v6: false,
     };

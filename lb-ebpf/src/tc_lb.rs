@@ -2,16 +2,16 @@
 //! first packet of a flow to a frontend, conntrack for the rest, reverse NAT for the
 //! replies. On node-facing devices with the external scope, on pod-facing ones
 //! with the internal scope, so a reply is translated where it enters the node. The
-//! flow logic is `flow.rs`; what is TC's own is here: fragments, ICMP errors, the
-//! rejects, and routing with `bpf_redirect_neigh`.
+//! flow logic is `flow.rs`, shared with XDP; what is TC's own is here: fragments,
+//! ICMP errors, the rejects, and routing with `bpf_redirect_neigh`.
 
 use aya_ebpf::programs::TcContext;
-use lb_common::{stat, IPPROTO_TCP};
+use lb_common::{stat, IPPROTO_TCP, SCOPE_EXTERNAL};
 
 use crate::{
     ct, fib,
     flow::{self, Refusal},
-    frag, icmp, icmp6,
+    frag, icmp, icmp6, mark,
     nat::{self, Tuple},
     packet::{self, Flow, Parsed},
     reject, stats,
@@ -20,6 +20,12 @@ use crate::{
 
 #[inline(always)]
 pub fn handle(ctx: &TcContext, scope: u8) -> i32 {
+    // XDP runs on node-facing devices only, before us: what it translated and
+    // handed to the stack is done.
+    if scope == SCOPE_EXTERNAL && mark::is_marked(ctx) {
+        stats::bump(stat::TC_XDP_MARKED);
+        return TC_ACT_OK;
+    }
     let flow = match packet::parse(ctx) {
         Parsed::Flow(flow) => flow,
         Parsed::Ignored => return TC_ACT_OK,
