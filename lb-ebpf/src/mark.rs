@@ -7,10 +7,11 @@
 
 use core::mem::size_of;
 
-use aya_ebpf::{helpers::generated::bpf_xdp_adjust_meta, programs::TcContext};
+use aya_ebpf::{
+    helpers::generated::bpf_xdp_adjust_meta,
+    programs::{TcContext, XdpContext},
+};
 use lb_common::{XdpMark, XDP_MARK_MAGIC};
-
-use aya_ebpf::programs::XdpContext;
 
 const MARK_LEN: usize = size_of::<XdpMark>();
 
