@@ -20,7 +20,7 @@ pub mod maglev;
 
 /// Bumped whenever a map's key or value layout changes. Maps are pinned under
 /// `<pin-dir>/v<PIN_LAYOUT_VERSION>/` so an agent never reuses a map with another layout.
-pub const PIN_LAYOUT_VERSION: u32 = 4;
+pub const PIN_LAYOUT_VERSION: u32 = 5;
 
 /// Map names, as the kernel object defines them and as they are pinned.
 pub mod map_names {
@@ -34,8 +34,11 @@ pub mod map_names {
     pub const ATTACHMENTS: &str = "LB_ATTACHMENTS";
     pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGES";
     pub const FRAG: &str = "LB_FRAG";
+    /// The devices `lb_xdp` may redirect to (a DEVMAP_HASH keyed by ifindex; see
+    /// [`crate::XDP_DEVMAP_MAX`]).
+    pub const XDP_DEVMAP: &str = "LB_XDP_DEVMAP";
     /// Every map the agent pins.
-    pub const ALL: [&str; 10] = [
+    pub const ALL: [&str; 11] = [
         SERVICES,
         BACKENDS,
         SOCK_REVNAT,
@@ -46,6 +49,7 @@ pub mod map_names {
         ATTACHMENTS,
         SOURCE_RANGES,
         FRAG,
+        XDP_DEVMAP,
     ];
 }
 
@@ -74,6 +78,9 @@ pub mod program_names {
     pub const TC_EXTERNAL: &str = "lb_tc_external";
     /// TC ingress on pod-facing devices.
     pub const TC_INTERNAL: &str = "lb_tc_internal";
+    /// XDP on node-facing devices (section `xdp.frags`: loaded with
+    /// `BPF_F_XDP_HAS_FRAGS`, so it also runs on multi-buffer frames).
+    pub const XDP: &str = "lb_xdp";
 }
 
 /// IANA protocol numbers as `bpf_sock_addr.protocol` reports them.
@@ -492,6 +499,29 @@ const _: () = assert!(core::mem::size_of::<SourceRangeKey>() == 20);
 /// Bits of `SourceRangeKey::rev_nat_id`, before the address in the prefix length.
 pub const SOURCE_RANGE_PREFIX_BASE: u32 = 32;
 
+/// Entries of `LB_XDP_DEVMAP`: the node-facing devices with `lb_xdp` attached, the
+/// only ones it redirects to. The key is the ifindex; the value is the kernel's
+/// `struct bpf_devmap_val` with `ifindex` equal to the key and no program.
+pub const XDP_DEVMAP_MAX: u32 = 1024;
+
+/// The XDP metadata (`bpf_xdp_adjust_meta`) `lb_xdp` puts in front of a packet it
+/// translated and hands to the stack (`XDP_PASS`): `lb_tc_external` on the same
+/// device finds it at `skb->data_meta` and lets the packet pass without parsing or
+/// looking it up again. Only XDP programs write metadata, so a packet from the wire
+/// cannot carry it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct XdpMark {
+    /// [`XDP_MARK_MAGIC`], native byte order (written and read on the same host).
+    pub magic: u32,
+}
+const _: () = assert!(core::mem::size_of::<XdpMark>() == 4);
+
+/// `XdpMark::magic`: "lb" translated this packet (the bytes `LBX1` as a
+/// little-endian word); any other value is not lb's mark.
+pub const XDP_MARK_MAGIC: u32 = u32::from_le_bytes(*b"LBX1");
+
 /// Longest interface name the kernel allows, with its NUL (`IFNAMSIZ`).
 pub const IFNAMSIZ: usize = 16;
 
@@ -557,9 +587,9 @@ pub mod stat {
     pub const TC_CT_HIT: u32 = 7;
     /// TC: packet to a frontend without usable backend, answered with a reject.
     pub const TC_NO_BACKEND: u32 = 8;
-    /// TC: conntrack entry could not be created; the packet was dropped.
+    /// A conntrack entry could not be created (TC or XDP); the packet was dropped.
     pub const TC_CT_FULL: u32 = 9;
-    /// TC: no free source port for SNAT to a remote backend; dropped.
+    /// No free source port for SNAT to a remote backend (TC or XDP); dropped.
     pub const TC_SNAT_EXHAUSTED: u32 = 10;
     /// TC: headers could not be parsed or rewritten (truncated, bad lengths); passed on.
     pub const TC_MALFORMED: u32 = 11;
@@ -567,15 +597,63 @@ pub mod stat {
     /// translated here (another flow, or it has not arrived yet); passed on
     /// untranslated. Later fragments of translated datagrams count as `TC_CT_HIT`.
     pub const TC_FRAGMENT: u32 = 12;
-    /// TC: new flow to a LoadBalancer IP from outside its `loadBalancerSourceRanges`;
-    /// dropped.
+    /// New flow to a LoadBalancer IP from outside its `loadBalancerSourceRanges`;
+    /// dropped (by TC, or by XDP, which also counts `XDP_DROP_SOURCE_RANGE`).
     pub const TC_SOURCE_RANGE_DROP: u32 = 13;
     /// TC: an IPv6 packet whose extension headers were not followed to a TCP/UDP
     /// header (ESP, an unknown header, or more than the program walks); passed on
     /// untouched.
     pub const TC_IPV6_EXT_UNHANDLED: u32 = 14;
+    /// TC: a packet `lb_xdp` already translated (its `XdpMark` in the metadata),
+    /// passed on without a second look.
+    pub const TC_XDP_MARKED: u32 = 15;
+    /// XDP: first packet of a flow translated, conntrack entries created (as TC's
+    /// `TC_NEW_FLOW`; the packet also counts under its verdict below).
+    pub const XDP_NEW_FLOW: u32 = 16;
+    /// XDP: translated and sent back out of the device it came in on (`XDP_TX`).
+    pub const XDP_TX: u32 = 17;
+    /// XDP: translated and redirected to another device of `LB_XDP_DEVMAP`.
+    pub const XDP_REDIRECT: u32 = 18;
+    /// XDP: translated for a destination the stack delivers (a local backend; a
+    /// remote one without SNAT), marked (`XdpMark`) and passed (`XDP_PASS`).
+    pub const XDP_PASS_LOCAL: u32 = 19;
+    /// XDP, passed untouched to TC: an IP fragment (first or later).
+    pub const XDP_PASS_FRAGMENT: u32 = 20;
+    /// XDP, passed untouched to TC: an IPv4 header with options (IHL > 5).
+    pub const XDP_PASS_IP_OPTIONS: u32 = 21;
+    /// XDP, passed untouched to TC: IPv6 with extension headers.
+    pub const XDP_PASS_IPV6_EXT: u32 = 22;
+    /// XDP, passed untouched to TC: an ICMP or ICMPv6 error (TC translates those
+    /// of known flows).
+    pub const XDP_PASS_ICMP_ERROR: u32 = 23;
+    /// XDP, passed untouched to TC: headers that do not add up, or lie past the
+    /// frame's first buffer (TC counts the malformed ones as `TC_MALFORMED`).
+    pub const XDP_PASS_MALFORMED: u32 = 24;
+    /// XDP, passed untouched to TC: a new flow to a frontend without a usable
+    /// backend (TC answers it with a RST or an ICMP unreachable).
+    pub const XDP_PASS_NO_BACKEND: u32 = 25;
+    /// XDP, passed untouched to TC: TTL (hop limit) would expire here.
+    pub const XDP_PASS_TTL: u32 = 26;
+    /// XDP, passed untouched to TC: the next hop has no neighbour entry yet
+    /// (`BPF_FIB_LKUP_RET_NO_NEIGH`); TC resolves it (`bpf_redirect_neigh`).
+    pub const XDP_PASS_NO_NEIGH: u32 = 27;
+    /// XDP, passed untouched to TC: any other FIB answer than success (no route,
+    /// forwarding disabled, MTU exceeded, ...).
+    pub const XDP_PASS_FIB: u32 = 28;
+    /// XDP, passed untouched to TC: the egress device is another one and not in
+    /// `LB_XDP_DEVMAP`.
+    pub const XDP_PASS_NO_DEVMAP: u32 = 29;
+    /// XDP: new flow from outside `loadBalancerSourceRanges`; dropped (also
+    /// counted as `TC_SOURCE_RANGE_DROP` and per frontend).
+    pub const XDP_DROP_SOURCE_RANGE: u32 = 30;
+    /// XDP: no conntrack entry or SNAT port could be had (`TC_CT_FULL`,
+    /// `TC_SNAT_EXHAUSTED` say which); dropped, as TC drops it.
+    pub const XDP_DROP_CONNTRACK: u32 = 31;
+    /// XDP: a packet being rewritten could not be finished or sent (a failed
+    /// write, or its egress device left `LB_XDP_DEVMAP` meanwhile); dropped.
+    pub const XDP_DROP_FAILED: u32 = 32;
     /// Number of counters.
-    pub const COUNT: u32 = 15;
+    pub const COUNT: u32 = 33;
     /// Human names, indexed like the constants.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -593,6 +671,24 @@ pub mod stat {
         "tc_fragment",
         "tc_source_range_drop",
         "tc_ipv6_ext_unhandled",
+        "tc_xdp_marked",
+        "xdp_new_flow",
+        "xdp_tx",
+        "xdp_redirect",
+        "xdp_pass_local",
+        "xdp_pass_fragment",
+        "xdp_pass_ip_options",
+        "xdp_pass_ipv6_ext",
+        "xdp_pass_icmp_error",
+        "xdp_pass_malformed",
+        "xdp_pass_no_backend",
+        "xdp_pass_ttl",
+        "xdp_pass_no_neigh",
+        "xdp_pass_fib",
+        "xdp_pass_no_devmap",
+        "xdp_drop_source_range",
+        "xdp_drop_conntrack",
+        "xdp_drop_failed",
     ];
 }
 
@@ -615,4 +711,5 @@ mod user {
     unsafe impl aya::Pod for SourceRangeKey {}
     unsafe impl aya::Pod for FragKey {}
     unsafe impl aya::Pod for FragValue {}
+    unsafe impl aya::Pod for XdpMark {}
 }

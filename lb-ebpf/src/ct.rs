@@ -40,6 +40,7 @@ pub fn key_of_tuple(t: &Tuple, proto: u8) -> CtKey {
 
 #[inline(always)]
 pub fn now() -> u64 {
+    // SAFETY: a plain helper without arguments.
     unsafe { bpf_ktime_get_ns() }
 }
 

@@ -18,7 +18,7 @@ use crate::{
     nat::{self, Tuple},
     packet::{Flow, Fragment},
     stats,
-    tc_lb::{TC_ACT_OK, TC_ACT_SHOT},
+    verdict::{TC_ACT_OK, TC_ACT_SHOT},
 };
 
 #[inline(always)]

@@ -4,10 +4,7 @@
 //! packet and the outer header are rewritten as the reply direction of the flow
 //! would be, or the client's stack could not match the error to its socket.
 
-use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT},
-    programs::TcContext,
-};
+use aya_ebpf::programs::TcContext;
 use lb_common::{stat, CtKey, IpAddrBe, CT_DIR_REPLY};
 
 use crate::{
@@ -15,6 +12,7 @@ use crate::{
     maps::LB_CT,
     packet::{IcmpError, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF},
     stats,
+    verdict::{TC_ACT_OK, TC_ACT_SHOT},
 };
 
 /// Stores through which skb->csum (CHECKSUM_COMPLETE) stays right.

@@ -25,8 +25,8 @@ use crate::{
     maps::LB_CT,
     packet::{ICMP6_OFF, IP6_DST_OFF, IP6_PAYLOAD_LEN_OFF, IP6_SRC_OFF},
     stats,
+    verdict::{TC_ACT_OK, TC_ACT_SHOT},
 };
-use aya_ebpf::bindings::{TC_ACT_OK, TC_ACT_SHOT};
 use lb_common::stat;
 
 /// Stores through which skb->csum (CHECKSUM_COMPLETE) stays right.

@@ -1,26 +1,35 @@
 //! Kernel side of the load balancer: cgroup socket hooks that translate a Service VIP
-//! to a backend once per socket (so those packets never need NAT), and a TC
-//! per-packet path for traffic no socket hook sees (NodePort, LoadBalancer IPs,
-//! externalIPs, pods outside the hooked cgroup): DNAT, SNAT, conntrack, reverse NAT.
+//! to a backend once per socket (so those packets never need NAT), and a per-packet
+//! path for traffic no socket hook sees (NodePort, LoadBalancer IPs, externalIPs,
+//! pods outside the hooked cgroup): DNAT, SNAT, conntrack, reverse NAT, at TC, and
+//! for the external scope also at XDP, in front of TC.
 //!
 //! Both families share the maps (IPv4 addresses stored IPv4-mapped, see `lb_common`).
 //!
 //! Entry points stay thin. Socket hooks: `sock` (context access), `sock_lb`
-//! (translation). Per-packet path: `packet` (parsing), `ct` (conntrack), `nat`
-//! (rewrite + checksums), `frag` (later fragments follow their first), `source_ranges` (loadBalancerSourceRanges), `tc_lb` (the
-//! flow logic). Shared: `select` (frontend
-//! lookup, backend choice, affinity), `stats`.
+//! (translation). Per-packet path, shared by TC and XDP: `access` (reading and
+//! writing the packet, one trait for both hooks), `packet` (parsing), `flow` (a new
+//! flow's frontend, backend and conntrack entries), `ct` (conntrack), `nat`
+//! (rewrite + checksums), `fib` (routes, TTL), `source_ranges`
+//! (loadBalancerSourceRanges); TC's own: `tc_lb` (its entry flow), `frag` (later
+//! fragments follow their first), `icmp`/`icmp6` (errors about flows), `reject`;
+//! XDP's own: `xdp_lb` (its entry flow and sending), `mark` (the hand-over to TC).
+//! Shared with the hooks: `select` (frontend lookup, backend choice, affinity),
+//! `stats`.
 #![no_std]
 #![no_main]
 
+mod access;
 mod csum;
 mod ct;
 mod fib;
+mod flow;
 mod frag;
 mod hdr;
 mod icmp;
 mod icmp6;
 mod maps;
+mod mark;
 mod nat;
 mod packet;
 mod reject;
@@ -30,10 +39,12 @@ mod sock_lb;
 mod source_ranges;
 mod stats;
 mod tc_lb;
+mod verdict;
+mod xdp_lb;
 
 use aya_ebpf::{
-    macros::{cgroup_sock_addr, classifier},
-    programs::{SockAddrContext, TcContext},
+    macros::{cgroup_sock_addr, classifier, xdp},
+    programs::{SockAddrContext, TcContext, XdpContext},
 };
 use lb_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
@@ -102,6 +113,14 @@ pub fn lb_tc_external(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn lb_tc_internal(ctx: TcContext) -> i32 {
     tc_lb::handle(&ctx, SCOPE_INTERNAL)
+}
+
+/// XDP on node-facing devices, in front of `lb_tc_external`: the external scope's
+/// known and new flows, sent on from the driver when their next hop allows it.
+/// `frags`: runs on multi-buffer (jumbo) frames too, touching only their headers.
+#[xdp(frags)]
+pub fn lb_xdp(ctx: XdpContext) -> u32 {
+    xdp_lb::handle(&ctx)
 }
 
 #[cfg(not(test))]

@@ -2,14 +2,14 @@
 //! defaults; the agent sets the real `max_entries` at load time.
 
 use aya_ebpf::{
-    btf_maps::{HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap},
+    btf_maps::{DevMapHash, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap},
     macros::btf_map,
 };
 use lb_common::{
     AffinityKey, AffinityValue, Attachment, Backend, CtKey, CtValue, FragKey, FragValue,
     ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, SvcStats,
     DEFAULT_AFFINITY_MAX, DEFAULT_BACKENDS_MAX, DEFAULT_CT_MAX, DEFAULT_FRAG_MAX,
-    DEFAULT_SERVICES_MAX, DEFAULT_SOCK_REVNAT_MAX, DEFAULT_SOURCE_RANGES_MAX,
+    DEFAULT_SERVICES_MAX, DEFAULT_SOCK_REVNAT_MAX, DEFAULT_SOURCE_RANGES_MAX, XDP_DEVMAP_MAX,
 };
 
 /// Not preallocated: sized for 100k frontends x 10 endpoints, memory follows the
@@ -78,3 +78,10 @@ pub static LB_SOURCE_RANGES: LpmTrie<SourceRangeKey, u8, { DEFAULT_SOURCE_RANGES
 #[btf_map]
 pub static LB_FRAG: LruHashMap<FragKey, FragValue, { DEFAULT_FRAG_MAX as usize }> =
     LruHashMap::new();
+
+/// The node-facing devices that run `lb_xdp`, keyed by ifindex (see
+/// `lb_common::XDP_DEVMAP_MAX`): the agent fills it, and `lb_xdp` redirects only to
+/// a device found here (another device may lack the driver support to take an
+/// XDP frame, or its peer the program a veth needs to deliver one).
+#[btf_map]
+pub static LB_XDP_DEVMAP: DevMapHash<{ XDP_DEVMAP_MAX as usize }> = DevMapHash::new();

@@ -1,12 +1,12 @@
-//! Rewriting a packet's addresses and ports with incremental checksum updates.
+//! Rewriting a packet's addresses and ports with incremental checksum updates, for
+//! both per-packet programs (see `access.rs` for how each reaches the packet).
 
-use aya_ebpf::{helpers::generated::bpf_csum_diff, programs::TcContext};
-use lb_common::{IpAddrBe, IPPROTO_UDP};
+use lb_common::IpAddrBe;
 
-use crate::packet::{Flow, IP6_DST_OFF, IP6_SRC_OFF, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF};
-
-const BPF_F_PSEUDO_HDR: u64 = aya_ebpf::bindings::BPF_F_PSEUDO_HDR as u64;
-const BPF_F_MARK_MANGLED_0: u64 = aya_ebpf::bindings::BPF_F_MARK_MANGLED_0 as u64;
+use crate::{
+    access::{L4Csum, Packet},
+    packet::{Flow, IP6_DST_OFF, IP6_SRC_OFF, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF},
+};
 
 /// The tuple a packet should leave with (IPv4 addresses IPv4-mapped).
 #[derive(Clone, Copy)]
@@ -19,16 +19,10 @@ pub struct Tuple {
 
 /// Rewrites only the fields that change. Address changes touch the IPv4 header
 /// checksum (IPv6 has none) and, through the pseudo header, the L4 checksum; port
-/// changes only the latter. A UDP checksum of 0 means "none" (IPv4) and must stay 0
-/// (BPF_F_MARK_MANGLED_0).
+/// changes only the latter. A UDP checksum of 0 means "none" (IPv4) and stays 0.
 #[inline(always)]
-pub fn rewrite(ctx: &TcContext, flow: &Flow, to: &Tuple) -> Result<(), i64> {
-    let l4_flags = if flow.proto == IPPROTO_UDP {
-        BPF_F_MARK_MANGLED_0
-    } else {
-        0
-    };
-    let csum_off = flow.l4_csum_off();
+pub fn rewrite<P: Packet>(ctx: &P, flow: &Flow, to: &Tuple) -> Result<(), ()> {
+    let csum = flow.l4_csum();
     let (src_off, dst_off) = if flow.v6 {
         (IP6_SRC_OFF, IP6_DST_OFF)
     } else {
@@ -42,20 +36,19 @@ pub fn rewrite(ctx: &TcContext, flow: &Flow, to: &Tuple) -> Result<(), i64> {
             continue;
         }
         if flow.v6 {
-            rewrite_addr6(ctx, field_off, csum_off, l4_flags, from, to)?;
+            rewrite_addr6(ctx, field_off, &csum, from, to)?;
         } else {
-            rewrite_addr(ctx, field_off, csum_off, l4_flags, from.v4(), to.v4())?;
+            rewrite_addr(ctx, field_off, &csum, from.v4(), to.v4())?;
         }
     }
     if flow.sport != to.sport {
-        rewrite_port(ctx, flow.l4_off, csum_off, l4_flags, flow.sport, to.sport)?;
+        rewrite_port(ctx, flow.l4_off, &csum, flow.sport, to.sport)?;
     }
     if flow.dport != to.dport {
         rewrite_port(
             ctx,
             flow.l4_off + crate::hdr::L4_DPORT,
-            csum_off,
-            l4_flags,
+            &csum,
             flow.dport,
             to.dport,
         )?;
@@ -66,16 +59,16 @@ pub fn rewrite(ctx: &TcContext, flow: &Flow, to: &Tuple) -> Result<(), i64> {
 /// Rewrites the addresses of a later fragment: an IP header without an L4 header
 /// behind it, so only the IPv4 header checksum follows (IPv6 has none).
 #[inline(always)]
-pub fn rewrite_l3(
-    ctx: &TcContext,
+pub fn rewrite_l3<P: Packet>(
+    ctx: &P,
     v6: bool,
     from: (&IpAddrBe, &IpAddrBe),
     to: (&IpAddrBe, &IpAddrBe),
-) -> Result<(), i64> {
+) -> Result<(), ()> {
     if v6 {
         for (field_off, old, new) in [(IP6_SRC_OFF, from.0, to.0), (IP6_DST_OFF, from.1, to.1)] {
             if old != new {
-                ctx.store(field_off, &new.words, 0)?;
+                ctx.write(field_off, &new.words)?;
             }
         }
         return Ok(());
@@ -85,63 +78,47 @@ pub fn rewrite_l3(
         (IP_DST_OFF, from.1.v4(), to.1.v4()),
     ] {
         if old != new {
-            ctx.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 4)?;
-            ctx.store(field_off, &new, 0)?;
+            ctx.ip_csum_update(IP_CSUM_OFF, old, new, 4)?;
+            ctx.write(field_off, &new)?;
         }
     }
     Ok(())
 }
 
 #[inline(always)]
-fn rewrite_addr(
-    ctx: &TcContext,
+fn rewrite_addr<P: Packet>(
+    ctx: &P,
     field_off: usize,
-    l4_csum_off: usize,
-    l4_flags: u64,
+    csum: &L4Csum,
     from: u32,
     to: u32,
-) -> Result<(), i64> {
-    ctx.l4_csum_replace(
-        l4_csum_off,
-        from as u64,
-        to as u64,
-        l4_flags | BPF_F_PSEUDO_HDR | 4,
-    )?;
-    ctx.l3_csum_replace(IP_CSUM_OFF, from as u64, to as u64, 4)?;
-    ctx.store(field_off, &to, 0)
+) -> Result<(), ()> {
+    ctx.l4_csum_update(csum, from, to, 4, true)?;
+    ctx.ip_csum_update(IP_CSUM_OFF, from, to, 4)?;
+    ctx.write(field_off, &to)
 }
 
-/// An IPv6 address: 16 bytes into the L4 checksum's pseudo header as one
-/// difference (size 0 tells the helper `to` is a difference, not a field).
+/// An IPv6 address: in the L4 checksum's pseudo header only.
 #[inline(always)]
-fn rewrite_addr6(
-    ctx: &TcContext,
+fn rewrite_addr6<P: Packet>(
+    ctx: &P,
     field_off: usize,
-    l4_csum_off: usize,
-    l4_flags: u64,
+    csum: &L4Csum,
     from: &IpAddrBe,
     to: &IpAddrBe,
-) -> Result<(), i64> {
-    let mut old = from.words;
-    let mut new = to.words;
-    // SAFETY: both buffers are 16 bytes on this stack frame.
-    let diff = unsafe { bpf_csum_diff(old.as_mut_ptr(), 16, new.as_mut_ptr(), 16, 0) };
-    if diff < 0 {
-        return Err(diff);
-    }
-    ctx.l4_csum_replace(l4_csum_off, 0, diff as u64, l4_flags | BPF_F_PSEUDO_HDR)?;
-    ctx.store(field_off, &new, 0)
+) -> Result<(), ()> {
+    ctx.l4_csum_update6(csum, from, to)?;
+    ctx.write(field_off, &to.words)
 }
 
 #[inline(always)]
-fn rewrite_port(
-    ctx: &TcContext,
+fn rewrite_port<P: Packet>(
+    ctx: &P,
     field_off: usize,
-    l4_csum_off: usize,
-    l4_flags: u64,
+    csum: &L4Csum,
     from: u16,
     to: u16,
-) -> Result<(), i64> {
-    ctx.l4_csum_replace(l4_csum_off, from as u64, to as u64, l4_flags | 2)?;
-    ctx.store(field_off, &to, 0)
+) -> Result<(), ()> {
+    ctx.l4_csum_update(csum, from as u32, to as u32, 2, false)?;
+    ctx.write(field_off, &to)
 }

@@ -1,10 +1,11 @@
-//! Parsing Ethernet + IPv4 or IPv6 (with its extension headers) + TCP/UDP headers
-//! through `bpf_skb_load_bytes`, which bounds-checks every read against the packet: a
-//! truncated header is an error, never a read past the end.
+//! Parsing Ethernet + IPv4 or IPv6 (with its extension headers) + TCP/UDP headers,
+//! for both per-packet programs, through [`Packet::read`], which bounds-checks every
+//! read against the packet: a truncated header is an error, never a read past the
+//! end.
 
-use aya_ebpf::programs::TcContext;
 use lb_common::{IpAddrBe, IPPROTO_TCP, IPPROTO_UDP};
 
+use crate::access::{L4Csum, Packet};
 pub use crate::hdr::ETH_HLEN;
 use crate::hdr::{
     self, ETH_TYPE_IPV4_RAW, ETH_TYPE_IPV6_RAW, ICMP_HLEN, IP6_HLEN as IPV6_HLEN, IPPROTO_ICMP,
@@ -53,6 +54,9 @@ pub struct Flow {
     pub tcp_flags: u8,
     /// Offset of the L4 header from the start of the frame.
     pub l4_off: usize,
+    /// Length of the IP packet (IPv4 total length, or the IPv6 header and its
+    /// payload), capped at 65535: what a route's MTU is checked against.
+    pub ip_len: u16,
     /// The identification (IPv4's 16 bits, zero-extended, or the IPv6 Fragment
     /// header's 32, network byte order) when the packet is the first fragment of a
     /// datagram: its translation must be remembered for the rest.
@@ -70,6 +74,23 @@ impl Flow {
         } else {
             self.l4_off + hdr::UDP_CSUM
         }
+    }
+
+    /// The L4 checksum, for rewriting.
+    #[inline(always)]
+    pub fn l4_csum(&self) -> L4Csum {
+        L4Csum {
+            off: self.l4_csum_off(),
+            udp: self.proto == IPPROTO_UDP,
+        }
+    }
+
+    /// Where TCP/UDP sits right behind a fixed IP header: no IPv4 options, no IPv6
+    /// extension header in between.
+    #[inline(always)]
+    pub fn has_plain_ip_header(&self) -> bool {
+        let fixed = if self.v6 { IPV6_HLEN } else { IPV4_MIN_HLEN };
+        self.l4_off == ETH_HLEN + fixed
     }
 }
 
@@ -125,7 +146,7 @@ pub enum Parsed {
 }
 
 #[inline(always)]
-pub fn parse(ctx: &TcContext) -> Parsed {
+pub fn parse<P: Packet>(ctx: &P) -> Parsed {
     match try_parse(ctx) {
         Ok(parsed) => parsed,
         Err(()) => Parsed::Malformed,
@@ -133,31 +154,35 @@ pub fn parse(ctx: &TcContext) -> Parsed {
 }
 
 #[inline(always)]
-fn try_parse(ctx: &TcContext) -> Result<Parsed, ()> {
-    let ethertype: u16 = ctx.load(hdr::ETH_TYPE_OFF).map_err(|_| ())?;
+fn try_parse<P: Packet>(ctx: &P) -> Result<Parsed, ()> {
+    // First: under XDP this is a helper call, across which nothing read yet has to
+    // be kept (on the stack).
+    let packet_len = ctx.packet_len();
+    let ethertype: u16 = ctx.read(hdr::ETH_TYPE_OFF)?;
     if ethertype == ETH_TYPE_IPV6_RAW {
-        return try_parse6(ctx);
+        return try_parse6(ctx, packet_len);
     }
     if ethertype != ETH_TYPE_IPV4_RAW {
         return Ok(Parsed::Ignored);
     }
-    let ip: [u8; IPV4_MIN_HLEN] = ctx.load(ETH_HLEN).map_err(|_| ())?;
-    if ip[0] >> 4 != 4 {
+    let ip: [u32; IPV4_MIN_HLEN / 4] = ctx.read(ETH_HLEN)?;
+    let version_ihl = byte(&ip, 0);
+    if version_ihl >> 4 != 4 {
         return Err(());
     }
-    let ihl = ((ip[0] & 0x0f) as usize) * 4;
+    let ihl = ((version_ihl & 0x0f) as usize) * 4;
     let total_len = be16(&ip, hdr::IP_TOT_LEN) as usize;
-    if ihl < IPV4_MIN_HLEN || total_len < ihl || ETH_HLEN + total_len > ctx.len() as usize {
+    if ihl < IPV4_MIN_HLEN || total_len < ihl || ETH_HLEN + total_len > packet_len {
         return Err(());
     }
-    let proto = ip[hdr::IP_PROTO];
+    let proto = byte(&ip, hdr::IP_PROTO);
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP && proto != IPPROTO_ICMP {
         return Ok(Parsed::Ignored);
     }
     let saddr = IpAddrBe::from_v4(word(&ip, hdr::IP_SRC));
     let daddr = IpAddrBe::from_v4(word(&ip, hdr::IP_DST));
     let frag_off = be16(&ip, hdr::IP_FRAG_OFF);
-    let id = u16::from_ne_bytes([ip[hdr::IP_ID], ip[hdr::IP_ID + 1]]) as u32;
+    let id = u16::from_ne_bytes([byte(&ip, hdr::IP_ID), byte(&ip, hdr::IP_ID + 1)]) as u32;
     let fragmented = frag_off & IP_MF_OFFSET_MASK != 0;
     if fragmented && frag_off & IP_OFFSET_MASK != 0 {
         return Ok(Parsed::Fragment(Fragment {
@@ -175,7 +200,7 @@ fn try_parse(ctx: &TcContext) -> Result<Parsed, ()> {
         if fragmented {
             return Ok(Parsed::Ignored);
         }
-        return parse_icmp_error(ctx, &ip, l4_off, ETH_HLEN + total_len);
+        return parse_icmp_error(ctx, (saddr, daddr), l4_off, ETH_HLEN + total_len);
     }
     let (sport, dport, tcp_flags) = parse_l4(ctx, proto, l4_off, l4_len, fragmented)?;
     Ok(Parsed::Flow(Flow {
@@ -186,6 +211,7 @@ fn try_parse(ctx: &TcContext) -> Result<Parsed, ()> {
         proto,
         tcp_flags,
         l4_off,
+        ip_len: total_len as u16,
         first_fragment_id: fragmented.then_some(id),
         v6: false,
     }))
@@ -195,20 +221,20 @@ fn try_parse(ctx: &TcContext) -> Result<Parsed, ()> {
 /// destination options, authentication, fragment). ICMPv6 (neighbour discovery,
 /// router traffic, echo, errors) is left alone, as is everything else.
 #[inline(always)]
-fn try_parse6(ctx: &TcContext) -> Result<Parsed, ()> {
-    let ip: [u8; IPV6_HLEN] = ctx.load(ETH_HLEN).map_err(|_| ())?;
-    if ip[0] >> 4 != 6 {
+fn try_parse6<P: Packet>(ctx: &P, packet_len: usize) -> Result<Parsed, ()> {
+    let ip: [u32; IPV6_HLEN / 4] = ctx.read(ETH_HLEN)?;
+    if byte(&ip, 0) >> 4 != 6 {
         return Err(());
     }
     let payload_len = be16(&ip, hdr::IP6_PAYLOAD_LEN) as usize;
     let end = ETH_HLEN + IPV6_HLEN + payload_len;
     // A zero payload length is a jumbogram (hop-by-hop option); not ours.
-    if payload_len == 0 || end > ctx.len() as usize {
+    if payload_len == 0 || end > packet_len {
         return Err(());
     }
     let saddr = IpAddrBe::from_v6(words(&ip, hdr::IP6_SRC));
     let daddr = IpAddrBe::from_v6(words(&ip, hdr::IP6_DST));
-    let mut next = ip[hdr::IP6_NEXT_HDR];
+    let mut next = byte(&ip, hdr::IP6_NEXT_HDR);
     let mut off = ETH_HLEN + IPV6_HLEN;
     // (identification, more fragments, offset) of a Fragment header.
     let mut fragment: Option<(u32, bool, u16)> = None;
@@ -216,17 +242,17 @@ fn try_parse6(ctx: &TcContext) -> Result<Parsed, ()> {
     for _ in 0..IPV6_MAX_EXT {
         match next {
             NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST => {
-                let h: [u8; 2] = ctx.load(off).map_err(|_| ())?;
+                let h: [u8; 2] = ctx.read(off)?;
                 next = h[0];
                 off += (h[1] as usize + 1) * 8;
             }
             NEXTHDR_AUTH => {
-                let h: [u8; 2] = ctx.load(off).map_err(|_| ())?;
+                let h: [u8; 2] = ctx.read(off)?;
                 next = h[0];
                 off += (h[1] as usize + 2) * 4;
             }
             NEXTHDR_FRAGMENT => {
-                let h: [u8; 8] = ctx.load(off).map_err(|_| ())?;
+                let h: [u8; 8] = ctx.read(off)?;
                 next = h[0];
                 let offset_flags = u16::from_be_bytes([h[2], h[3]]);
                 let id = u32::from_ne_bytes([h[4], h[5], h[6], h[7]]);
@@ -259,7 +285,8 @@ fn try_parse6(ctx: &TcContext) -> Result<Parsed, ()> {
         if off != ICMP6_OFF {
             return Ok(Parsed::Ignored);
         }
-        let icmp_type: u8 = ctx.load(off).map_err(|_| ())?;
+        // With its code (see `Packet::read`).
+        let [icmp_type, _code]: [u8; 2] = ctx.read(off)?;
         return Ok(if is_icmp6_error(icmp_type) {
             Parsed::Icmp6Error
         } else {
@@ -285,6 +312,7 @@ fn try_parse6(ctx: &TcContext) -> Result<Parsed, ()> {
         proto: next,
         tcp_flags,
         l4_off: off,
+        ip_len: (end - ETH_HLEN).min(u16::MAX as usize) as u16,
         first_fragment_id: fragment.filter(|f| f.1).map(|f| f.0),
         v6: true,
     }))
@@ -318,34 +346,45 @@ fn is_extension(next: u8) -> bool {
     )
 }
 
-/// Four network-order words of an address at `at` in `bytes`.
+// A header is read as the words it lies in memory as, not as bytes: under XDP
+// each byte would be a register of its own, and the compiler spills what does not
+// fit, which the 512-byte stack cannot afford. Offsets are the header's own.
+
+/// The byte at `at` of a header read as words.
 #[inline(always)]
-fn words(bytes: &[u8], at: usize) -> [u32; 4] {
+fn byte(header: &[u32], at: usize) -> u8 {
+    header[at / 4].to_ne_bytes()[at % 4]
+}
+
+/// Four network-order words of an address at `at` (a multiple of 4).
+#[inline(always)]
+fn words(header: &[u32], at: usize) -> [u32; 4] {
     [
-        word(bytes, at),
-        word(bytes, at + 4),
-        word(bytes, at + 8),
-        word(bytes, at + 12),
+        word(header, at),
+        word(header, at + 4),
+        word(header, at + 8),
+        word(header, at + 12),
     ]
 }
 
-/// The network-order word at `at`, as it lies in memory (an IPv4 address).
+/// The network-order word at `at` (a multiple of 4), as it lies in memory (an
+/// IPv4 address).
 #[inline(always)]
-fn word(bytes: &[u8], at: usize) -> u32 {
-    u32::from_ne_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+fn word(header: &[u32], at: usize) -> u32 {
+    header[at / 4]
 }
 
 /// The big-endian 16-bit field at `at`, in host order.
 #[inline(always)]
-fn be16(bytes: &[u8], at: usize) -> u16 {
-    u16::from_be_bytes([bytes[at], bytes[at + 1]])
+fn be16(header: &[u32], at: usize) -> u16 {
+    u16::from_be_bytes([byte(header, at), byte(header, at + 1)])
 }
 
 /// The ports and TCP flags of a TCP/UDP header of `l4_len` bytes at `l4_off`, its
 /// lengths checked; `fragmented`: a first fragment (UDP's length covers more).
 #[inline(always)]
-fn parse_l4(
-    ctx: &TcContext,
+fn parse_l4<P: Packet>(
+    ctx: &P,
     proto: u8,
     l4_off: usize,
     l4_len: usize,
@@ -355,7 +394,7 @@ fn parse_l4(
         if l4_len < TCP_MIN_HLEN {
             return Err(());
         }
-        let [doff, flags]: [u8; 2] = ctx.load(l4_off + hdr::TCP_DOFF_FLAGS).map_err(|_| ())?;
+        let [doff, flags]: [u8; 2] = ctx.read(l4_off + hdr::TCP_DOFF_FLAGS)?;
         // The header length must cover the fixed header and fit in the packet.
         let doff = ((doff >> 4) as usize) * 4;
         if doff < TCP_MIN_HLEN || doff > l4_len {
@@ -368,8 +407,7 @@ fn parse_l4(
         }
         // The UDP length covers the whole datagram: exactly this payload, or in a
         // first fragment, more than it (the rest follows).
-        let udp_len =
-            u16::from_be(ctx.load::<u16>(l4_off + hdr::UDP_LEN).map_err(|_| ())?) as usize;
+        let udp_len = u16::from_be(ctx.read::<u16>(l4_off + hdr::UDP_LEN)?) as usize;
         if udp_len < UDP_HLEN
             || (!fragmented && udp_len != l4_len)
             || (fragmented && udp_len <= l4_len)
@@ -378,18 +416,19 @@ fn parse_l4(
         }
         0
     };
-    let ports: [u16; 2] = ctx.load(l4_off).map_err(|_| ())?;
+    let ports: [u16; 2] = ctx.read(l4_off)?;
     Ok((ports[0], ports[1], tcp_flags))
 }
 
 #[inline(always)]
-fn parse_icmp_error(
-    ctx: &TcContext,
-    ip: &[u8; IPV4_MIN_HLEN],
+fn parse_icmp_error<P: Packet>(
+    ctx: &P,
+    (saddr, daddr): (IpAddrBe, IpAddrBe),
     icmp_off: usize,
     end: usize,
 ) -> Result<Parsed, ()> {
-    let icmp_type = ctx.load::<u8>(icmp_off).map_err(|_| ())?;
+    // With its code (see `Packet::read`).
+    let [icmp_type, _code]: [u8; 2] = ctx.read(icmp_off)?;
     if icmp_type != ICMP_DEST_UNREACH
         && icmp_type != ICMP_TIME_EXCEEDED
         && icmp_type != ICMP_PARAMETERPROB
@@ -397,12 +436,12 @@ fn parse_icmp_error(
         return Ok(Parsed::Ignored);
     }
     let inner_ip_off = icmp_off + ICMP_HLEN;
-    let inner: [u8; IPV4_MIN_HLEN] = ctx.load(inner_ip_off).map_err(|_| ())?;
-    let inner_ihl = ((inner[0] & 0x0f) as usize) * 4;
-    if inner[0] >> 4 != 4 || inner_ihl < IPV4_MIN_HLEN {
+    let inner: [u32; IPV4_MIN_HLEN / 4] = ctx.read(inner_ip_off)?;
+    let inner_ihl = ((byte(&inner, 0) & 0x0f) as usize) * 4;
+    if byte(&inner, 0) >> 4 != 4 || inner_ihl < IPV4_MIN_HLEN {
         return Err(());
     }
-    let inner_proto = inner[hdr::IP_PROTO];
+    let inner_proto = byte(&inner, hdr::IP_PROTO);
     if inner_proto != IPPROTO_TCP && inner_proto != IPPROTO_UDP {
         return Ok(Parsed::Ignored);
     }
@@ -411,7 +450,7 @@ fn parse_icmp_error(
     if inner_l4_off + UDP_HLEN > end {
         return Err(());
     }
-    let ports: [u16; 2] = ctx.load(inner_l4_off).map_err(|_| ())?;
+    let ports: [u16; 2] = ctx.read(inner_l4_off)?;
     let inner_flow = Flow {
         saddr: IpAddrBe::from_v4(word(&inner, hdr::IP_SRC)),
         daddr: IpAddrBe::from_v4(word(&inner, hdr::IP_DST)),
@@ -420,12 +459,13 @@ fn parse_icmp_error(
         proto: inner_proto,
         tcp_flags: 0,
         l4_off: inner_l4_off,
+        ip_len: 0,
         first_fragment_id: None,
         v6: false,
     };
     Ok(Parsed::IcmpError(IcmpError {
-        saddr: word(ip, hdr::IP_SRC),
-        daddr: word(ip, hdr::IP_DST),
+        saddr: saddr.v4(),
+        daddr: daddr.v4(),
         icmp_off,
         inner_ip_off,
         inner_l4_off,

@@ -27,7 +27,7 @@ const ICMP_PORT_UNREACH: u8 = 3;
 /// ICMPv6 "destination unreachable", code "port unreachable".
 const ICMPV6_DEST_UNREACH: u8 = 1;
 const ICMPV6_PORT_UNREACH: u8 = 4;
-use aya_ebpf::bindings::TC_ACT_REDIRECT;
+use crate::verdict::TC_ACT_REDIRECT;
 
 /// What the RST answering a TCP segment carries: (seq, ack, flags), and the
 /// swapped MAC addresses. `Err` for a RST (never answered) or a failed load.

@@ -65,6 +65,7 @@ fn with_affinity(
     (client, client_ip): (u64, IpAddrBe),
     entropy: u32,
 ) -> Option<(u32, Backend)> {
+    // SAFETY: a plain helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
     let key = AffinityKey {
         client,

@@ -54,6 +54,7 @@ pub fn translate_forward<const V6: bool>(ctx: &SockAddrContext, hook: Hook) -> i
     // unconnected UDP a hash of the socket cookie, so one socket keeps talking to one
     // backend and its replies keep matching one reverse-NAT entry.
     let entropy = match hook {
+        // SAFETY: a plain helper without arguments.
         Hook::Connect => unsafe { bpf_get_prandom_u32() },
         // Fibonacci hashing: cookies are sequential, the high bits of the product
         // spread them.
