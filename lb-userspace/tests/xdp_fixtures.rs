@@ -21,10 +21,13 @@ use aya::programs::{
 };
 use aya::Ebpf;
 use lb_common::{map_names, program_names, stat, CtKey, CtValue, XdpMark, XDP_MARK_MAGIC};
-use lb_userspace::loader::{self, MapSizes, PinLayout};
-use lb_userspace::maps::PinnedMaps;
+use lb_userspace::control::plan as reconcile;
+use lb_userspace::datapath::loader;
+use lb_userspace::datapath::maps::PinnedMaps;
+use lb_userspace::datapath::pins::{self, MapSizes, PinLayout};
+use lb_userspace::datapath::source_ranges;
 use lb_userspace::model::{BackendAddr, DesiredState, Frontend, FrontendSpec, Protocol};
-use lb_userspace::{reconcile, source_ranges, sys};
+use lb_userspace::node::host as sys;
 
 #[path = "xdp_fixtures/frames.rs"]
 mod frames;
@@ -71,8 +74,8 @@ struct PinGuard(PinLayout);
 
 impl Drop for PinGuard {
     fn drop(&mut self) {
-        if let Ok(Some(lock)) = loader::lock_for_cleanup(&self.0) {
-            let _ = loader::cleanup(&self.0, &lock);
+        if let Ok(Some(lock)) = pins::lock_for_cleanup(&self.0) {
+            let _ = pins::cleanup(&self.0, &lock);
         }
     }
 }
