@@ -100,12 +100,16 @@ type NameFilter = fn(&str) -> bool;
 fn is_link_pin(name: &str) -> bool {
     let name = name.strip_suffix("_new").unwrap_or(name);
     program_names::ALL.contains(&name)
-        || [program_names::TC_EXTERNAL, program_names::TC_INTERNAL]
-            .iter()
-            .any(|p| {
-                name.strip_prefix(p)
-                    .is_some_and(|rest| rest.starts_with('_'))
-            })
+        || [
+            program_names::TC_EXTERNAL,
+            program_names::TC_INTERNAL,
+            program_names::XDP,
+        ]
+        .iter()
+        .any(|p| {
+            name.strip_prefix(p)
+                .is_some_and(|rest| rest.starts_with('_'))
+        })
 }
 
 /// Whether `name` is a map-layout directory (`v<N>`).
