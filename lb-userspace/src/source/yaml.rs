@@ -56,24 +56,12 @@ impl FileError {
     }
 }
 
-/// Load a file, or every `*.yaml`, `*.yml` and `*.json` file directly in a directory,
-/// in file name order so that "first one wins" rules are reproducible. Files that
-/// cannot be read are in `unreadable`; only a path that cannot be read at all is an
+/// The manifest files at `path` (the file itself, or every `*.yaml`, `*.yml` and
+/// `*.json` file directly in the directory), in file name order so that "first one
+/// wins" rules are reproducible, each with the reason it cannot be read where that
+/// is known without reading it (a dangling symlink, a FIFO). Directories are not
+/// manifests and are passed over; only a path that cannot be read at all is an
 /// error.
-pub fn load_path(path: &Path) -> Result<Objects, SourceError> {
-    let mut objects = Objects::default();
-    for file in manifest_files(path)? {
-        match file.and_then(|file| load_file(&file)) {
-            Ok(loaded) => objects.append(loaded),
-            Err(e) => objects.unreadable.push(e),
-        }
-    }
-    Ok(objects)
-}
-
-/// The files [`load_path`] reads, in the order it reads them, each with the reason
-/// it cannot be read where that is known without reading it (a dangling symlink, a
-/// FIFO). Directories are not manifests and are passed over.
 pub fn manifest_files(path: &Path) -> Result<Vec<Result<PathBuf, FileError>>, SourceError> {
     let meta = fs::metadata(path).map_err(|e| SourceError::from_io(path, e))?;
     if !meta.is_dir() {
@@ -232,17 +220,6 @@ fn last_document_start(text: &[u8]) -> Option<usize> {
     None
 }
 
-impl Objects {
-    /// Adds `other`'s objects after this one's.
-    pub fn append(&mut self, other: Objects) {
-        self.services.extend(other.services);
-        self.slices.extend(other.slices);
-        self.nodes.extend(other.nodes);
-        self.errors.extend(other.errors);
-        self.unreadable.extend(other.unreadable);
-    }
-}
-
 /// Parse the text of one file; `file` is only used to name it in errors and to tell
 /// JSON from YAML.
 pub fn parse_str(file: &Path, text: &str) -> Objects {
@@ -298,8 +275,16 @@ fn parse_yaml(file: &Path, text: &str, at: &mut Position, objects: &mut Objects)
             .collect()
     });
     for part in parts {
-        objects.append(part);
+        append(objects, part);
     }
+}
+
+/// Adds what one thread found after what the threads before it found.
+fn append(objects: &mut Objects, part: Objects) {
+    objects.services.extend(part.services);
+    objects.slices.extend(part.slices);
+    objects.nodes.extend(part.nodes);
+    objects.errors.extend(part.errors);
 }
 
 /// Below this many documents per thread, spawning costs more than it saves.
