@@ -1,4 +1,13 @@
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use lb_yaml::{block as block_yaml, split_documents};
+
+use super::block::Manifest;
+use super::general::take_document;
+use super::pieces::{load_in_pieces, READ_PIECE};
 use super::*;
+use crate::source::{Location, Problem, SourceError};
 
 const SERVICE: &str = "\
 apiVersion: v1
