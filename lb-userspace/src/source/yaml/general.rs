@@ -12,7 +12,7 @@ use k8s_openapi::api::core::v1::Node;
 use lb_yaml::Document;
 use serde_json::Value;
 
-use super::unnamed;
+use super::kinds::{classify, unnamed, Kind, Ours};
 use crate::source::lean::{EndpointSlice, Service};
 use crate::source::{Capped, Location, ObjectError, Objects, Problem};
 
@@ -136,16 +136,17 @@ fn meta_field<'a>(value: &'a Value, field: &str) -> &'a str {
         .unwrap_or("")
 }
 
+fn kind_of(value: &Value) -> Kind {
+    classify(str_field(value, "apiVersion"), str_field(value, "kind"))
+}
+
+/// One document, read into a generic value (from YAML or JSON).
 pub(super) fn take_document(value: Value, location: &Location, objects: &mut Objects) {
     if value.is_null() {
         return; // an empty document, e.g. a trailing `---`
     }
-    // Typed lists from the API leave kind and apiVersion out of their items.
-    let item_kind = match str_field(&value, "kind") {
-        Some("List") => None,
-        Some("ServiceList") => Some(("Service", "v1")),
-        Some("EndpointSliceList") => Some(("EndpointSlice", "discovery.k8s.io/v1")),
-        _ => return take_object(value, location, objects),
+    let Kind::List { item } = kind_of(&value) else {
+        return take_object(value, location, objects);
     };
     let Value::Object(mut list) = value else {
         unreachable!("has a kind, so it is a mapping")
@@ -154,33 +155,32 @@ pub(super) fn take_document(value: Value, location: &Location, objects: &mut Obj
         None | Some(Value::Null) => return,
         Some(Value::Array(items)) => items,
         Some(_) => {
-            let kind = str_field(&Value::Object(list), "kind")
-                .unwrap_or("")
-                .to_owned();
+            let kind = list.get("kind").and_then(Value::as_str).unwrap_or("");
             objects.errors.push(ObjectError {
                 location: Some(location.clone()),
-                ..ObjectError::new(&kind, "", "", Problem::ItemsNotAList)
+                ..ObjectError::new(kind, "", "", Problem::ItemsNotAList)
             });
             return;
         }
     };
-    for (i, mut item) in items.into_iter().enumerate() {
-        if let (Some((kind, api_version)), Value::Object(fields)) = (item_kind, &mut item) {
+    for (i, mut value) in items.into_iter().enumerate() {
+        if let (Some(default), Value::Object(fields)) = (item, &mut value) {
             fields
                 .entry("kind")
-                .or_insert_with(|| Value::String(kind.to_owned()));
+                .or_insert_with(|| Value::String(default.kind().to_owned()));
             fields
                 .entry("apiVersion")
-                .or_insert_with(|| Value::String(api_version.to_owned()));
+                .or_insert_with(|| Value::String(default.api_version().to_owned()));
         }
         let location = Location {
             item: Some(i),
             ..location.clone()
         };
-        take_object(item, &location, objects);
+        take_object(value, &location, objects);
     }
 }
 
+/// One object (a document, or an item of a list): loaded, passed over, or reported.
 fn take_object(value: Value, location: &Location, objects: &mut Objects) {
     let namespace = meta_field(&value, "namespace").to_owned();
     let name = meta_field(&value, "name").to_owned();
@@ -192,50 +192,47 @@ fn take_object(value: Value, location: &Location, objects: &mut Objects) {
         objects.errors.push(error("", Problem::NotAnObject));
         return;
     }
-    let Some(kind) = str_field(&value, "kind") else {
-        objects.errors.push(error("", Problem::MissingKind));
-        return;
+    let ours = match kind_of(&value) {
+        Kind::Ours(ours) => ours,
+        Kind::OtherVersion(ours) => {
+            let problem = Problem::UnsupportedApiVersion {
+                kind: ours.kind().to_owned(),
+                found: str_field(&value, "apiVersion").unwrap_or("").to_owned(),
+                expected: ours.api_version(),
+            };
+            objects.errors.push(error(ours.kind(), problem));
+            return;
+        }
+        Kind::Missing => {
+            objects.errors.push(error("", Problem::MissingKind));
+            return;
+        }
+        // Not ours to proxy; nor is a list inside a list.
+        Kind::List { .. } | Kind::Other => return,
     };
-    let api_version = str_field(&value, "apiVersion").unwrap_or("");
-    let (kind, expected): (&'static str, _) = match kind {
-        "Service" => ("Service", "v1"),
-        "EndpointSlice" => ("EndpointSlice", "discovery.k8s.io/v1"),
-        "Node" => ("Node", "v1"),
-        _ => return, // not ours to proxy
-    };
-    if api_version != expected {
-        let problem = Problem::UnsupportedApiVersion {
-            kind: kind.to_owned(),
-            found: api_version.to_owned(),
-            expected,
-        };
-        objects.errors.push(error(kind, problem));
-        return;
-    }
-    let schema = |e: serde_json::Error, kind: &'static str| Problem::Schema {
+    let kind = ours.kind();
+    let schema = |e: serde_json::Error| Problem::Schema {
         kind,
         message: e.to_string(),
     };
-    if kind == "Service" {
-        match serde_json::from_value::<Service>(value) {
+    match ours {
+        Ours::Service => match serde_json::from_value::<Service>(value) {
             Ok(svc) if unnamed(&svc.metadata) => {
                 objects.errors.push(error(kind, Problem::MissingName))
             }
             Ok(svc) => objects.services.push(Arc::new(svc)),
-            Err(e) => objects.errors.push(error(kind, schema(e, kind))),
-        }
-    } else if kind == "Node" {
-        match serde_json::from_value::<Node>(value) {
-            Ok(node) => objects.nodes.push(Arc::new(node)),
-            Err(e) => objects.errors.push(error(kind, schema(e, kind))),
-        }
-    } else {
-        match serde_json::from_value::<EndpointSlice>(value) {
+            Err(e) => objects.errors.push(error(kind, schema(e))),
+        },
+        Ours::EndpointSlice => match serde_json::from_value::<EndpointSlice>(value) {
             Ok(slice) if unnamed(&slice.metadata) => {
                 objects.errors.push(error(kind, Problem::MissingName))
             }
             Ok(slice) => objects.slices.push(Arc::new(slice)),
-            Err(e) => objects.errors.push(error(kind, schema(e, kind))),
-        }
+            Err(e) => objects.errors.push(error(kind, schema(e))),
+        },
+        Ours::Node => match serde_json::from_value::<Node>(value) {
+            Ok(node) => objects.nodes.push(Arc::new(node)),
+            Err(e) => objects.errors.push(error(kind, schema(e))),
+        },
     }
 }

@@ -13,7 +13,7 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 
 use super::general::take_document;
-use super::unnamed;
+use super::kinds::{classify, unnamed, Kind, Ours};
 use crate::source::lean::{EndpointSlice, Service};
 use crate::source::{Location, ObjectError, Objects, Problem};
 
@@ -74,6 +74,12 @@ struct Head<'a> {
     api_version: Option<Cow<'a, str>>,
 }
 
+impl Head<'_> {
+    fn kind(&self) -> Kind {
+        classify(self.api_version.as_deref(), self.kind.as_deref())
+    }
+}
+
 /// Only of a JSON object: serde would also read a struct from an array.
 fn head_of(json: &str) -> Option<Head<'_>> {
     if !json.trim_start().starts_with('{') {
@@ -96,25 +102,23 @@ fn take_json_document(json: &str, objects: &mut Objects) -> bool {
     let Some(head) = head_of(json) else {
         return false;
     };
-    let item_kind = match head.kind.as_deref() {
-        Some("List") => None,
-        Some("ServiceList") => Some(("Service", "v1")),
-        Some("EndpointSliceList") => Some(("EndpointSlice", "discovery.k8s.io/v1")),
-        _ => return take_json_object(json, head, objects),
+    let Kind::List { item } = head.kind() else {
+        return take_json_object(json, head, objects);
     };
     let Ok(ListItems { items }) = serde_json::from_str::<ListItems>(json) else {
         return false;
     };
     let mut found = Objects::default();
-    for item in items.unwrap_or_default() {
-        let Some(mut head) = head_of(item.get()) else {
+    for raw in items.unwrap_or_default() {
+        let Some(mut head) = head_of(raw.get()) else {
             return false;
         };
-        if let Some((kind, api_version)) = item_kind {
-            head.kind.get_or_insert(Cow::Borrowed(kind));
-            head.api_version.get_or_insert(Cow::Borrowed(api_version));
+        if let Some(default) = item {
+            head.kind.get_or_insert(Cow::Borrowed(default.kind()));
+            head.api_version
+                .get_or_insert(Cow::Borrowed(default.api_version()));
         }
-        if !take_json_object(item.get(), head, &mut found) {
+        if !take_json_object(raw.get(), head, &mut found) {
             return false;
         }
     }
@@ -124,24 +128,24 @@ fn take_json_document(json: &str, objects: &mut Objects) -> bool {
     true
 }
 
+/// One object (a document, or an item of a list); false when it is not a clean load.
 fn take_json_object(json: &str, head: Head, objects: &mut Objects) -> bool {
-    match (head.kind.as_deref(), head.api_version.as_deref()) {
-        (Some("Service"), Some("v1")) => match serde_json::from_str::<Service>(json) {
+    match head.kind() {
+        Kind::Ours(Ours::Service) => match serde_json::from_str::<Service>(json) {
             Ok(service) if !unnamed(&service.metadata) => objects.services.push(Arc::new(service)),
             _ => return false,
         },
-        (Some("EndpointSlice"), Some("discovery.k8s.io/v1")) => {
-            match serde_json::from_str::<EndpointSlice>(json) {
-                Ok(slice) if !unnamed(&slice.metadata) => objects.slices.push(Arc::new(slice)),
-                _ => return false,
-            }
-        }
-        (Some("Node"), Some("v1")) => match serde_json::from_str::<Node>(json) {
+        Kind::Ours(Ours::EndpointSlice) => match serde_json::from_str::<EndpointSlice>(json) {
+            Ok(slice) if !unnamed(&slice.metadata) => objects.slices.push(Arc::new(slice)),
+            _ => return false,
+        },
+        Kind::Ours(Ours::Node) => match serde_json::from_str::<Node>(json) {
             Ok(node) => objects.nodes.push(Arc::new(node)),
             Err(_) => return false,
         },
-        (Some("Service" | "EndpointSlice" | "Node"), _) | (None, _) => return false,
-        (Some(_), _) => {} // not ours to proxy
+        Kind::OtherVersion(_) | Kind::Missing => return false,
+        // Not ours to proxy; nor is a list inside a list.
+        Kind::List { .. } | Kind::Other => {}
     }
     true
 }

@@ -4,7 +4,8 @@
 //! bounded piece at a time, [`parallel`] parses a piece's documents on every CPU,
 //! and each document takes one of three readers: [`block`] (the fast path for what
 //! kubectl writes), [`json`] (JSON, typed when clean) or [`general`] (anything,
-//! and the wording of every error).
+//! and the wording of every error). All three ask [`kinds`] what an (apiVersion,
+//! kind) pair is, so they cannot disagree about it.
 
 use std::fs;
 use std::io;
@@ -16,6 +17,7 @@ use super::Objects;
 mod block;
 mod general;
 mod json;
+mod kinds;
 mod listing;
 mod parallel;
 mod pieces;
@@ -91,12 +93,6 @@ pub fn parse_str(file: &Path, text: &str) -> Objects {
         parallel::parse_yaml(file, text, &mut pieces::Position::default(), &mut objects);
     }
     objects
-}
-
-/// No name: the API server refuses such an object, and a Service or slice without
-/// one cannot be told apart from others in messages or matched to its slices.
-fn unnamed(meta: &super::lean::Meta) -> bool {
-    meta.name.as_deref().is_none_or(str::is_empty)
 }
 
 #[cfg(test)]

@@ -224,6 +224,67 @@ items:
     );
 }
 
+/// An item of a typed list takes the list's kind and apiVersion only for what it
+/// leaves out: an item that names another version, or another kind, is what it
+/// names, whichever reader takes the document (the block reader once read every
+/// item of a ServiceList as a Service).
+#[test]
+fn typed_list_items_are_what_they_name_on_every_path() {
+    let clean = "\
+apiVersion: v1
+kind: ServiceList
+items:
+- metadata:
+    name: plain
+    namespace: default
+  spec:
+    clusterIP: 10.96.0.1
+- apiVersion: v1
+  kind: Node
+  metadata:
+    name: node-a
+";
+    let fast = typed_and_general_agree(clean);
+    assert_eq!(fast.services.len(), 1);
+    assert_eq!(fast.nodes.len(), 1);
+
+    let other_version = format!("{clean}- apiVersion: v2\n  metadata:\n    name: future\n");
+    assert!(block_yaml::from_str::<Manifest>(&other_version).is_none());
+    let json = r#"{"apiVersion":"v1","kind":"ServiceList","items":[
+{"metadata":{"name":"plain","namespace":"default"},"spec":{"clusterIP":"10.96.0.1"}},
+{"apiVersion":"v1","kind":"Node","metadata":{"name":"node-a"}},
+{"apiVersion":"v2","metadata":{"name":"future"}}]}"#;
+    for o in [
+        parse(&other_version),
+        general_path_only(&other_version),
+        parse_str(Path::new("objs.json"), json),
+    ] {
+        let names: Vec<_> = o
+            .services
+            .iter()
+            .map(|s| s.metadata.name.as_deref().unwrap())
+            .collect();
+        assert_eq!(names, ["plain"]);
+        assert_eq!(o.nodes.len(), 1);
+        let problems: Vec<_> = o
+            .errors
+            .iter()
+            .map(|e| (e.location.as_ref().unwrap().item, e.reason.clone()))
+            .collect();
+        assert_eq!(
+            problems,
+            [(
+                Some(2),
+                Problem::UnsupportedApiVersion {
+                    kind: "Service".into(),
+                    found: "v2".into(),
+                    expected: "v1"
+                }
+            )]
+        );
+    }
+}
+
 #[test]
 fn broken_documents_are_reported_and_the_rest_load() {
     let text = format!(
