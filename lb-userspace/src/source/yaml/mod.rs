@@ -90,7 +90,7 @@ pub fn parse_str(file: &Path, text: &str) -> Objects {
     if listing::is_json(file) {
         json::parse_json(file, text, &mut objects);
     } else {
-        parallel::parse_yaml(file, text, &mut pieces::Position::default(), &mut objects);
+        parallel::parse_yaml(file, text, &mut parallel::Position::default(), &mut objects);
     }
     objects
 }

@@ -10,8 +10,15 @@ use lb_yaml::{block as block_yaml, split_documents, Document};
 
 use super::block::Manifest;
 use super::general::take_yaml_document;
-use super::pieces::Position;
 use crate::source::Objects;
+
+/// Where a piece of a file starts: documents, lines and bytes before it.
+#[derive(Default)]
+pub(super) struct Position {
+    pub(super) documents: usize,
+    pub(super) lines: usize,
+    pub(super) bytes: usize,
+}
 
 /// Below this many documents per thread, spawning costs more than it saves.
 const PARALLEL_MIN_DOCUMENTS: usize = 256;

@@ -8,20 +8,12 @@ use std::fs;
 use std::io::Read;
 use std::path::Path;
 
-use super::parallel::parse_yaml;
+use super::parallel::{parse_yaml, Position};
 use super::FileError;
 use crate::source::Objects;
 
 /// Bytes of a manifest file read at a time.
 pub(super) const READ_PIECE: usize = 4 << 20;
-
-/// Where a piece of a file starts: documents, lines and bytes before it.
-#[derive(Default)]
-pub(super) struct Position {
-    pub(super) documents: usize,
-    pub(super) lines: usize,
-    pub(super) bytes: usize,
-}
 
 /// A YAML file's objects, read `piece` bytes at a time (more for a document longer
 /// than that).
