@@ -257,10 +257,10 @@ fn emit(text: &str) -> Result<()> {
 }
 
 fn hostname() -> String {
-    nix::unistd::gethostname().map_or_else(
-        |_| "localhost".to_string(),
-        |name| name.to_string_lossy().into_owned(),
-    )
+    rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned()
 }
 
 fn main() -> Result<()> {

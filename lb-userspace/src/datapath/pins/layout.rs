@@ -134,10 +134,10 @@ pub fn lock_for_cleanup(layout: &PinLayout) -> Result<Option<CleanupLock>, Clean
     if !root.exists() {
         return Ok(None);
     }
-    let on_bpffs = nix::sys::statfs::statfs(root)
+    let on_bpffs = rustix::fs::statfs(root)
         .map_err(|e| io_error(root)(e.into()))?
-        .filesystem_type()
-        == nix::sys::statfs::BPF_FS_MAGIC;
+        .f_type
+        == libc::BPF_FS_MAGIC;
     if !on_bpffs {
         return Err(CleanupError::NotBpffs {
             path: root.to_path_buf(),
