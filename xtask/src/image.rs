@@ -492,7 +492,7 @@ impl Store {
         fs::write(
             store.dir.join("containers.conf"),
             format!(
-                "[engine]\nevents_logger = \"none\"\ntmp_dir = \"{0}/tmp\"\n\
+                "[engine]\nevents_logger = \"none\"\nlock_type = \"file\"\ntmp_dir = \"{0}/tmp\"\n\
                  static_dir = \"{0}/root/libpod\"\nvolume_path = \"{0}/root/volumes\"\n",
                 dir.display()
             ),
