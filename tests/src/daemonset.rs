@@ -405,7 +405,6 @@ fn field_ref(from: &Value, node: &Node<'_>) -> Result<String> {
         .context("only fieldRef is mapped")?;
     Ok(match path {
         "spec.nodeName" => node.node_name.to_string(),
-        "metadata.namespace" => "kube-system".into(),
         other => bail!("fieldRef {other} is not mapped"),
     })
 }

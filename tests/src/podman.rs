@@ -150,16 +150,6 @@ impl Podman {
         })
     }
 
-    /// Containers of this podman (running or not), by name.
-    pub fn container_names(&self) -> Result<Vec<String>> {
-        let out = self.output(["ps", "--all", "--format", "{{.Names}}"])?;
-        Ok(out.lines().map(str::to_string).collect())
-    }
-
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
     /// The cgroup (below each hierarchy's root) the containers' cgroups go in.
     fn cgroup_parent(&self) -> String {
         self.dir

@@ -12,11 +12,13 @@
 //!   `target/image/` (the machine's own images are never touched) and writes
 //!   `target/image/lb-image.tar`, an OCI archive tagged `lb:<workspace version>`.
 //!   Beside the OCI index it carries a `manifest.json` naming the same blobs, as
-//!   `docker save` of Docker 25 writes it, so that `docker load -i` (every version)
-//!   reads it as well as `podman load -i`.
+//!   `docker save` of Docker 25 writes it, for `docker load -i`, which reads that
+//!   file (there is no docker on the project's machines to try it with).
 //! - Both readings are checked before the command succeeds: the archive is loaded
-//!   as an OCI archive and, separately, read as a docker archive, into a scratch
-//!   storage, and must give the same image under the expected name.
+//!   as an OCI archive (`podman load`) and, separately, read as a docker archive
+//!   (`podman pull docker-archive:`, containers/image's reader of what `docker
+//!   save` writes), into a scratch storage, and must give the same image under the
+//!   expected name.
 //!
 //! deploy/Containerfile describes the same image for those who build with a registry.
 
