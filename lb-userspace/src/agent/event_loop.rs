@@ -57,7 +57,12 @@ pub(super) async fn follow(
             }
             batch = next_batch(&mut batches), if batches.is_some() => {
                 match agent.check_step(batch) {
-                    Step::Going => continue,
+                    Step::Going => {
+                        // The next step may be ready at once: let the sources'
+                        // tasks run first, so a change waits one step at most.
+                        tokio::task::yield_now().await;
+                        continue;
+                    }
                     Step::Done => {
                         batches = None;
                         continue;
@@ -138,7 +143,7 @@ impl Agent {
                 Some(batches)
             }
             Err(e) => {
-                warn!("consistency check could not read the maps: {e}");
+                warn!("consistency check not run: {e}");
                 None
             }
         }
@@ -159,7 +164,9 @@ impl Agent {
             Some(Err(e)) => warn!("consistency check could not read the maps: {e}"),
             None => match check.finish(known.snapshot()) {
                 Verdict::Same => {}
-                Verdict::Inconclusive => debug!("consistency check overtaken by a whole-table write"),
+                Verdict::Inconclusive => {
+                    debug!("consistency check overtaken by a whole-table write")
+                }
                 Verdict::Differs => {
                     warn!(
                         "the service table in the kernel differs from what this agent wrote; repairing"
