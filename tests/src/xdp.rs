@@ -4,10 +4,9 @@
 //! send to an XDP program (a veth hands over partial checksums, which XDP cannot
 //! see; a NIC delivers complete ones).
 
-use std::os::fd::AsRawFd;
 use std::process::Command;
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{Context, Result};
 use aya::programs::{Xdp, XdpMode};
 use aya::{Ebpf, EbpfLoader};
 use lb_common::program_names;
@@ -21,22 +20,6 @@ pub struct XdpPass {
     _ebpf: Ebpf,
 }
 
-/// Runs `f` on a thread that joined `ns` only (the caller's thread stays put).
-pub fn in_netns<T: Send>(ns: &NetNs, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
-    let file = ns.open()?;
-    std::thread::scope(|scope| {
-        scope
-            .spawn(move || {
-                // SAFETY: plain syscall on an open namespace file; only this thread moves.
-                let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
-                ensure!(rc == 0, "setns: {}", std::io::Error::last_os_error());
-                f()
-            })
-            .join()
-            .expect("the namespace thread panicked")
-    })
-}
-
 /// Attaches `lb_xdp_pass` (from the kernel object the tests were built with) to
 /// `device` in `ns`, natively.
 pub fn attach_pass(ns: &NetNs, device: &str) -> Result<XdpPass> {
@@ -44,7 +27,7 @@ pub fn attach_pass(ns: &NetNs, device: &str) -> Result<XdpPass> {
         .context("built without LB_EBPF_OBJECT: run through `cargo xtask test`")?;
     let object = std::fs::read(path).with_context(|| format!("reading {path}"))?;
     let device = device.to_owned();
-    in_netns(ns, move || {
+    ns.run_in(move || {
         // Its own, unpinned maps: only the pass program is loaded.
         let mut ebpf = EbpfLoader::new().load(&object)?;
         let prog: &mut Xdp = ebpf

@@ -6,7 +6,6 @@
 //! Needs root and the lb binary with its embedded eBPF object (`cargo xtask test`).
 
 use std::net::{Ipv4Addr, SocketAddrV4};
-use std::os::fd::AsRawFd;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
@@ -52,25 +51,9 @@ fn answered(
     Ok(())
 }
 
-/// Runs `f` on a thread that joined `ns`'s network namespace only.
-fn in_netns<T: Send>(ns: &NetNs, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
-    let file = ns.open()?;
-    std::thread::scope(|scope| {
-        scope
-            .spawn(move || {
-                // SAFETY: plain syscall on an open namespace file; only this thread moves.
-                let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
-                ensure!(rc == 0, "setns: {}", std::io::Error::last_os_error());
-                f()
-            })
-            .join()
-            .expect("the namespace thread panicked")
-    })
-}
-
 /// Names of the TCX ingress programs on `dev` in `ns`, as the kernel lists them.
 fn tcx_programs(ns: &NetNs, dev: &str) -> Result<Vec<String>> {
-    in_netns(ns, || {
+    ns.run_in(|| {
         let (_, programs) = SchedClassifier::query_tcx(dev, TcAttachType::Ingress)
             .with_context(|| format!("querying the TCX programs of {dev}"))?;
         Ok(programs
@@ -389,7 +372,7 @@ fn cleanup_detaches_only_what_the_agent_attached() -> Result<()> {
         .context("built without LB_EBPF_OBJECT: run through `cargo xtask test`")?;
     let object = std::fs::read(object_path).with_context(|| format!("reading {object_path}"))?;
     // The foreign owner's attachments live as long as this value.
-    let foreign = in_netns(node1, move || {
+    let foreign = node1.run_in(move || {
         let mut ebpf = aya::EbpfLoader::new().load(&object)?;
         let prog: &mut SchedClassifier = ebpf
             .program_mut("lb_tc_internal")
