@@ -85,6 +85,9 @@ pub mod program_names {
     /// XDP on node-facing devices (section `xdp.frags`: loaded with
     /// `BPF_F_XDP_HAS_FRAGS`, so it also runs on multi-buffer frames).
     pub const XDP: &str = "lb_xdp";
+    /// Passes every frame: for the far end of a veth that `lb_xdp` sends into (not
+    /// attached by the agent).
+    pub const XDP_PASS: &str = "lb_xdp_pass";
 }
 
 /// IANA protocol numbers as `bpf_sock_addr.protocol` reports them.
@@ -610,8 +613,13 @@ pub struct Attachment {
     pub reason: u8,
     /// `ATTACH_MODE_*`: how the program is attached.
     pub mode: u8,
+    /// `ATTACH_XDP_*`: whether `lb_xdp` runs in front of `lb_tc_external` here.
+    pub xdp: u8,
+    /// `ATTACH_XDP_REFUSED`: the errno the kernel refused the attachment with
+    /// (capped at 255); 0 otherwise.
+    pub xdp_errno: u8,
     /// Explicit padding up to the 8-byte alignment of `netns`.
-    pub _pad: [u8; 5],
+    pub _pad: [u8; 3],
     /// Inode of the agent's network namespace: device names mean something only
     /// there, so `lb cleanup` elsewhere must not act on them.
     pub netns: u64,
@@ -630,6 +638,16 @@ pub const ATTACH_REASON_FLAG: u8 = 2;
 pub const ATTACH_MODE_TCX: u8 = 1;
 /// `Attachment::mode`: a cls_bpf filter at lb's priority and handle on clsact.
 pub const ATTACH_MODE_NETLINK: u8 = 2;
+
+/// `Attachment::xdp`: no XDP on this device (`--xdp off`, or a pod-facing one).
+pub const ATTACH_XDP_NONE: u8 = 0;
+/// `Attachment::xdp`: `lb_xdp` attached in the driver (native XDP).
+pub const ATTACH_XDP_NATIVE: u8 = 1;
+/// `Attachment::xdp`: `lb_xdp` attached in the stack (generic XDP, for testing).
+pub const ATTACH_XDP_GENERIC: u8 = 2;
+/// `Attachment::xdp`: the device refused `lb_xdp` (see `xdp_errno`); it keeps the
+/// TC path alone.
+pub const ATTACH_XDP_REFUSED: u8 = 3;
 
 /// Most devices the agent records (a node with this many pods is far beyond
 /// Kubernetes' 110-pods-per-node default).

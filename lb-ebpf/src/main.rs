@@ -125,6 +125,15 @@ pub fn lb_xdp(ctx: XdpContext) -> u32 {
     xdp_lb::handle(&ctx)
 }
 
+/// Passes every frame. For the far end of a veth that `lb_xdp` transmits into
+/// (`XDP_TX`, or a redirect): a veth delivers such frames only when its peer runs
+/// an XDP program. The agent never attaches it (that end is another node's or a
+/// switch's device); veth-based lab networks and the tests do.
+#[xdp(frags)]
+pub fn lb_xdp_pass(_ctx: XdpContext) -> u32 {
+    aya_ebpf::bindings::xdp_action::XDP_PASS
+}
+
 #[cfg(not(test))]
 #[panic_handler]
 fn panic(_info: &core::panic::PanicInfo) -> ! {

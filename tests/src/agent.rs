@@ -260,6 +260,9 @@ pub struct LinkStatus {
     pub reason: String,
     /// `tcx` or `netlink`.
     pub mode: String,
+    /// `lb_xdp` in front: `native`, `generic`, `refused (...)`, or `-`.
+    #[serde(default)]
+    pub xdp: String,
 }
 
 /// One flow of `lb conntrack --json`.
@@ -287,6 +290,8 @@ pub struct AgentSpec<'a> {
     pub extra_args: Vec<String>,
     /// Follow the API server this kubeconfig names instead of `services`.
     pub kubeconfig: Option<&'a Path>,
+    /// Pin under this (existing) directory, an earlier agent's, instead of a new one.
+    pub pin_dir: Option<&'a Path>,
 }
 
 impl<'a> AgentSpec<'a> {
@@ -296,6 +301,7 @@ impl<'a> AgentSpec<'a> {
             cgroup,
             node_name,
             netns: None,
+            pin_dir: None,
             extra_args: Vec::new(),
             kubeconfig: None,
         }
@@ -303,6 +309,13 @@ impl<'a> AgentSpec<'a> {
 
     pub fn kubeconfig(mut self, path: &'a Path) -> Self {
         self.kubeconfig = Some(path);
+        self
+    }
+
+    /// Take over the pin directory of an agent stopped with
+    /// [`Agent::stop_keeping_pins`]: a restart on the same node.
+    pub fn pin_dir(mut self, dir: &'a Path) -> Self {
+        self.pin_dir = Some(dir);
         self
     }
 
@@ -341,6 +354,8 @@ pub struct Agent {
     child: Child,
     cli: LbCli,
     log_on_drop: bool,
+    /// Stopped for a restart: the pins stay for the next agent.
+    keep_pins: bool,
 }
 
 /// The agent's pin directory is read and cleaned with the same `lb` commands as any.
@@ -362,8 +377,14 @@ impl Agent {
     /// Start `lb agent` as `spec` says (network namespace, extra flags).
     pub fn start_with(lb: &Path, spec: &AgentSpec<'_>) -> Result<Self> {
         ensure_bpffs()?;
-        let pin_dir = Path::new(BPFFS).join(unique_name("lb-test"));
-        fs::create_dir(&pin_dir).with_context(|| format!("creating {}", pin_dir.display()))?;
+        let pin_dir = match spec.pin_dir {
+            Some(dir) => dir.to_path_buf(),
+            None => {
+                let dir = Path::new(BPFFS).join(unique_name("lb-test"));
+                fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
+                dir
+            }
+        };
         // From here on the pin dir belongs to a guard-less local: build the Agent right
         // away so Drop covers it, or remove it if the spawn fails.
         let spawned = (|| {
@@ -403,6 +424,7 @@ impl Agent {
                 child,
                 cli: LbCli::new(lb, &pin_dir),
                 log_on_drop: true,
+                keep_pins: false,
             }),
             Err(e) => {
                 let _ = fs::remove_dir_all(&pin_dir);
@@ -462,12 +484,23 @@ impl Agent {
         }
         Ok(())
     }
+
+    /// Stops the agent and leaves its programs and maps pinned (as a node's agent
+    /// leaves them on a restart): the pin directory, for the next agent
+    /// ([`AgentSpec::pin_dir`]), which then owns it.
+    pub fn stop_keeping_pins(mut self) -> Result<PathBuf> {
+        self.stop()?;
+        self.keep_pins = true;
+        Ok(self.cli.pin_dir().to_path_buf())
+    }
 }
 
 impl Drop for Agent {
     fn drop(&mut self) {
         let _ = self.child.terminate(Duration::from_secs(5));
-        self.cli.remove_pins();
+        if !self.keep_pins {
+            self.cli.remove_pins();
+        }
         if self.log_on_drop && !crate::interrupt::requested() {
             eprintln!("--- lb agent log ---\n{}\n---", self.child.stderr.text());
         }

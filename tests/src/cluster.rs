@@ -168,9 +168,20 @@ pub struct ClusterBuilder {
     client_routes: Vec<IpAddr>,
     accept_local: bool,
     second_client: bool,
+    xdp_ready: bool,
 }
 
 impl ClusterBuilder {
+    /// Make the network fit for `lb_xdp` on the nodes' uplinks, as a network of
+    /// NICs would be: the switch's ports to the nodes run a pass program (a veth
+    /// delivers what XDP transmits into it only then), and the clients and pods
+    /// send complete checksums (a veth hands over partial ones, which XDP cannot
+    /// see).
+    pub fn xdp_ready(mut self) -> Self {
+        self.xdp_ready = true;
+        self
+    }
+
     /// A second external client at [`CLIENT2_IP`], with the same routes as the
     /// first (e.g. to tell two sources apart).
     pub fn second_client(mut self) -> Self {
@@ -273,6 +284,10 @@ impl Node {
 pub struct Cluster {
     /// First: each node stops its agent, then its pods, namespace and cgroup go.
     nodes: Vec<Node>,
+    /// The switch ports' pass programs ([`ClusterBuilder::xdp_ready`]).
+    xdp_peers: Vec<crate::xdp::XdpPass>,
+    /// Pods get complete checksums ([`ClusterBuilder::xdp_ready`]).
+    xdp_ready: bool,
     client: NetNs,
     client2: Option<NetNs>,
     switch: NetNs,
@@ -291,6 +306,7 @@ impl Cluster {
             client_routes: Vec::new(),
             accept_local: std::env::var("LB_TEST_ACCEPT_LOCAL").is_ok_and(|v| v == "1"),
             second_client: false,
+            xdp_ready: false,
         }
     }
 
@@ -309,6 +325,8 @@ impl Cluster {
         // Filled as we go: whatever exists when a step fails is dropped (cleaned up).
         let mut cluster = Cluster {
             nodes: Vec::new(),
+            xdp_peers: Vec::new(),
+            xdp_ready: spec.xdp_ready,
             client,
             client2,
             switch,
@@ -336,6 +354,19 @@ impl Cluster {
         for i in 0..spec.nodes {
             let node = cluster.add_node(i, &spec)?;
             cluster.nodes.push(node);
+        }
+        if spec.xdp_ready {
+            for client in [Some(&cluster.client), cluster.client2.as_ref()]
+                .into_iter()
+                .flatten()
+            {
+                crate::xdp::tx_checksum_off(client, "eth0")?;
+            }
+            for i in 0..spec.nodes {
+                let port = format!("sw-{}", node_name(i));
+                let pass = crate::xdp::attach_pass(&cluster.switch, &port)?;
+                cluster.xdp_peers.push(pass);
+            }
         }
         for i in 0..spec.nodes {
             for j in (0..spec.nodes).filter(|&j| j != i) {
@@ -456,6 +487,9 @@ impl Cluster {
             &Node::pod_iface(&pod.name),
         )?;
         p.add_ipv6(pod_ip6(i, ip.octets()[3]), pod_gateway6(i))?;
+        if self.xdp_ready {
+            crate::xdp::tx_checksum_off(p.netns(), "eth0")?;
+        }
         if pod.role == Role::Backend {
             p.start_echo_with(
                 &self.tools.echo,
@@ -642,6 +676,27 @@ impl Cluster {
             }
         }
         Ok(())
+    }
+
+    /// Stops node `node`'s agent and starts it again with `args` (its programs
+    /// and maps stay pinned in between, as on a real node), and waits until it is
+    /// ready.
+    pub fn restart_agent(&mut self, lb: &Path, node: usize, args: Vec<String>) -> Result<()> {
+        let services = self.manifests.path().to_path_buf();
+        let n = &mut self.nodes[node];
+        let old = n.agent.take().context("no agent to restart")?;
+        let pins = old.stop_keeping_pins()?;
+        let name = node_name(node);
+        let spec = AgentSpec::new(&services, &n.cgroup, &name)
+            .netns(&n.ns)
+            .pin_dir(&pins)
+            .args(args);
+        n.agent = Some(Agent::start_with(lb, &spec)?);
+        n.agent
+            .as_ref()
+            .expect("just started")
+            .wait_ready(READY_TIMEOUT)
+            .with_context(|| format!("agent of {name} after the restart"))
     }
 
     /// Wait until node `node`'s agent programmed `ip:port/protocol` (the entry of

@@ -26,6 +26,7 @@ pub mod process;
 pub mod testbed;
 pub mod topology;
 pub mod util;
+pub mod xdp;
 
 pub use agent::{lb_binary, Agent, ServiceEntry};
 pub use testbed::{Hold, Testbed, Tools, ECHO_TCP_PORT, ECHO_UDP_PORT};

@@ -24,6 +24,9 @@ pub const PACKAGES: &[&str] = &[
     "zlib1g-dev",
     "bpftool",
     "iproute2",
+    // The XDP tests turn off transmit checksum offload on the veths that send to an
+    // XDP program (a veth hands over partial checksums, which XDP cannot see).
+    "ethtool",
 ];
 
 /// What `cargo xtask bench` needs on top: kube-proxy's iptables and nftables modes

@@ -82,13 +82,14 @@ impl Agent {
             ranges: Duration::ZERO,
             written: Duration::ZERO,
         };
+        let first = !self.attached;
         let outcome = self.write(&delta, &mut stages);
         if self.attached {
             self.created_pins.keep();
         }
         match outcome {
             Ok(outcome) => {
-                self.recorded(outcome, &delta, &stages, cause).await;
+                self.recorded(outcome, &delta, &stages, cause, first).await;
                 Ok(false)
             }
             Err(SyncError::Attach(e)) => Err(e),
@@ -181,6 +182,7 @@ impl Agent {
         delta: &Delta,
         stages: &Stages,
         cause: Cause,
+        first: bool,
     ) {
         let total = stages.taken.elapsed();
         let waited = stages
@@ -193,7 +195,8 @@ impl Agent {
             (stages.written - stages.ranges).as_micros() as u64,
             (total - stages.written).as_micros() as u64,
         );
-        if waited.unwrap_or_default() + total > SLOW_CHANGE {
+        // The first sync is the start, which logs its own stages.
+        if !first && waited.unwrap_or_default() + total > SLOW_CHANGE {
             info!(
                 queued_us = fields.0,
                 derive_us = fields.1,

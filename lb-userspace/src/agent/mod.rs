@@ -17,10 +17,10 @@ use std::time::Duration;
 
 use crate::control::NodePortRange;
 use crate::datapath::conntrack;
-use crate::datapath::loader::{LoadError, TcAttach};
+use crate::datapath::device_links::DeviceLinksError;
+use crate::datapath::loader::{LoadError, TcAttach, XdpAttach};
 use crate::datapath::maps::MapsError;
 use crate::datapath::pins::{self, MapSizes, PinLayout, PinLockError};
-use crate::datapath::tc_links::TcLinksError;
 use crate::node::host::SysError;
 use crate::node::netlink::NetlinkError;
 use crate::node::{NodePortAddresses, Overrides};
@@ -62,6 +62,8 @@ pub struct AgentConfig {
     pub sizes: MapSizes,
     /// How the per-packet programs attach (`Off`: socket hooks only).
     pub tc_mode: TcAttach,
+    /// Whether `lb_xdp` goes in front of the TC program on node-facing devices.
+    pub xdp_mode: XdpAttach,
     /// Devices whose role the operator fixed (`--iface`, `--pod-iface`).
     pub tc_overrides: Overrides,
     /// Conntrack idle timeouts of the per-packet path.
@@ -108,7 +110,7 @@ pub enum AgentError {
     #[error(transparent)]
     PinLock(#[from] PinLockError),
     #[error(transparent)]
-    TcLinks(#[from] TcLinksError),
+    DeviceLinks(#[from] DeviceLinksError),
     #[error(transparent)]
     Source(#[from] source::SourceError),
     #[error(transparent)]

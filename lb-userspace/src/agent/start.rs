@@ -15,10 +15,10 @@ use super::{AgentConfig, AgentError, ObjectSource};
 use crate::control::index::DesiredIndex;
 use crate::control::known::KnownTable;
 use crate::control::SourceOptions;
+use crate::datapath::device_links::DeviceLinks;
 use crate::datapath::loader::{self, LoadError, TcAttach};
 use crate::datapath::maps::PinnedMaps;
 use crate::datapath::pins::{self, CreatedPins, PinLock, PinLockError, Wait};
-use crate::datapath::tc_links::TcLinks;
 use crate::node::host;
 use crate::node::netlink;
 use crate::node::{NodeNet, Overrides};
@@ -34,7 +34,7 @@ pub(super) struct Agent {
     pub(super) status: Arc<AgentStatus>,
     pub(super) ebpf: Ebpf,
     pub(super) maps: PinnedMaps,
-    pub(super) tc_links: TcLinks,
+    pub(super) links: DeviceLinks,
     /// The device roles the operator fixed, and whether TC is off.
     pub(super) overrides: Overrides,
     /// The node's devices and addresses, as last reported.
@@ -129,7 +129,7 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
         &config.node_ips,
         config.maglev_seed,
     )?;
-    loader::verify(&mut ebpf, config.tc_mode)?;
+    loader::verify(&mut ebpf, config.tc_mode, config.xdp_mode)?;
     info!(
         load_ms = loading.elapsed().as_millis() as u64,
         "datapath programs loaded"
@@ -151,7 +151,7 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
         off: config.tc_mode == TcAttach::Off,
         ..config.tc_overrides.clone()
     };
-    let tc_links = TcLinks::new(&config.pin, config.tc_mode)?;
+    let links = DeviceLinks::new(&config.pin, config.tc_mode, config.xdp_mode)?;
     let index = DesiredIndex::new(SourceOptions {
         node_name: config.node_name.clone(),
         node_ips: config.node_ips.clone(),
@@ -164,7 +164,7 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
         status,
         ebpf,
         maps,
-        tc_links,
+        links,
         overrides,
         net,
         nodes: Vec::new(),
@@ -201,9 +201,9 @@ impl Agent {
         let mut pins =
             loader::attach_cgroup_hooks(&mut self.ebpf, &self.config.pin, &self.config.cgroup)?;
         self.sync_devices();
-        pins.extend(self.tc_links.pins());
+        pins.extend(self.links.pins());
         loader::remove_stale_links(&self.config.pin, &pins)?;
-        self.tc_links.retire_stale_records();
+        self.links.retire_stale_records();
         self.attached = true;
         let config = &self.config;
         info!(
@@ -227,7 +227,8 @@ impl Agent {
     /// The per-packet programs on the devices the node has now.
     pub(super) fn sync_devices(&mut self) {
         let wanted = crate::node::attachments(&self.net, &self.overrides);
-        self.tc_links.sync(&mut self.ebpf, &wanted);
+        self.links.sync(&mut self.ebpf, &wanted, &self.net);
+        self.status.set_xdp(self.links.xdp_reports());
     }
 
     /// Stops serving: the ports go before the lock, so a rolling update's next

@@ -8,10 +8,10 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use lb_userspace::agent::{self, AgentConfig, ObjectSource};
 use lb_userspace::control::NodePortRange;
-use lb_userspace::datapath::loader::TcAttach;
+use lb_userspace::datapath::loader::{TcAttach, XdpAttach};
 use lb_userspace::datapath::maps::PinnedMaps;
 use lb_userspace::datapath::pins::{self, MapSizes, PinLayout};
-use lb_userspace::datapath::{conntrack, table, tc_links};
+use lb_userspace::datapath::{conntrack, device_links, table};
 use lb_userspace::model::{Algorithm, Frontend, Protocol, Scope};
 use lb_userspace::node::host as sys;
 use lb_userspace::node::{NodePortAddresses, Overrides};
@@ -178,6 +178,13 @@ struct AgentArgs {
     /// only.
     #[arg(long, value_enum, default_value_t = TcAttach::Auto)]
     tc_attach: TcAttach,
+    /// XDP in front of the TC program on node-facing devices, for NodePort,
+    /// LoadBalancer and externalIP traffic: `native` attaches in the driver on
+    /// every node-facing device that takes it (a device that refuses keeps the TC
+    /// path and is reported in the log and `lb status`; never generic on its own);
+    /// `generic` is for testing only.
+    #[arg(long, value_enum, default_value_t = XdpAttach::Off)]
+    xdp: XdpAttach,
     /// Load this kernel object instead of the one built into `lb`.
     #[arg(long)]
     bpf_object: Option<PathBuf>,
@@ -337,10 +344,10 @@ fn emit(text: &str) -> Result<()> {
 }
 
 fn hostname() -> String {
-    nix::unistd::gethostname().map_or_else(
-        |_| "localhost".to_string(),
-        |name| name.to_string_lossy().into_owned(),
-    )
+    rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned()
 }
 
 fn main() -> Result<()> {
@@ -407,7 +414,7 @@ fn main() -> Result<()> {
             json,
             metrics_address,
         } => {
-            let links = tc_links::recorded(&layout)?;
+            let links = device_links::recorded(&layout)?;
             let agent = agent_status(metrics_address)?;
             if json {
                 let agent = match &agent {
@@ -426,7 +433,7 @@ fn main() -> Result<()> {
                 let status = serde_json::json!({ "links": links, "agent": agent });
                 emit(&(serde_json::to_string_pretty(&status)? + "\n"))
             } else {
-                let mut text = tc_links::render_text(&links);
+                let mut text = device_links::render_text(&links);
                 text += &render_agent_status(metrics_address, &agent);
                 emit(&text)
             }
@@ -470,7 +477,7 @@ fn main() -> Result<()> {
                 return Ok(());
             };
             // The netlink filters first: their record is a map about to be unpinned.
-            let filters = tc_links::cleanup(&layout);
+            let filters = device_links::cleanup(&layout);
             if !filters.elsewhere.is_empty() {
                 let devices: Vec<&str> =
                     filters.elsewhere.iter().map(|(d, _)| d.as_str()).collect();
@@ -534,15 +541,23 @@ fn render_agent_status(
             )
         }
     };
-    if report.unreadable_files.is_empty() {
-        return format!("\nagent at {addr}: every manifest file is readable\n");
-    }
-    let mut out = format!(
-        "\nagent at {addr}: {} manifest file(s) cannot be read (their last good objects stay):\n",
-        report.unreadable_files.len()
-    );
-    for file in &report.unreadable_files {
-        out += &format!("  {}: {}\n", file.path.display(), file.reason);
+    let mut out = if report.unreadable_files.is_empty() {
+        format!("\nagent at {addr}: every manifest file is readable\n")
+    } else {
+        let mut out = format!(
+            "\nagent at {addr}: {} manifest file(s) cannot be read (their last good objects stay):\n",
+            report.unreadable_files.len()
+        );
+        for file in &report.unreadable_files {
+            out += &format!("  {}: {}\n", file.path.display(), file.reason);
+        }
+        out
+    };
+    for device in &report.xdp {
+        out += &match &device.reason {
+            Some(reason) => format!("xdp {}: {} ({reason})\n", device.device, device.state),
+            None => format!("xdp {}: {}\n", device.device, device.state),
+        };
     }
     out
 }
@@ -572,6 +587,7 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
             maglev_slots: args.maglev_table_slots,
         },
         tc_mode: args.tc_attach,
+        xdp_mode: args.xdp,
         tc_overrides: Overrides {
             node_facing: args.ifaces,
             pod_facing: args.pod_ifaces,

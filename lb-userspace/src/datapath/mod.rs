@@ -1,18 +1,18 @@
 //! The service table in the kernel's layout, and everything that touches the kernel
 //! for it: the map encoding ([`codec`]), what the maps hold ([`snapshot`], read back
 //! for `lb services` by [`table`]), the pinned maps ([`maps`]), conntrack and source
-//! ranges, the per-packet links on devices ([`tc_links`]), loading and attaching
+//! ranges, the per-packet links on devices ([`device_links`]), loading and attaching
 //! ([`loader`]) and the pin directory ([`pins`]).
 
 pub mod codec;
 pub mod conntrack;
+pub mod device_links;
 pub mod loader;
 pub mod maps;
 pub mod pins;
 pub mod snapshot;
 pub mod source_ranges;
 pub mod table;
-pub mod tc_links;
 
 /// aya's errors keep the errno in their source; a message without it is useless.
 pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {

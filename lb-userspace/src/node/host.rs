@@ -48,15 +48,15 @@ pub enum SysError {
 /// the kernel's answer to attaching there is only `bpf_link_create: Bad file
 /// descriptor`, long after the maps were written.
 pub fn check_cgroup2_dir(path: &Path) -> Result<(), SysError> {
-    use nix::sys::statfs::{statfs, CGROUP2_SUPER_MAGIC, CGROUP_SUPER_MAGIC};
+    use libc::{CGROUP2_SUPER_MAGIC, CGROUP_SUPER_MAGIC};
     let unreadable = |source| SysError::CgroupUnreadable {
         path: path.to_owned(),
         source,
     };
     let meta = fs::metadata(path).map_err(unreadable)?;
-    let fs_type = statfs(path)
+    let fs_type = rustix::fs::statfs(path)
         .map_err(|errno| unreadable(std::io::Error::from(errno)))?
-        .filesystem_type();
+        .f_type;
     let found = if fs_type == CGROUP2_SUPER_MAGIC {
         if meta.is_dir() {
             return Ok(());
@@ -118,12 +118,12 @@ pub fn ensure_bpffs(pin_dir: &Path) -> Result<(), SysError> {
             pin_dir: pin_dir.to_path_buf(),
         });
     }
-    nix::mount::mount(
-        Some("bpf"),
+    rustix::mount::mount(
+        "bpf",
         BPFFS_ROOT,
-        Some("bpf"),
-        nix::mount::MsFlags::empty(),
-        None::<&str>,
+        "bpf",
+        rustix::mount::MountFlags::empty(),
+        None,
     )
     .map_err(|errno| SysError::BpffsMount {
         path: BPFFS_ROOT.to_string(),

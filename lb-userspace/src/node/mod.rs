@@ -29,6 +29,9 @@ pub struct Link {
     pub loopback: bool,
     /// A veth or netkit pair end: what CNIs give a pod on the host side.
     pub pair: bool,
+    /// The link kind of a virtual device (`veth`, `bridge`, `vxlan`, ...); `None`
+    /// for a physical one. Said when a device refuses native XDP.
+    pub kind: Option<String>,
     /// Addresses of both families with their prefix length.
     pub addresses: Vec<IpNet>,
 }
@@ -243,6 +246,7 @@ mod tests {
 
     fn link(name: &str, addresses: &[&str]) -> Link {
         Link {
+            kind: None,
             name: name.into(),
             loopback: name == "lo",
             pair: name.starts_with("veth") || name.starts_with("cali") || name == "eth0",

@@ -37,8 +37,8 @@ pub enum NetlinkError {
 /// What the watcher knows; published as a [`NodeNet`].
 #[derive(Default)]
 struct View {
-    /// ifindex -> (name, loopback, veth/netkit).
-    links: BTreeMap<u32, (String, bool, bool)>,
+    /// ifindex -> the device as its last notification described it (no addresses).
+    links: BTreeMap<u32, Link>,
     addresses: BTreeMap<u32, BTreeSet<IpNet>>,
 }
 
@@ -47,19 +47,19 @@ impl View {
         let links = self
             .links
             .iter()
-            .map(|(&index, (name, loopback, pair))| {
+            .map(|(&index, link)| {
                 let addresses = self
                     .addresses
                     .get(&index)
                     .map(|set| set.iter().copied().collect())
                     .unwrap_or_default();
-                let link = Link {
-                    name: name.clone(),
-                    loopback: *loopback,
-                    pair: *pair,
-                    addresses,
-                };
-                (index, link)
+                (
+                    index,
+                    Link {
+                        addresses,
+                        ..link.clone()
+                    },
+                )
             })
             .collect();
         NodeNet { links }
@@ -72,17 +72,22 @@ impl View {
         });
         let Some(name) = name else { return };
         let loopback = message.header.flags.contains(LinkFlags::Loopback);
-        let pair = message.attributes.iter().any(|a| match a {
-            LinkAttribute::LinkInfo(infos) => infos.iter().any(|i| {
-                matches!(
-                    i,
-                    LinkInfo::Kind(InfoKind::Veth) | LinkInfo::Kind(InfoKind::Netkit)
-                )
+        let kind = message.attributes.iter().find_map(|a| match a {
+            LinkAttribute::LinkInfo(infos) => infos.iter().find_map(|i| match i {
+                LinkInfo::Kind(kind) => Some(kind),
+                _ => None,
             }),
-            _ => false,
+            _ => None,
         });
-        self.links
-            .insert(message.header.index, (name, loopback, pair));
+        let pair = matches!(kind, Some(InfoKind::Veth | InfoKind::Netkit));
+        let link = Link {
+            name,
+            loopback,
+            pair,
+            kind: kind.map(|k| k.to_string()),
+            addresses: Vec::new(),
+        };
+        self.links.insert(message.header.index, link);
     }
 
     fn del_link(&mut self, message: &LinkMessage) {

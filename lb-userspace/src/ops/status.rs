@@ -13,6 +13,7 @@ use std::sync::Arc;
 use parking_lot::{Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::datapath::device_links::XdpReport;
 use crate::source::EndpointSlice;
 
 use super::metrics::{Metrics, ProgrammingLatency};
@@ -85,6 +86,7 @@ struct State {
     pending_since: Option<Instant>,
     /// Manifest files that could not be read: (path, why), in file name order.
     unreadable_files: Vec<(PathBuf, String)>,
+    xdp: Vec<XdpReport>,
     programming: ProgrammingLatency,
 }
 
@@ -221,6 +223,11 @@ impl AgentStatus {
         self.state().unreadable_files.clone()
     }
 
+    /// `lb_xdp` on each node-facing device: attached, or refused and why.
+    pub fn set_xdp(&self, devices: Vec<XdpReport>) {
+        self.state().xdp = devices;
+    }
+
     /// Entries in use and the size of one pinned map, e.g. `LB_SERVICES`.
     pub fn set_map_usage(&self, map: &str, entries: usize, capacity: u32) {
         self.metrics.set_map_usage(map, entries, capacity);
@@ -281,6 +288,7 @@ impl AgentStatus {
                 .into_iter()
                 .map(|(path, reason)| UnreadableFile { path, reason })
                 .collect(),
+            xdp: self.state().xdp.clone(),
         }
     }
 
@@ -314,6 +322,9 @@ pub struct StatusReport {
     pub initial_sync_done: bool,
     /// Manifest files the agent cannot read, in file name order.
     pub unreadable_files: Vec<UnreadableFile>,
+    /// `lb_xdp` on each node-facing device (none with `--xdp off`).
+    #[serde(default)]
+    pub xdp: Vec<XdpReport>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -2,10 +2,9 @@
 
 use std::collections::HashSet;
 use std::fs::File;
+use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
-
-use nix::sched::CloneFlags;
 
 /// One handle per network namespace that a process in `cgroup` (or a cgroup below
 /// it) is in. Processes that exit while the tree is read are skipped; a cgroup the
@@ -45,7 +44,10 @@ pub fn run_in<T: Send>(netns: &File, work: impl FnOnce() -> T + Send) -> std::io
     std::thread::scope(|scope| {
         scope
             .spawn(|| {
-                nix::sched::setns(netns, CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)?;
+                rustix::thread::move_into_link_name_space(
+                    netns.as_fd(),
+                    Some(rustix::thread::LinkNameSpaceType::Network),
+                )?;
                 Ok(work())
             })
             .join()

@@ -50,7 +50,7 @@ enum Cmd {
         /// tc-nodeport, tc-nodeport6, socket-lb-api).
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
-        /// Time 200 endpoint changes under churn at every scale (on in full runs).
+        /// Time endpoint changes under churn at every scale (200, 1000 from 10k up; on in full runs).
         #[arg(long)]
         change_distribution: bool,
     },

@@ -42,7 +42,14 @@ pub const ENDPOINTS_PER_SERVICE: usize = 10;
 /// Changes timed per scale for the change-latency distribution (enough for a
 /// p99.9 where the targets are judged, 10k and up), and the churn of other
 /// Services meanwhile.
+/// `LB_BENCH_CHANGES` overrides the count (a quick look at the distribution).
 pub fn measured_changes(s: usize) -> usize {
+    if let Some(n) = std::env::var("LB_BENCH_CHANGES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        return n;
+    }
     if s >= 10_000 {
         1000
     } else {
@@ -1299,6 +1306,14 @@ fn control_row(
     note: &str,
 ) -> ControlResult {
     let (agent, listed, pid) = started;
+    // LB_BENCH_AGENT_LOG=DIR keeps each row's whole agent log (the slow changes'
+    // stages, the file source's reads) for a closer look.
+    if let Some(dir) = std::env::var_os("LB_BENCH_AGENT_LOG") {
+        let path = std::path::Path::new(&dir).join(format!("{datapath}-{s}.log"));
+        if let Err(e) = fs::write(&path, agent.log().join("\n")) {
+            eprintln!("cannot write {}: {e}", path.display());
+        }
+    }
     let quantile =
         |q: f64| (!distribution.is_empty()).then(|| crate::netio::percentile(distribution, q));
     let slow_changes = slow_changes(&agent.log());

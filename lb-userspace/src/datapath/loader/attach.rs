@@ -7,14 +7,15 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use aya::programs::{
-    links::{FdLink, LinkOrder},
+    links::{FdLink, LinkOrder, PinnedLink},
     tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcAttachType, TcError, TcHandle},
-    CgroupAttachMode, ProgramError, SchedClassifier,
+    xdp::XdpLink,
+    CgroupAttachMode, ProgramError, SchedClassifier, XdpMode,
 };
 use aya::Ebpf;
 use lb_common::program_names;
 
-use super::load::{cgroup_program, tc_program};
+use super::load::{cgroup_program, tc_program, xdp_program};
 use super::{program_error, LoadError};
 use crate::datapath::error_chain;
 use crate::datapath::pins::PinLayout;
@@ -24,7 +25,7 @@ use crate::datapath::pins::PinLayout;
 /// are attached: both translate identically, and a socket already rewritten to a
 /// backend is not a frontend to the second program, so the overlap is harmless
 /// while a gap would not be. The per-packet programs go on devices through
-/// [`crate::datapath::tc_links`].
+/// [`crate::datapath::device_links`].
 pub fn attach_cgroup_hooks(
     ebpf: &mut Ebpf,
     layout: &PinLayout,
@@ -95,6 +96,91 @@ pub enum TcAttach {
     /// No per-packet path: socket hooks only (another component handles NodePort,
     /// LoadBalancer and externalIPs).
     Off,
+}
+
+/// Whether and how `lb_xdp` goes in front of `lb_tc_external` on node-facing devices.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum XdpAttach {
+    /// No XDP: the per-packet path is TC alone.
+    #[default]
+    Off,
+    /// Native XDP, in the driver, on every node-facing device whose driver takes
+    /// it; a device that refuses keeps the TC path alone (never generic).
+    Native,
+    /// Generic XDP, in the stack: for testing only (no faster than TC).
+    Generic,
+}
+
+impl XdpAttach {
+    fn mode(self) -> XdpMode {
+        match self {
+            XdpAttach::Native => XdpMode::Driver,
+            _ => XdpMode::Skb,
+        }
+    }
+}
+
+/// The pin name of the XDP link on `device`.
+pub(crate) fn xdp_pin_name(device: &str) -> String {
+    tc_pin_name(program_names::XDP, device)
+}
+
+/// Why a device did not take `lb_xdp`.
+#[derive(Debug)]
+pub(crate) struct XdpRefused {
+    /// The kernel's errno, 0 when the refusal was not the kernel's.
+    pub errno: i32,
+    pub message: String,
+}
+
+/// Attaches `lb_xdp` to the device `ifindex` (`device`) in `mode` and pins the link
+/// at `pin`. A link pinned there by an earlier agent is replaced in place
+/// (`BPF_LINK_UPDATE`), so a restart never leaves the device without XDP; a
+/// device refusing it (its driver has no native XDP, another program is there)
+/// is the caller's to report.
+pub(crate) fn attach_xdp_device(
+    ebpf: &mut Ebpf,
+    ifindex: u32,
+    mode: XdpAttach,
+    links_dir: &Path,
+    device: &str,
+) -> Result<PathBuf, XdpRefused> {
+    let refused = |e: &dyn std::error::Error, errno: Option<i32>| XdpRefused {
+        errno: errno.unwrap_or(0),
+        message: error_chain(e),
+    };
+    let prog = xdp_program(ebpf).map_err(|e| refused(&e, None))?;
+    let name = xdp_pin_name(device);
+    let pinned = links_dir.join(&name);
+    let earlier = PinnedLink::from_pin(&pinned)
+        .ok()
+        .map(FdLink::from)
+        .and_then(|link| XdpLink::try_from(link).ok());
+    let id = match earlier {
+        Some(link) => prog.attach_to_link(link),
+        None => prog.attach_to_if_index(ifindex, mode.mode()),
+    }
+    .map_err(|e| refused(&e, os_error(&e)))?;
+    let link = prog.take_link(id).map_err(|e| refused(&e, None))?;
+    let link: FdLink = link
+        .try_into()
+        .map_err(|e: aya::programs::links::LinkError| XdpRefused {
+            errno: 0,
+            message: format!("attached through netlink, not a bpf_link that can be pinned: {e}"),
+        })?;
+    pin_link(link, program_names::XDP, links_dir, &name).map_err(|e| refused(&e, None))
+}
+
+/// The errno behind a program error, if the kernel gave one.
+fn os_error(error: &ProgramError) -> Option<i32> {
+    let mut source: Option<&dyn std::error::Error> = Some(error);
+    while let Some(e) = source {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            return io.raw_os_error();
+        }
+        source = e.source();
+    }
+    None
 }
 
 /// Whether `mode` attaches through TCX on this kernel.

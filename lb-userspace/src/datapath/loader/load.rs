@@ -5,11 +5,11 @@ use std::fs;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
-use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier};
+use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier, Xdp};
 use aya::{Ebpf, EbpfLoader};
 use lb_common::{map_names, program_names};
 
-use super::{program_error, LoadError, TcAttach};
+use super::{program_error, LoadError, TcAttach, XdpAttach};
 use crate::datapath::pins::{MapSizes, PinLayout};
 use lb_common::IpAddrBe;
 
@@ -32,13 +32,16 @@ pub fn kernel_object(path: Option<&Path>) -> Result<Vec<u8>, LoadError> {
 /// any: the agent does this while the first sync is still being read, so the
 /// verifier's time is off the path to serving, and a rejection stops the start
 /// before a single map write. `attach` loads whatever this did not.
-pub fn verify(ebpf: &mut Ebpf, tc: TcAttach) -> Result<(), LoadError> {
+pub fn verify(ebpf: &mut Ebpf, tc: TcAttach, xdp: XdpAttach) -> Result<(), LoadError> {
     for program in program_names::ALL {
         cgroup_program(ebpf, program)?;
     }
     if tc != TcAttach::Off {
         for program in [program_names::TC_EXTERNAL, program_names::TC_INTERNAL] {
             tc_program(ebpf, program)?;
+        }
+        if xdp != XdpAttach::Off {
+            xdp_program(ebpf)?;
         }
     }
     Ok(())
@@ -61,6 +64,22 @@ impl LoadOnce for SchedClassifier {
     }
 }
 
+impl LoadOnce for Xdp {
+    fn load_once(&mut self) -> Result<(), ProgramError> {
+        self.fd().map(|_| ()).or_else(|_| self.load())
+    }
+}
+
+/// Loads the kernel refused with EAGAIN before giving up: a signal arriving during a
+/// long verification (lb_xdp's takes about half a second) makes BPF_PROG_LOAD fail
+/// that way, and libbpf retries it as well.
+const LOAD_ATTEMPTS: usize = 5;
+
+fn is_eagain(error: &ProgramError) -> bool {
+    matches!(error, ProgramError::LoadError { io_error, .. }
+        if io_error.raw_os_error() == Some(libc::EAGAIN))
+}
+
 /// A program of the object, loaded into the kernel unless it already is.
 fn loaded_program<'a, P: LoadOnce>(
     ebpf: &'a mut Ebpf,
@@ -74,8 +93,14 @@ where
         .ok_or(LoadError::MissingProgram { program })?
         .try_into()
         .map_err(|e| program_error(program, e))?;
-    prog.load_once().map_err(|e| verifier_error(program, e))?;
-    Ok(prog)
+    let mut attempt = 1;
+    loop {
+        match prog.load_once() {
+            Ok(()) => return Ok(prog),
+            Err(e) if is_eagain(&e) && attempt < LOAD_ATTEMPTS => attempt += 1,
+            Err(e) => return Err(verifier_error(program, e)),
+        }
+    }
 }
 
 pub(super) fn cgroup_program<'a>(
@@ -90,6 +115,12 @@ pub(super) fn tc_program<'a>(
     program: &'static str,
 ) -> Result<&'a mut SchedClassifier, LoadError> {
     loaded_program(ebpf, program)
+}
+
+/// `lb_xdp`; its `xdp.frags` section makes aya load it with `BPF_F_XDP_HAS_FRAGS`,
+/// so it also runs on multi-buffer (jumbo) frames.
+pub(super) fn xdp_program(ebpf: &mut Ebpf) -> Result<&mut Xdp, LoadError> {
+    loaded_program(ebpf, program_names::XDP)
 }
 
 /// Creates (or reopens, keeping their contents across restarts) the pinned maps and

@@ -11,9 +11,10 @@ use aya::programs::ProgramError;
 pub mod attach;
 pub mod load;
 
-pub use attach::{attach_cgroup_hooks, remove_stale_links, TcAttach};
+pub use attach::{attach_cgroup_hooks, remove_stale_links, TcAttach, XdpAttach};
 pub(crate) use attach::{
-    attach_tc_device, pin_link, tc_pin_name, uses_tcx, TcLink, NETLINK_HANDLE, NETLINK_PRIORITY,
+    attach_tc_device, attach_xdp_device, pin_link, tc_pin_name, uses_tcx, TcLink, NETLINK_HANDLE,
+    NETLINK_PRIORITY,
 };
 pub use load::{kernel_object, load, verify};
 

@@ -100,12 +100,16 @@ type NameFilter = fn(&str) -> bool;
 fn is_link_pin(name: &str) -> bool {
     let name = name.strip_suffix("_new").unwrap_or(name);
     program_names::ALL.contains(&name)
-        || [program_names::TC_EXTERNAL, program_names::TC_INTERNAL]
-            .iter()
-            .any(|p| {
-                name.strip_prefix(p)
-                    .is_some_and(|rest| rest.starts_with('_'))
-            })
+        || [
+            program_names::TC_EXTERNAL,
+            program_names::TC_INTERNAL,
+            program_names::XDP,
+        ]
+        .iter()
+        .any(|p| {
+            name.strip_prefix(p)
+                .is_some_and(|rest| rest.starts_with('_'))
+        })
 }
 
 /// Whether `name` is a map-layout directory (`v<N>`).
@@ -130,10 +134,10 @@ pub fn lock_for_cleanup(layout: &PinLayout) -> Result<Option<CleanupLock>, Clean
     if !root.exists() {
         return Ok(None);
     }
-    let on_bpffs = nix::sys::statfs::statfs(root)
+    let on_bpffs = rustix::fs::statfs(root)
         .map_err(|e| io_error(root)(e.into()))?
-        .filesystem_type()
-        == nix::sys::statfs::BPF_FS_MAGIC;
+        .f_type
+        == libc::BPF_FS_MAGIC;
     if !on_bpffs {
         return Err(CleanupError::NotBpffs {
             path: root.to_path_buf(),

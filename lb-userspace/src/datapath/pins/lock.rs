@@ -9,7 +9,7 @@ use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use nix::fcntl::{Flock, FlockArg};
+use rustix::fs::{flock, FlockOperation};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PinLockError {
@@ -30,7 +30,7 @@ pub enum PinLockError {
     Lock {
         path: PathBuf,
         #[source]
-        source: nix::Error,
+        source: std::io::Error,
     },
 }
 
@@ -38,10 +38,10 @@ fn holder_text(holder: Option<i32>) -> String {
     holder.map_or_else(String::new, |pid| format!(" (pid {pid})"))
 }
 
-/// The lock; dropping it (or the process ending) releases it.
+/// The lock; dropping it (closing the file, or the process ending) releases it.
 #[derive(Debug)]
 pub struct PinLock {
-    _lock: Flock<File>,
+    locked: File,
 }
 
 /// Whether to wait for the holder or fail at once.
@@ -60,7 +60,7 @@ impl PinLock {
             // the directory, and the path may name a new one by now: a lock on the
             // removed inode would guard nothing, and a second agent could lock the
             // new directory beside us. Lock what the path names now.
-            if same_inode(&lock._lock, dir) {
+            if same_inode(&lock.locked, dir) {
                 return Ok(lock);
             }
             drop(lock);
@@ -78,19 +78,19 @@ impl PinLock {
             path: dir.to_owned(),
             source,
         })?;
-        let arg = match wait {
-            Wait::No => FlockArg::LockExclusiveNonblock,
-            Wait::Yes => FlockArg::LockExclusive,
+        let operation = match wait {
+            Wait::No => FlockOperation::NonBlockingLockExclusive,
+            Wait::Yes => FlockOperation::LockExclusive,
         };
-        match Flock::lock(file, arg) {
-            Ok(lock) => Ok(Self { _lock: lock }),
-            Err((_, nix::Error::EWOULDBLOCK)) => Err(PinLockError::Held {
+        match flock(&file, operation) {
+            Ok(()) => Ok(Self { locked: file }),
+            Err(rustix::io::Errno::WOULDBLOCK) => Err(PinLockError::Held {
                 path: dir.to_owned(),
                 holder: holder(dir),
             }),
-            Err((_, source)) => Err(PinLockError::Lock {
+            Err(errno) => Err(PinLockError::Lock {
                 path: dir.to_owned(),
-                source,
+                source: errno.into(),
             }),
         }
     }
@@ -113,8 +113,8 @@ fn same_inode(locked: &File, path: &Path) -> bool {
 fn holder(dir: &Path) -> Option<i32> {
     let meta = std::fs::metadata(dir).ok()?;
     let (major, minor) = (
-        nix::sys::stat::major(meta.dev()),
-        nix::sys::stat::minor(meta.dev()),
+        u64::from(rustix::fs::major(meta.dev())),
+        u64::from(rustix::fs::minor(meta.dev())),
     );
     procfs::locks().ok()?.into_iter().find_map(|lock| {
         let same = lock.inode == meta.ino()

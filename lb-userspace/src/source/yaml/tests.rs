@@ -1,4 +1,13 @@
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use lb_yaml::{block as block_yaml, split_documents};
+
+use super::block::Manifest;
+use super::general::take_document;
+use super::pieces::{load_in_pieces, READ_PIECE};
 use super::*;
+use crate::source::{Location, Problem, SourceError};
 
 const SERVICE: &str = "\
 apiVersion: v1
@@ -213,6 +222,67 @@ items:
             (Some(2), Problem::MissingKind)
         ]
     );
+}
+
+/// An item of a typed list takes the list's kind and apiVersion only for what it
+/// leaves out: an item that names another version, or another kind, is what it
+/// names, whichever reader takes the document (the block reader once read every
+/// item of a ServiceList as a Service).
+#[test]
+fn typed_list_items_are_what_they_name_on_every_path() {
+    let clean = "\
+apiVersion: v1
+kind: ServiceList
+items:
+- metadata:
+    name: plain
+    namespace: default
+  spec:
+    clusterIP: 10.96.0.1
+- apiVersion: v1
+  kind: Node
+  metadata:
+    name: node-a
+";
+    let fast = typed_and_general_agree(clean);
+    assert_eq!(fast.services.len(), 1);
+    assert_eq!(fast.nodes.len(), 1);
+
+    let other_version = format!("{clean}- apiVersion: v2\n  metadata:\n    name: future\n");
+    assert!(block_yaml::from_str::<Manifest>(&other_version).is_none());
+    let json = r#"{"apiVersion":"v1","kind":"ServiceList","items":[
+{"metadata":{"name":"plain","namespace":"default"},"spec":{"clusterIP":"10.96.0.1"}},
+{"apiVersion":"v1","kind":"Node","metadata":{"name":"node-a"}},
+{"apiVersion":"v2","metadata":{"name":"future"}}]}"#;
+    for o in [
+        parse(&other_version),
+        general_path_only(&other_version),
+        parse_str(Path::new("objs.json"), json),
+    ] {
+        let names: Vec<_> = o
+            .services
+            .iter()
+            .map(|s| s.metadata.name.as_deref().unwrap())
+            .collect();
+        assert_eq!(names, ["plain"]);
+        assert_eq!(o.nodes.len(), 1);
+        let problems: Vec<_> = o
+            .errors
+            .iter()
+            .map(|e| (e.location.as_ref().unwrap().item, e.reason.clone()))
+            .collect();
+        assert_eq!(
+            problems,
+            [(
+                Some(2),
+                Problem::UnsupportedApiVersion {
+                    kind: "Service".into(),
+                    found: "v2".into(),
+                    expected: "v1"
+                }
+            )]
+        );
+    }
 }
 
 #[test]
@@ -533,29 +603,89 @@ fn many_documents_load_in_file_order_across_threads() {
     assert_eq!(names, expected);
 }
 
+/// Lists `path` and loads each file, as the file source does: a file that cannot be
+/// read is reported and the others still load.
+fn load_listed(path: &Path) -> Result<(Vec<PathBuf>, Objects, Vec<FileError>), SourceError> {
+    let mut listed = Vec::new();
+    let mut objects = Objects::default();
+    let mut unreadable = Vec::new();
+    for entry in manifest_files(path)? {
+        listed.push(match &entry {
+            Ok(file) => file.clone(),
+            Err(e) => e.path.clone(),
+        });
+        match entry.and_then(|file| load_file(&file)) {
+            Ok(loaded) => {
+                objects.services.extend(loaded.services);
+                objects.slices.extend(loaded.slices);
+                objects.nodes.extend(loaded.nodes);
+                objects.errors.extend(loaded.errors);
+            }
+            Err(e) => unreadable.push(e),
+        }
+    }
+    Ok((listed, objects, unreadable))
+}
+
 #[test]
-fn load_path_reads_directories_in_name_order() {
+fn directories_are_read_in_name_order_and_unreadable_files_reported() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().to_path_buf();
     fs::create_dir_all(dir.join("sub.yaml")).unwrap();
+    fs::write(dir.join("e.yaml"), SERVICE.replace("web", "last")).unwrap();
     fs::write(dir.join("b.yml"), SLICE).unwrap();
     fs::write(dir.join("a.yaml"), SERVICE.replace("web", "first")).unwrap();
     fs::write(dir.join("c.json"), "").unwrap();
+    fs::write(dir.join("binary.yaml"), b"kind: \xff").unwrap();
+    std::os::unix::fs::symlink(dir.join("gone.yaml"), dir.join("dangling.yaml")).unwrap();
     fs::write(dir.join("notes.txt"), "not: [yaml").unwrap();
     fs::write(dir.join(".swap.yaml"), "not: [yaml").unwrap();
     fs::write(dir.join("sub.yaml").join("inner.yaml"), SERVICE).unwrap();
 
-    let o = load_path(&dir).unwrap();
+    let (listed, o, unreadable) = load_listed(&dir).unwrap();
+    let listed: Vec<_> = listed
+        .iter()
+        .map(|f| f.strip_prefix(&dir).unwrap())
+        .collect();
+    let expected = [
+        "a.yaml",
+        "b.yml",
+        "binary.yaml",
+        "c.json",
+        "dangling.yaml",
+        "e.yaml",
+    ];
+    assert_eq!(listed, expected.map(Path::new));
     assert!(o.errors.is_empty(), "{:?}", o.errors);
-    assert_eq!(o.services.len(), 1);
-    assert_eq!(o.services[0].metadata.name.as_deref(), Some("first"));
+    let names: Vec<_> = o
+        .services
+        .iter()
+        .map(|s| s.metadata.name.as_deref().unwrap())
+        .collect();
+    assert_eq!(names, ["first", "last"]);
     assert_eq!(o.slices.len(), 1);
+    let problems: Vec<_> = unreadable
+        .iter()
+        .map(|e| (e.path.strip_prefix(&dir).unwrap(), &e.problem))
+        .collect();
+    assert!(
+        matches!(
+            problems[..],
+            [
+                (binary, FileProblem::NotUtf8 { offset: 6 }),
+                (dangling, FileProblem::DanglingSymlink { .. }),
+            ] if binary == Path::new("binary.yaml") && dangling == Path::new("dangling.yaml")
+        ),
+        "{unreadable:?}"
+    );
 
-    let one = load_path(&dir.join("b.yml")).unwrap();
+    let (listed, one, unreadable) = load_listed(&dir.join("b.yml")).unwrap();
+    assert_eq!(listed, [dir.join("b.yml")]);
     assert_eq!(one.slices.len(), 1);
+    assert!(unreadable.is_empty());
 
     let missing = dir.join("missing.yaml");
-    let err = load_path(&missing).unwrap_err();
+    let err = load_listed(&missing).unwrap_err();
     assert!(matches!(err, SourceError::NotFound { .. }));
     assert!(err.to_string().starts_with(&missing.display().to_string()));
 }

@@ -1,29 +1,32 @@
 //! The per-packet programs on the node's devices, kept equal to what
-//! [`node_net::attachments`] asks for as devices come and go. Every attachment is
-//! recorded in the pinned `LB_ATTACHMENTS` map (device, role, reason, mode): `lb
-//! status` shows it, and `lb cleanup` detaches exactly those, never a filter or
-//! TCX program of another owner on the same device.
+//! [`crate::node::attachments`] asks for as devices come and go: `lb_tc_external`
+//! or `lb_tc_internal` at TC ingress, and with `--xdp`, `lb_xdp` in front of the
+//! external one on node-facing devices (never on pod veths). Every attachment is
+//! recorded in the pinned `LB_ATTACHMENTS` map (device, role, reason, mode, XDP):
+//! `lb status` shows it, and `lb cleanup` detaches exactly those, never a filter or
+//! program of another owner on the same device.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
-use aya::maps::{HashMap, Map, MapData};
+use aya::maps::{DevMapHash, HashMap, Map, MapData};
 use aya::programs::links::Link as _;
 use aya::programs::tc::{SchedClassifierLink, TcAttachType};
 use aya::Ebpf;
 use lb_common::{
     map_names, program_names, ATTACH_MODE_NETLINK, ATTACH_MODE_TCX, ATTACH_REASON_AUTO,
-    ATTACH_REASON_FLAG, ATTACH_ROLE_NODE, ATTACH_ROLE_POD, IFNAMSIZ,
+    ATTACH_REASON_FLAG, ATTACH_ROLE_NODE, ATTACH_ROLE_POD, ATTACH_XDP_GENERIC, ATTACH_XDP_NATIVE,
+    ATTACH_XDP_NONE, ATTACH_XDP_REFUSED, IFNAMSIZ,
 };
 use serde::Serialize;
 use tracing::{info, warn};
 
-use crate::datapath::loader::{self, LoadError, TcAttach, TcLink};
+use crate::datapath::loader::{self, LoadError, TcAttach, TcLink, XdpAttach};
 use crate::datapath::pins::PinLayout;
-use crate::node::{Attachment, Reason, Role};
+use crate::node::{Attachment, NodeNet, Reason, Role};
 
 #[derive(Debug, thiserror::Error)]
-pub enum TcLinksError {
+pub enum DeviceLinksError {
     #[error("cannot open the attachment record {path}: {source}")]
     Open {
         path: PathBuf,
@@ -48,9 +51,9 @@ pub struct AttachmentRecord {
 }
 
 impl AttachmentRecord {
-    pub fn open(layout: &PinLayout) -> Result<Self, TcLinksError> {
+    pub fn open(layout: &PinLayout) -> Result<Self, DeviceLinksError> {
         let path = layout.map_path(map_names::ATTACHMENTS);
-        let wrap = |source| TcLinksError::Open {
+        let wrap = |source| DeviceLinksError::Open {
             path: path.clone(),
             source,
         };
@@ -60,11 +63,11 @@ impl AttachmentRecord {
     }
 
     /// Every recorded device, by ifindex.
-    pub fn entries(&self) -> Result<BTreeMap<u32, RecordedLink>, TcLinksError> {
+    pub fn entries(&self) -> Result<BTreeMap<u32, RecordedLink>, DeviceLinksError> {
         self.map
             .iter()
             .map(|entry| {
-                let (index, value) = entry.map_err(TcLinksError::Read)?;
+                let (index, value) = entry.map_err(DeviceLinksError::Read)?;
                 Ok((index, RecordedLink::decode(index, &value)))
             })
             .collect()
@@ -94,6 +97,8 @@ pub struct RecordedLink {
     pub reason: &'static str,
     /// `tcx` or `netlink`.
     pub mode: &'static str,
+    /// `lb_xdp` in front: `native`, `generic`, `refused (<errno>)`, or `-`.
+    pub xdp: String,
     /// Inode of the network namespace the device is in.
     pub netns: u64,
 }
@@ -124,6 +129,15 @@ impl RecordedLink {
             } else {
                 "tcx"
             },
+            xdp: match value.xdp {
+                ATTACH_XDP_NATIVE => "native".into(),
+                ATTACH_XDP_GENERIC => "generic".into(),
+                ATTACH_XDP_REFUSED => format!(
+                    "refused ({})",
+                    std::io::Error::from_raw_os_error(value.xdp_errno.into())
+                ),
+                _ => "-".into(),
+            },
             netns: value.netns,
         }
     }
@@ -136,13 +150,13 @@ impl RecordedLink {
 /// `lb status`'s table of attached devices.
 pub fn render_text(links: &[RecordedLink]) -> String {
     let mut out = format!(
-        "{:<8} {:<16} {:<12} {:<16} {:<7} {}\n",
-        "IFINDEX", "DEVICE", "ROLE", "PROGRAM", "REASON", "MODE"
+        "{:<8} {:<16} {:<12} {:<16} {:<7} {:<8} {}\n",
+        "IFINDEX", "DEVICE", "ROLE", "PROGRAM", "REASON", "MODE", "XDP"
     );
     for l in links {
         out += &format!(
-            "{:<8} {:<16} {:<12} {:<16} {:<7} {}\n",
-            l.ifindex, l.name, l.role, l.program, l.reason, l.mode
+            "{:<8} {:<16} {:<12} {:<16} {:<7} {:<8} {}\n",
+            l.ifindex, l.name, l.role, l.program, l.reason, l.mode, l.xdp
         );
     }
     out
@@ -154,7 +168,12 @@ pub fn current_netns() -> u64 {
     std::fs::metadata("/proc/thread-self/ns/net").map_or(0, |m| m.ino())
 }
 
-fn encode(attachment: &Attachment, netlink: bool, netns: u64) -> lb_common::Attachment {
+fn encode(
+    attachment: &Attachment,
+    netlink: bool,
+    xdp: &XdpState,
+    netns: u64,
+) -> lb_common::Attachment {
     let mut name = [0u8; IFNAMSIZ];
     let bytes = attachment.name.as_bytes();
     let len = bytes.len().min(IFNAMSIZ - 1);
@@ -174,9 +193,35 @@ fn encode(attachment: &Attachment, netlink: bool, netns: u64) -> lb_common::Atta
         } else {
             ATTACH_MODE_TCX
         },
-        _pad: [0; 5],
+        xdp: match xdp {
+            XdpState::None => ATTACH_XDP_NONE,
+            XdpState::Attached { mode, .. } if *mode == XdpAttach::Native => ATTACH_XDP_NATIVE,
+            XdpState::Attached { .. } => ATTACH_XDP_GENERIC,
+            XdpState::Refused { .. } => ATTACH_XDP_REFUSED,
+        },
+        xdp_errno: match xdp {
+            XdpState::Refused { errno, .. } => (*errno).clamp(0, 255) as u8,
+            _ => 0,
+        },
+        _pad: [0; 3],
         netns,
     }
+}
+
+/// `lb_xdp` on one device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum XdpState {
+    /// Not wanted (off, or not node-facing).
+    None,
+    Attached {
+        mode: XdpAttach,
+        pin: PathBuf,
+    },
+    /// The device refused; it keeps the TC path alone until its next change.
+    Refused {
+        errno: i32,
+        reason: String,
+    },
 }
 
 /// A device as attached now.
@@ -184,42 +229,109 @@ struct Attached {
     want: Attachment,
     /// The TCX link's pin, if TCX.
     pin: Option<PathBuf>,
+    xdp: XdpState,
+}
+
+/// One device's `lb_xdp` as `lb status` and the agent's log report it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct XdpReport {
+    pub device: String,
+    /// `native`, `generic`, or `refused`.
+    pub state: String,
+    /// Why it was refused (the driver or device kind and the kernel's answer).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// Keeps the programs on the devices equal to a wanted set.
-pub struct TcLinks {
+pub struct DeviceLinks {
     tcx: bool,
     mode: TcAttach,
+    xdp: XdpAttach,
     links_dir: PathBuf,
     record: AttachmentRecord,
+    /// The devices `lb_xdp` may redirect to: those it runs on.
+    devmap: Option<DevMapHash<MapData>>,
     current: BTreeMap<u32, Attached>,
     netns: u64,
 }
 
-impl TcLinks {
-    pub fn new(layout: &PinLayout, mode: TcAttach) -> Result<Self, TcLinksError> {
+impl DeviceLinks {
+    pub fn new(
+        layout: &PinLayout,
+        mode: TcAttach,
+        xdp: XdpAttach,
+    ) -> Result<Self, DeviceLinksError> {
+        let xdp = if mode == TcAttach::Off {
+            XdpAttach::Off
+        } else {
+            xdp
+        };
+        let devmap = match xdp {
+            XdpAttach::Off => None,
+            _ => {
+                let path = layout.map_path(map_names::XDP_DEVMAP);
+                let wrap = |source| DeviceLinksError::Open {
+                    path: path.clone(),
+                    source,
+                };
+                let data = MapData::from_pin(&path).map_err(wrap)?;
+                Some(DevMapHash::try_from(Map::DevMapHash(data)).map_err(wrap)?)
+            }
+        };
         Ok(Self {
             tcx: loader::uses_tcx(mode),
             mode,
+            xdp,
             links_dir: layout.links_dir(),
             record: AttachmentRecord::open(layout)?,
+            devmap,
             current: BTreeMap::new(),
             netns: current_netns(),
         })
     }
 
-    /// The pins of the TCX links attached now (kept when stale pins are swept).
+    /// The pins of the links attached now (kept when stale pins are swept).
     pub fn pins(&self) -> BTreeSet<PathBuf> {
         self.current
             .values()
-            .filter_map(|a| a.pin.clone())
+            .flat_map(|a| {
+                let xdp = match &a.xdp {
+                    XdpState::Attached { pin, .. } => Some(pin.clone()),
+                    _ => None,
+                };
+                a.pin.clone().into_iter().chain(xdp)
+            })
+            .collect()
+    }
+
+    /// `lb_xdp` on each node-facing device, for the agent's status.
+    pub fn xdp_reports(&self) -> Vec<XdpReport> {
+        self.current
+            .values()
+            .filter_map(|a| {
+                let (state, reason) = match &a.xdp {
+                    XdpState::None => return None,
+                    XdpState::Attached { mode, .. } if *mode == XdpAttach::Native => {
+                        ("native", None)
+                    }
+                    XdpState::Attached { .. } => ("generic", None),
+                    XdpState::Refused { reason, .. } => ("refused", Some(reason.clone())),
+                };
+                Some(XdpReport {
+                    device: a.want.name.clone(),
+                    state: state.to_owned(),
+                    reason,
+                })
+            })
             .collect()
     }
 
     /// Attaches what `wanted` adds or changes and lets go of what it drops. A
     /// device that fails (it vanished meanwhile, or refuses) is logged and left
-    /// out, so the next change tries it again; the others are unaffected.
-    pub fn sync(&mut self, ebpf: &mut Ebpf, wanted: &BTreeMap<u32, Attachment>) {
+    /// out, so the next change tries it again; the others are unaffected. `net`
+    /// says what kind of device refused XDP.
+    pub fn sync(&mut self, ebpf: &mut Ebpf, wanted: &BTreeMap<u32, Attachment>, net: &NodeNet) {
         let gone: Vec<u32> = self
             .current
             .keys()
@@ -230,11 +342,12 @@ impl TcLinks {
             let Some(old) = self.current.remove(&index) else {
                 continue;
             };
-            // The device is gone with its filter or TCX link; only our pin and
-            // record remain.
+            // The device is gone with its filter or links; only our pins, the
+            // record and the redirect entry remain.
             if let Some(pin) = &old.pin {
                 let _ = std::fs::remove_file(pin);
             }
+            self.drop_xdp(index, &old.xdp);
             self.record.remove(index);
             info!(device = %old.want.name, ifindex = index, "device gone; detached");
         }
@@ -244,28 +357,34 @@ impl TcLinks {
             }
             match self.attach(ebpf, want) {
                 Ok(pin) => {
-                    let old = self.current.insert(
-                        index,
-                        Attached {
-                            want: want.clone(),
-                            pin: pin.clone(),
-                        },
-                    );
+                    let old = self.current.remove(&index);
                     // A new role or name pins elsewhere: the old link goes only now
                     // that the new program is in place.
-                    if let Some(old_pin) = old.and_then(|o| o.pin) {
+                    if let Some(old_pin) = old.as_ref().and_then(|o| o.pin.clone()) {
                         if Some(&old_pin) != pin.as_ref() {
                             let _ = std::fs::remove_file(old_pin);
                         }
                     }
+                    if let Some(old) = &old {
+                        self.drop_xdp(index, &old.xdp);
+                    }
+                    let xdp = self.attach_xdp(ebpf, index, want, net);
                     self.record
-                        .insert(index, &encode(want, !self.tcx, self.netns));
+                        .insert(index, &encode(want, !self.tcx, &xdp, self.netns));
                     info!(
                         device = %want.name,
                         ifindex = index,
                         program = program_of(want.role),
                         reason = ?want.reason,
                         "per-packet program attached"
+                    );
+                    self.current.insert(
+                        index,
+                        Attached {
+                            want: want.clone(),
+                            pin,
+                            xdp,
+                        },
                     );
                 }
                 Err(e) => {
@@ -286,6 +405,67 @@ impl TcLinks {
         }
     }
 
+    /// `lb_xdp` in front of the external program of a node-facing device, in the
+    /// mode asked for and no other: a device that refuses keeps the TC path alone,
+    /// and the refusal is said with what the device is.
+    fn attach_xdp(
+        &mut self,
+        ebpf: &mut Ebpf,
+        index: u32,
+        want: &Attachment,
+        net: &NodeNet,
+    ) -> XdpState {
+        if self.xdp == XdpAttach::Off || want.role != Role::NodeFacing {
+            return XdpState::None;
+        }
+        match loader::attach_xdp_device(ebpf, index, self.xdp, &self.links_dir, &want.name) {
+            Ok(pin) => {
+                if let Some(devmap) = &mut self.devmap {
+                    if let Err(e) = devmap.insert(index, index, None, 0) {
+                        warn!(device = %want.name, "lb_xdp attached, but redirects to it cannot be enabled: {e}");
+                    }
+                }
+                info!(device = %want.name, ifindex = index, mode = ?self.xdp, "lb_xdp attached");
+                XdpState::Attached {
+                    mode: self.xdp,
+                    pin,
+                }
+            }
+            Err(refused) => {
+                let what = net
+                    .links
+                    .get(&index)
+                    .and_then(|l| l.kind.clone())
+                    .map_or_else(|| driver_of(&want.name), |kind| format!("a {kind} device"));
+                let reason = format!(
+                    "{what} refused {} XDP: {}; it keeps the TC path alone",
+                    match self.xdp {
+                        XdpAttach::Native => "native",
+                        _ => "generic",
+                    },
+                    refused.message
+                );
+                warn!(device = %want.name, "{reason}");
+                XdpState::Refused {
+                    errno: refused.errno,
+                    reason,
+                }
+            }
+        }
+    }
+
+    /// Lets go of `lb_xdp` on a device: its pin (which detaches it) and its
+    /// redirect entry.
+    fn drop_xdp(&mut self, index: u32, xdp: &XdpState) {
+        if let XdpState::Attached { pin, .. } = xdp {
+            let _ = std::fs::remove_file(pin);
+            if let Some(devmap) = &mut self.devmap {
+                // Missing is fine: the kernel drops entries of devices that left.
+                let _ = devmap.remove(index);
+            }
+        }
+    }
+
     /// Forgets record entries of an earlier agent that this one did not attach
     /// (devices since deleted, or no longer wanted); a netlink filter of ours left
     /// on a device that still exists is removed. Run after the first [`sync`].
@@ -303,6 +483,15 @@ impl TcLinks {
             self.record.remove(index);
         }
     }
+}
+
+/// The driver of a physical device, from sysfs (`the virtio_net driver`), or what
+/// little is known.
+fn driver_of(device: &str) -> String {
+    std::fs::read_link(format!("/sys/class/net/{device}/device/driver"))
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .map_or_else(|| "the device".to_owned(), |d| format!("the {d} driver"))
 }
 
 /// Removes lb's filter slot on `device` if the device still exists; a missing
@@ -362,7 +551,7 @@ pub fn cleanup(layout: &PinLayout) -> NetlinkCleanup {
 }
 
 /// The devices recorded under `layout`, for `lb status`.
-pub fn recorded(layout: &PinLayout) -> Result<Vec<RecordedLink>, TcLinksError> {
+pub fn recorded(layout: &PinLayout) -> Result<Vec<RecordedLink>, DeviceLinksError> {
     Ok(AttachmentRecord::open(layout)?
         .entries()?
         .into_values()

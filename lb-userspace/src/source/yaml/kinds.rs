@@ -1,0 +1,143 @@
+//! What an (apiVersion, kind) pair is to lb, written once. Three readers decide it
+//! (the block fast path, the JSON fast path, the general path that words errors);
+//! if each kept its own table, a manifest could load one way as block YAML and
+//! another way as JSON or flow YAML, and the fast paths would stop being mere
+//! shortcuts of the general one.
+
+/// A kind lb proxies (or, for Node, reads the zone and addresses of).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Ours {
+    Service,
+    EndpointSlice,
+    Node,
+}
+
+impl Ours {
+    pub(super) const fn kind(self) -> &'static str {
+        match self {
+            Ours::Service => "Service",
+            Ours::EndpointSlice => "EndpointSlice",
+            Ours::Node => "Node",
+        }
+    }
+
+    /// The one apiVersion lb reads the kind at; any other is reported, naming this
+    /// one as the fix.
+    pub(super) const fn api_version(self) -> &'static str {
+        match self {
+            Ours::Service | Ours::Node => "v1",
+            Ours::EndpointSlice => "discovery.k8s.io/v1",
+        }
+    }
+}
+
+/// What a document, or an item of a list, is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kind {
+    Ours(Ours),
+    /// One of ours at an apiVersion lb does not read: an error, not a silent skip,
+    /// since the user meant it to be proxied.
+    OtherVersion(Ours),
+    /// A list, whatever its apiVersion. Typed lists from the API (`ServiceList`,
+    /// `EndpointSliceList`) leave kind and apiVersion out of their items: those are
+    /// then `item`'s. A list inside a list is not read (the API server never
+    /// writes one), so a reader given an item takes this as [`Kind::Other`].
+    List {
+        item: Option<Ours>,
+    },
+    /// No kind at all: reported, as the API server would refuse it.
+    Missing,
+    /// Not ours to proxy: passed over.
+    Other,
+}
+
+/// The table. `None` is a field that is absent (or, for the general path, not a
+/// string); an empty string is a kind lb does not know.
+pub(super) fn classify(api_version: Option<&str>, kind: Option<&str>) -> Kind {
+    let ours = match kind {
+        None => return Kind::Missing,
+        Some("Service") => Ours::Service,
+        Some("EndpointSlice") => Ours::EndpointSlice,
+        Some("Node") => Ours::Node,
+        Some("List") => return Kind::List { item: None },
+        Some("ServiceList") => {
+            return Kind::List {
+                item: Some(Ours::Service),
+            }
+        }
+        Some("EndpointSliceList") => {
+            return Kind::List {
+                item: Some(Ours::EndpointSlice),
+            }
+        }
+        Some(_) => return Kind::Other,
+    };
+    if api_version == Some(ours.api_version()) {
+        Kind::Ours(ours)
+    } else {
+        Kind::OtherVersion(ours)
+    }
+}
+
+/// No name: the API server refuses such an object, and a Service or slice without
+/// one cannot be told apart from others in messages or matched to its slices.
+pub(super) fn unnamed(meta: &crate::source::lean::Meta) -> bool {
+    meta.name.as_deref().is_none_or(str::is_empty)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table() {
+        use Ours::*;
+        let cases = [
+            ((Some("v1"), Some("Service")), Kind::Ours(Service)),
+            ((Some("v1"), Some("Node")), Kind::Ours(Node)),
+            (
+                (Some("discovery.k8s.io/v1"), Some("EndpointSlice")),
+                Kind::Ours(EndpointSlice),
+            ),
+            ((Some("v2"), Some("Service")), Kind::OtherVersion(Service)),
+            ((None, Some("Node")), Kind::OtherVersion(Node)),
+            (
+                (Some("discovery.k8s.io/v1beta1"), Some("EndpointSlice")),
+                Kind::OtherVersion(EndpointSlice),
+            ),
+            ((Some("v1"), Some("List")), Kind::List { item: None }),
+            (
+                (None, Some("ServiceList")),
+                Kind::List {
+                    item: Some(Service),
+                },
+            ),
+            (
+                (Some("v1"), Some("EndpointSliceList")),
+                Kind::List {
+                    item: Some(EndpointSlice),
+                },
+            ),
+            ((Some("v1"), None), Kind::Missing),
+            ((Some("v1"), Some("")), Kind::Other),
+            ((Some("v1"), Some("ConfigMap")), Kind::Other),
+            // Kinds are case-sensitive, as the API server's are.
+            ((Some("v1"), Some("service")), Kind::Other),
+        ];
+        for ((api_version, kind), want) in cases {
+            assert_eq!(
+                classify(api_version, kind),
+                want,
+                "{api_version:?} {kind:?}"
+            );
+        }
+        assert_eq!(
+            (
+                Service.api_version(),
+                EndpointSlice.api_version(),
+                Node.api_version()
+            ),
+            ("v1", "discovery.k8s.io/v1", "v1")
+        );
+    }
+}
