@@ -245,7 +245,13 @@ pub fn maglev_shares(
         .services
         .get(&crate::datapath::codec::service_key(frontend, 0))
         .map_or(0, |m| usize::from(m.count));
-    let counts = crate::control::maglev::shares(table, count);
+    // Slots per position; a position past the frontend's slots is no backend's.
+    let mut counts = vec![0u32; count];
+    for &position in table {
+        if let Some(n) = counts.get_mut(usize::from(position)) {
+            *n += 1;
+        }
+    }
     let size = table.len().max(1) as f64;
     let mut assigned = 0;
     let backends = programmed
