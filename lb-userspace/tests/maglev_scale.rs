@@ -127,8 +127,13 @@ fn kernel_memory_of_100k_maglev_services() {
         services: entries.next_power_of_two(),
         backends: (services * 2 * BACKENDS).next_power_of_two(),
         conntrack: 1024,
-        // 1024 slots a 10-backend table, the header's 4 and a little room.
-        maglev_slots: services * 1024 + 4096,
+        // 1024 slots a 10-backend table, the header's 4 and a little room; the
+        // default (4 MiB) when no frontend is Maglev, as an agent would have it.
+        maglev_slots: if maglev {
+            services * 1024 + 4096
+        } else {
+            lb_common::DEFAULT_MAGLEV_SLOTS
+        },
         ..MapSizes::default()
     };
     let object = loader::kernel_object(None).expect("kernel object embedded");
