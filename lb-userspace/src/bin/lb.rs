@@ -619,3 +619,98 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
     runtime.block_on(agent::run(config))?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn agent_args(extra: &[&str]) -> AgentArgs {
+        let args = ["lb", "agent", "--services-file", "/nonexistent"]
+            .iter()
+            .chain(extra);
+        match Cli::try_parse_from(args).expect("parses").command {
+            Command::Agent(args) => *args,
+            _ => unreachable!("the agent subcommand"),
+        }
+    }
+
+    /// Random stays the default; the flag turns Maglev on and can name random
+    /// again; anything else is refused by name.
+    #[test]
+    fn lb_algorithm_defaults_to_random_and_takes_both_values() {
+        let default = agent_args(&[]);
+        assert_eq!(default.lb_algorithm, Algorithm::Random);
+        assert_eq!(default.maglev_seed, 0);
+        assert_eq!(default.maglev_table_slots, lb_common::DEFAULT_MAGLEV_SLOTS);
+        for (value, want) in [("maglev", Algorithm::Maglev), ("random", Algorithm::Random)] {
+            assert_eq!(agent_args(&["--lb-algorithm", value]).lb_algorithm, want);
+        }
+        let refused = Cli::try_parse_from([
+            "lb",
+            "agent",
+            "--services-file",
+            "/nonexistent",
+            "--lb-algorithm",
+            "consistent",
+        ])
+        .err()
+        .expect("refused")
+        .to_string();
+        assert!(refused.contains("consistent"), "{refused}");
+        assert!(refused.contains("maglev"), "{refused}");
+    }
+
+    #[test]
+    fn maglev_seeds_are_decimal_or_hex() {
+        assert_eq!(parse_seed("0"), Ok(0));
+        assert_eq!(parse_seed("12345"), Ok(12_345));
+        assert_eq!(parse_seed("0x6c62000000000001"), Ok(0x6c62_0000_0000_0001));
+        assert_eq!(parse_seed("0XFF"), Ok(255));
+        assert_eq!(parse_seed("18446744073709551615"), Ok(u64::MAX));
+        for bad in ["", "-1", "0x", "0x1_0000_0000_0000_0000", "seed", "1e3"] {
+            assert!(parse_seed(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            agent_args(&["--maglev-seed", "0x10"]).maglev_seed,
+            16,
+            "through clap"
+        );
+    }
+
+    #[test]
+    fn maglev_table_slots_are_whole_entries_with_room_for_a_table() {
+        assert_eq!(maglev_slots("2097152"), Ok(2_097_152));
+        // The header entry and the smallest table (252 slots).
+        assert_eq!(maglev_slots("256"), Ok(256));
+        for bad in ["252", "1026", "0", "4294967292", "lots"] {
+            assert!(maglev_slots(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn frontends_are_read_as_lb_services_prints_them() {
+        let f = parse_frontend("192.0.2.10:30080/TCP", false).unwrap();
+        assert_eq!(
+            f,
+            Frontend::internal("192.0.2.10".parse().unwrap(), 30080, Protocol::Tcp)
+        );
+        let f = parse_frontend("[2001:db8::10]:443/udp", true).unwrap();
+        assert_eq!(
+            f,
+            Frontend::internal("2001:db8::10".parse().unwrap(), 443, Protocol::Udp)
+                .with_scope(Scope::External)
+        );
+        // An IPv4-mapped address is the IPv4 frontend.
+        assert_eq!(
+            parse_frontend("[::ffff:192.0.2.10]:30080/TCP", false).unwrap(),
+            parse_frontend("192.0.2.10:30080/TCP", false).unwrap()
+        );
+        for bad in [
+            "192.0.2.10:30080",
+            "192.0.2.10/TCP",
+            "192.0.2.10:30080/SCTP",
+        ] {
+            assert!(parse_frontend(bad, false).is_err(), "{bad:?}");
+        }
+    }
+}
