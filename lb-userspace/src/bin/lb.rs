@@ -331,6 +331,34 @@ fn map_size() -> impl clap::builder::TypedValueParser<Value = u32> {
     clap::value_parser!(u32).range(1..=1 << 31)
 }
 
+/// `lb maglev FRONTEND`: the frontend's table as the pinned maps hold it.
+fn show_maglev(layout: &PinLayout, frontend: &str, external: bool, json: bool) -> Result<()> {
+    let frontend = parse_frontend(frontend, external)?;
+    let maps = PinnedMaps::open(layout)?;
+    let snapshot = maps.snapshot()?;
+    let Some(place) = table::maglev_table_of(&snapshot, &frontend) else {
+        let known = table::decode(&snapshot)
+            .into_iter()
+            .any(|f| f.frontend == frontend);
+        anyhow::bail!(
+            "{frontend}: {}",
+            if known {
+                "picks backends at random (no Maglev table); see `lb services`"
+            } else {
+                "no such frontend in the service table; see `lb services`"
+            }
+        );
+    };
+    let slots = maps.maglev_table(place.first_slot, place.size)?;
+    let shares = table::maglev_shares(&snapshot, &frontend, &slots)
+        .context("the frontend changed while it was read; try again")?;
+    if json {
+        emit(&(serde_json::to_string_pretty(&shares)? + "\n"))
+    } else {
+        emit(&table::render_maglev_shares(&shares))
+    }
+}
+
 /// Writes to stdout. A reader that went away (`lb services | head -c1`) ends the
 /// command quietly and successfully, as it does other Unix tools; Rust ignores
 /// SIGPIPE, so the write fails with EPIPE instead, which `println!` turns into a panic.
@@ -442,32 +470,7 @@ fn main() -> Result<()> {
             frontend,
             external,
             json,
-        } => {
-            let frontend = parse_frontend(&frontend, external)?;
-            let maps = PinnedMaps::open(&layout)?;
-            let snapshot = maps.snapshot()?;
-            let Some(place) = table::maglev_table_of(&snapshot, &frontend) else {
-                let known = table::decode(&snapshot)
-                    .into_iter()
-                    .any(|f| f.frontend == frontend);
-                anyhow::bail!(
-                    "{frontend}: {}",
-                    if known {
-                        "picks backends at random (no Maglev table); see `lb services`"
-                    } else {
-                        "no such frontend in the service table; see `lb services`"
-                    }
-                );
-            };
-            let slots = maps.maglev_table(place.first_slot, place.size)?;
-            let shares = table::maglev_shares(&snapshot, &frontend, &slots)
-                .context("the frontend changed while it was read; try again")?;
-            if json {
-                emit(&(serde_json::to_string_pretty(&shares)? + "\n"))
-            } else {
-                emit(&table::render_maglev_shares(&shares))
-            }
-        }
+        } => show_maglev(&layout, &frontend, external, json),
         Command::Cleanup => {
             let Some(lock) = pins::lock_for_cleanup(&layout)? else {
                 eprintln!(
