@@ -44,6 +44,15 @@ impl PinDir {
         })
     }
 
+    /// The pin dir at `path`, which an agent creates (one in a container, whose pin
+    /// dir lies in a directory the test mounted there); removed on drop like
+    /// [`PinDir::create`]'s.
+    pub fn at(lb: &Path, path: &Path) -> Self {
+        PinDir {
+            cli: LbCli::new(lb, path),
+        }
+    }
+
     pub fn path(&self) -> &Path {
         self.cli.pin_dir()
     }

@@ -45,6 +45,26 @@ impl NetNs {
         File::open(self.path()).with_context(|| format!("cannot open {}", self.path().display()))
     }
 
+    /// Runs `work` on a thread of its own that joined only this network namespace
+    /// (the sockets it creates belong here, and stay here); no other thread moves.
+    pub fn run_in<T: Send>(&self, work: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+        let ns = self.open()?;
+        let name = &self.name;
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    // SAFETY: setns on a descriptor we own; it only changes this
+                    // thread's network namespace, and the thread ends after `work`.
+                    if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                        bail!("setns into {name}: {}", std::io::Error::last_os_error());
+                    }
+                    work()
+                })
+                .join()
+                .map_err(|_| anyhow::anyhow!("the thread in {name} panicked"))?
+        })
+    }
+
     /// `ip -n NAME ARGS...`: configuration only (ip needs neither bpffs nor cgroups,
     /// so its private mount namespace does not matter here).
     pub fn ip(&self, args: &[&str]) -> Result<String> {

@@ -2,6 +2,7 @@
 
 mod bench;
 mod ebpf;
+mod image;
 mod run;
 mod setup;
 mod tasks;
@@ -34,7 +35,8 @@ enum Cmd {
         #[arg(long)]
         debug: bool,
     },
-    /// Setup, build the eBPF object, then build and test the workspace with it.
+    /// Setup, build the eBPF object, the workspace with it and the agent's image
+    /// (as `image`), then test.
     Test {
         /// Arguments after `--`: for the test binaries (`-- --nocapture`), or,
         /// if they contain their own `--`, for cargo test itself
@@ -42,6 +44,9 @@ enum Cmd {
         #[arg(last = true)]
         args: Vec<String>,
     },
+    /// Setup, build the eBPF object and a release `lb`, then the agent's container
+    /// image with no registry: target/image/lb-image.tar (OCI archive, lb:<version>).
+    Image,
     /// Setup, build everything, then run the socket-LB demo in network namespaces.
     Demo,
     /// Check deploy/ and examples/ against the Kubernetes API schemas (kubernetes-validate, strict).
@@ -72,6 +77,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Setup => setup::setup(&root),
         Cmd::BuildEbpf { debug } => ebpf::build(&root, debug).map(drop),
         Cmd::Test { args } => tasks::test(&root, &args),
+        Cmd::Image => image::image(&root),
         Cmd::Demo => tasks::demo(&root),
         Cmd::ValidateManifests => validate::validate_manifests(&root),
         Cmd::Bench { quick, args } => bench::bench(&root, quick, &args),

@@ -29,6 +29,15 @@ pub const PACKAGES: &[&str] = &[
     "ethtool",
 ];
 
+/// What `cargo xtask image` and the image's end-to-end test (tests/tests/image.rs) use:
+/// the OCI runtime podman runs containers with (runc: crun refuses hybrid cgroup
+/// layouts), podman itself, buildah (assembles the image), mmdebstrap (the image's
+/// Debian base, made from Debian's packages, no registry) and gpg (mmdebstrap reads
+/// the archive keys' signed-by with it). Installed without their recommends, which
+/// are for rootless use (slirp4netns, fuse-overlayfs, a D-Bus user session) and
+/// checkpointing (criu). runc comes first so that podman's `crun | runc` takes it.
+pub const CONTAINER_PACKAGES: &[&str] = &["runc", "podman", "buildah", "mmdebstrap", "gpg"];
+
 /// What `cargo xtask bench` needs on top: kube-proxy's iptables and nftables modes
 /// are measured beside ours (iptables-restore on the nf_tables backend, nft).
 pub const BENCH_PACKAGES: &[&str] = &["iptables", "nftables"];
@@ -46,9 +55,13 @@ pub fn bpf_linker_install_hint() -> String {
     )
 }
 
-fn apt_hint(packages: &[&str]) -> String {
+fn apt_hint(packages: &[&str], recommends: Recommends) -> String {
+    let skip = match recommends {
+        Recommends::Install => "",
+        Recommends::Skip => "--no-install-recommends ",
+    };
     format!(
-        "apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y {}",
+        "apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y {skip}{}",
         packages.join(" ")
     )
 }
@@ -60,7 +73,8 @@ pub fn setup(workspace: &Path) -> Result<()> {
         return Ok(());
     }
     let root = is_root();
-    packages(PACKAGES, root)?;
+    packages(PACKAGES, root, Recommends::Install)?;
+    packages(CONTAINER_PACKAGES, root, Recommends::Skip)?;
     bpf_linker(workspace)?;
     bpffs(root)?;
     Ok(())
@@ -87,6 +101,10 @@ fn print_manual_steps(os_release: &str) {
     println!("    that `rustc +nightly -vV` reports, against that LLVM's development files, e.g.");
     println!("      cargo install bpf-linker --version {BPF_LINKER_VERSION} --locked --no-default-features --features llvm-22");
     println!("  - bpftool and iproute2 (the `ip` command)");
+    println!(
+        "  - for `cargo xtask image` and its test: {}",
+        CONTAINER_PACKAGES.join(", ")
+    );
     println!("  - bpffs, as root: mount -t bpf bpf {BPFFS}");
 }
 
@@ -120,10 +138,17 @@ pub fn bench_packages() -> Result<()> {
         println!("setup: install by hand: {}", BENCH_PACKAGES.join(" "));
         return Ok(());
     }
-    packages(BENCH_PACKAGES, is_root())
+    packages(BENCH_PACKAGES, is_root(), Recommends::Install)
 }
 
-fn packages(wanted: &[&str], root: bool) -> Result<()> {
+/// Whether apt-get installs the packages' recommends too.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Recommends {
+    Install,
+    Skip,
+}
+
+fn packages(wanted: &[&str], root: bool, recommends: Recommends) -> Result<()> {
     let installed = installed_versions(wanted)?;
     let mut missing = Vec::new();
     for name in wanted {
@@ -145,7 +170,7 @@ fn packages(wanted: &[&str], root: bool) -> Result<()> {
              then build bpf-linker if needed:\n  {}\n\
              Run `cargo xtask setup` as root, or run those commands yourself.",
             missing.len(),
-            apt_hint(&missing),
+            apt_hint(&missing, recommends),
             bpf_linker_install_hint()
         );
     }
@@ -162,6 +187,7 @@ fn packages(wanted: &[&str], root: bool) -> Result<()> {
             .env("DEBIAN_FRONTEND", "noninteractive")
             .args(APT_NET)
             .args(["install", "-y"])
+            .args((recommends == Recommends::Skip).then_some("--no-install-recommends"))
             .args(&missing),
     )?;
     let now = installed_versions(&missing)?;

@@ -1,5 +1,5 @@
 //! `cargo xtask test` and `cargo xtask demo`: the eBPF object first, then the
-//! workspace built with it embedded.
+//! workspace built with it embedded (and, for the tests, the agent's image).
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -70,11 +70,15 @@ fn test_steps(workspace: &Path, extra: &[String]) -> Result<()> {
     if !is_root() {
         println!(
             "warning: not running as root: the end-to-end tests (BPF programs, cgroups, \
-             network namespaces) will be skipped"
+             network namespaces) will be skipped, and the image is not built"
         );
     }
     lint(workspace, &object)?;
     run::run(workspace_cargo(workspace, &object).args(["build", "--workspace", "--all-targets"]))?;
+    // tests/tests/image.rs runs the image users deploy; it is built from this tree.
+    if is_root() {
+        crate::image::build(workspace, &object)?;
+    }
     run::run(workspace_cargo(workspace, &object).args(cargo_test_args(extra)))?;
     crate::validate::validate_manifests(workspace)?;
     Ok(())

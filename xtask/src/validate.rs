@@ -39,6 +39,10 @@ const MANIFEST_DIRS: &[&str] = &["deploy", "examples"];
 const MANIFEST_EXTENSIONS: &[&str] = &["yaml", "yml", "json"];
 /// The manifest the broken copies are made from.
 const BROKEN_SOURCE: &str = "deploy/daemonset.yaml";
+/// kustomize's own file: no Kubernetes resource, so no schema; checked instead to
+/// list every manifest beside it (a new one that is not listed is not applied by
+/// `kubectl apply -k`).
+const KUSTOMIZATION: &str = "deploy/kustomization.yaml";
 
 /// Copies each file (relative to a source directory) to the same relative path in
 /// a destination directory, with every `List` replaced by its items. Loads YAML as
@@ -74,6 +78,7 @@ for rel in sys.argv[3:]:
 
 pub fn validate_manifests(workspace: &Path) -> Result<()> {
     let files = manifest_files(workspace)?;
+    check_kustomization(workspace, &files)?;
     let validator = install(workspace)?;
     for version in KUBERNETES_VERSIONS {
         let resources = validator.check(workspace, version, &files)?;
@@ -109,7 +114,10 @@ fn manifest_files(workspace: &Path) -> Result<Vec<String>> {
                     .is_some_and(|e| MANIFEST_EXTENSIONS.contains(&e));
             if manifest {
                 let name = path.file_name().unwrap_or_default().to_string_lossy();
-                files.push(format!("{dir}/{name}"));
+                let file = format!("{dir}/{name}");
+                if file != KUSTOMIZATION {
+                    files.push(file);
+                }
             }
         }
     }
@@ -118,6 +126,55 @@ fn manifest_files(workspace: &Path) -> Result<Vec<String>> {
         bail!("no manifests (*.yaml, *.yml, *.json) in {MANIFEST_DIRS:?}");
     }
     Ok(files)
+}
+
+/// The entries of the top-level `resources:` list of a kustomization.
+fn kustomization_resources(text: &str) -> Vec<String> {
+    let mut resources = Vec::new();
+    let mut inside = false;
+    for line in text.lines() {
+        if line.trim_start().starts_with('#') || line.trim().is_empty() {
+            continue;
+        }
+        if !line.starts_with(' ') && !line.starts_with('-') {
+            inside = line.trim_end() == "resources:";
+            continue;
+        }
+        if inside {
+            if let Some(item) = line.trim().strip_prefix("- ") {
+                resources.push(item.trim().trim_matches('"').to_string());
+            }
+        }
+    }
+    resources
+}
+
+/// deploy/kustomization.yaml lists exactly the manifests of deploy/ (`files`: all
+/// manifests, relative to the workspace), each once.
+fn check_kustomization(workspace: &Path, files: &[String]) -> Result<()> {
+    let path = workspace.join(KUSTOMIZATION);
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let mut listed = kustomization_resources(&text);
+    listed.sort();
+    let dir = Path::new(KUSTOMIZATION)
+        .parent()
+        .and_then(Path::to_str)
+        .unwrap_or_default();
+    let mut present: Vec<String> = files
+        .iter()
+        .filter_map(|f| f.strip_prefix(&format!("{dir}/")))
+        .map(str::to_string)
+        .collect();
+    present.sort();
+    if listed != present {
+        bail!(
+            "{KUSTOMIZATION} lists resources {listed:?}, but {dir}/ holds {present:?}: \
+             list every manifest once"
+        );
+    }
+    println!("ok {KUSTOMIZATION} lists {}", listed.join(", "));
+    Ok(())
 }
 
 /// The installed validator and where it works.
@@ -482,5 +539,18 @@ mod tests {
         let files = manifest_files(&crate::workspace_root()).unwrap();
         assert!(files.iter().any(|f| f == BROKEN_SOURCE), "{files:?}");
         assert!(files.iter().all(|f| !f.ends_with("Containerfile")));
+        assert!(files.iter().all(|f| f != KUSTOMIZATION), "{files:?}");
+        check_kustomization(&crate::workspace_root(), &files).unwrap();
+    }
+
+    #[test]
+    fn kustomization_resources_are_read_from_their_list_only() {
+        let text = "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n\
+                    resources:\n  - rbac.yaml\n  # - old.yaml\n  - \"daemonset.yaml\"\n\
+                    images:\n  - name: lb\n";
+        assert_eq!(
+            kustomization_resources(text),
+            ["rbac.yaml", "daemonset.yaml"]
+        );
     }
 }

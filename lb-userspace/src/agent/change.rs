@@ -166,6 +166,9 @@ impl Agent {
                 "ready and serving"
             );
         }
+        if let Some(check) = &mut self.check {
+            check.written(written.ops_if_incremental());
+        }
         let outcome = writes::record_table(&mut self.maps, written, &mut self.known_table)?;
         if let Some(table) = &self.known_table {
             let wanted = source_ranges::wanted(self.index.restricted(), table.snapshot());

@@ -8,11 +8,12 @@ use tokio::time::{interval, interval_at, Instant, MissedTickBehavior};
 use tracing::{debug, info, warn};
 
 use super::change::Cause;
+use super::consistency::{self, Check, Verdict};
 use super::node_objects::served_addresses;
 use super::start::{Agent, Inputs};
 use super::AgentError;
 use crate::datapath::conntrack;
-use crate::datapath::maps::{MapsError, PinnedMaps};
+use crate::datapath::maps::{MapsError, PinnedMaps, TableBatch};
 
 /// How long to wait before retrying a service table the kernel refused.
 const RETRY_INTERVAL: Duration = Duration::from_secs(1);
@@ -37,20 +38,39 @@ pub(super) async fn follow(
     let mut gc = interval(agent.config.ct_gc_interval);
     gc.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let every = agent.config.consistency_interval;
-    let mut consistency = interval_at(Instant::now() + every, every);
-    consistency.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut check_every = interval_at(Instant::now() + every, every);
+    check_every.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut net_followed = true;
     let mut retry = false;
+    // The batches of the consistency check under way (its state is the agent's,
+    // which notes the writes made meanwhile).
+    let mut batches: Option<consistency::Batches> = None;
     loop {
         let wake = tokio::select! {
             _ = gc.tick() => {
                 collect(&mut agent.maps, &agent.config.ct_timeouts);
                 continue;
             }
-            _ = consistency.tick(), if agent.attached => {
-                match agent.check_consistency() {
-                    true => continue,
-                    false => Wake::Resync,
+            _ = check_every.tick(), if agent.attached && batches.is_none() => {
+                batches = agent.start_check();
+                continue;
+            }
+            batch = next_batch(&mut batches), if batches.is_some() => {
+                match agent.check_step(batch) {
+                    Step::Going => {
+                        // The next step may be ready at once: let the sources'
+                        // tasks run first, so a change waits one step at most.
+                        tokio::task::yield_now().await;
+                        continue;
+                    }
+                    Step::Done => {
+                        batches = None;
+                        continue;
+                    }
+                    Step::Repair => {
+                        batches = None;
+                        Wake::Resync
+                    }
                 }
             }
             changes = inputs.objects.next() => match changes {
@@ -92,30 +112,74 @@ pub(super) async fn follow(
     (agent, Ok(()))
 }
 
+/// The next batch of the check under way (never, without one).
+async fn next_batch(
+    batches: &mut Option<consistency::Batches>,
+) -> Option<Result<TableBatch, MapsError>> {
+    match batches {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Where the consistency check stands after a step.
+enum Step {
+    Going,
+    Done,
+    Repair,
+}
+
 impl Agent {
     /// The agent plans against what it remembers writing; an entry changed behind
     /// its back (bpftool, another tool, a bug) would stay wrong until the Service
-    /// changed. Compares, and on a difference forgets the memory so the next change
-    /// reads the kernel's table. False when a repair is due.
-    fn check_consistency(&mut self) -> bool {
-        let Some(known) = &self.known_table else {
-            return true;
-        };
-        match self.maps.holds(known.snapshot()) {
-            Ok(true) => true,
-            Ok(false) => {
-                warn!(
-                    "the service table in the kernel differs from what this agent wrote; repairing"
-                );
-                self.status.record_drift_repair();
-                self.known_table = None;
-                false
+    /// changed. A check compares the kernel's table with that memory (see
+    /// `consistency.rs`); on a difference the memory is forgotten, so the next
+    /// change reads the kernel's table.
+    fn start_check(&mut self) -> Option<consistency::Batches> {
+        self.known_table.as_ref()?;
+        match Check::start(&self.maps) {
+            Ok((check, batches)) => {
+                self.check = Some(check);
+                Some(batches)
             }
             Err(e) => {
-                warn!("consistency check could not read the maps: {e}");
-                true
+                warn!("consistency check not run: {e}");
+                None
             }
         }
+    }
+
+    /// One batch of the check, or its end (`None`).
+    fn check_step(&mut self, batch: Option<Result<TableBatch, MapsError>>) -> Step {
+        let (Some(check), Some(known)) = (&mut self.check, &self.known_table) else {
+            // The memory was dropped meanwhile (a failed write): nothing to judge.
+            self.check = None;
+            return Step::Done;
+        };
+        match batch {
+            Some(Ok(batch)) => {
+                check.compare(&batch, known.snapshot());
+                return Step::Going;
+            }
+            Some(Err(e)) => warn!("consistency check could not read the maps: {e}"),
+            None => match check.finish(known.snapshot()) {
+                Verdict::Same => {}
+                Verdict::Inconclusive => {
+                    debug!("consistency check overtaken by a whole-table write")
+                }
+                Verdict::Differs => {
+                    warn!(
+                        "the service table in the kernel differs from what this agent wrote; repairing"
+                    );
+                    self.status.record_drift_repair();
+                    self.known_table = None;
+                    self.check = None;
+                    return Step::Repair;
+                }
+            },
+        }
+        self.check = None;
+        Step::Done
     }
 }
 

@@ -6,6 +6,7 @@
 //! write is the pure planner's job.
 
 mod change;
+mod consistency;
 mod event_loop;
 mod names;
 mod node_objects;

@@ -49,6 +49,8 @@ pub(super) struct Agent {
     /// What this agent wrote, as it remembers it; `None` makes the next change read
     /// the kernel's table and plan it whole (start, a failure, a repair).
     pub(super) known_table: Option<KnownTable>,
+    /// The consistency check under way, which notes the writes made meanwhile.
+    pub(super) check: Option<super::consistency::Check>,
     /// The hooks are attached (after the first table was written).
     pub(super) attached: bool,
     pub(super) health_checks: HealthCheckServers,
@@ -172,6 +174,7 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
         unreadable: Vec::new(),
         index,
         known_table: None,
+        check: None,
         attached: false,
         health_checks: HealthCheckServers::default(),
         names,

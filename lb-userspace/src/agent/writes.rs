@@ -155,6 +155,14 @@ fn write_in_pieces(
     })
 }
 
+impl Written {
+    /// The entries written, when the plan named every one (an incremental plan
+    /// against the kept table); `None` for a table planned or read whole.
+    pub(super) fn ops_if_incremental(&self) -> Option<&[crate::datapath::snapshot::MapOp]> {
+        (self.incremental && self.written_ahead == 0).then_some(&self.plan.ops[..])
+    }
+}
+
 /// The second half: remembers what was written and drops the counters of
 /// frontends that are gone.
 pub(super) fn record_table(

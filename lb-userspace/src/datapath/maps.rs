@@ -44,6 +44,43 @@ pub enum MapsError {
     },
 }
 
+/// A batch of the service table as the kernel holds it, from [`TableReader::read`].
+pub enum TableBatch {
+    Services(Vec<(ServiceKey, ServiceValue)>),
+    Backends(Vec<(u32, Backend)>),
+}
+
+/// Reads the service table with descriptors of its own ([`PinnedMaps::table_reader`]).
+pub struct TableReader {
+    services: OwnedFd,
+    backends: OwnedFd,
+}
+
+impl TableReader {
+    /// Both maps, a batch at a time, each handed to `each` as read, until it
+    /// returns false. Needs batched lookups (Linux 5.6).
+    pub fn read(&self, mut each: impl FnMut(TableBatch) -> bool) -> Result<(), MapsError> {
+        let failed = |map: &'static str| {
+            move |io_error| MapsError::Read {
+                map,
+                source: MapError::SyscallError(SyscallError {
+                    call: "bpf_map_lookup_batch",
+                    io_error,
+                }),
+            }
+        };
+        let mut going = true;
+        lookup_batched(self.services.as_fd(), |batch: &[(ServiceKey, ServiceValue)]| {
+            going = going && each(TableBatch::Services(batch.to_vec()));
+        })
+        .map_err(failed(map_names::SERVICES))?;
+        lookup_batched(self.backends.as_fd(), |batch: &[(u32, Backend)]| {
+            going = going && each(TableBatch::Backends(batch.to_vec()));
+        })
+        .map_err(failed(map_names::BACKENDS))
+    }
+}
+
 /// `LB_SOCK_REVNAT`: which backend the socket hooks sent each socket to, through
 /// which frontend. Read by whoever closes the sockets of removed endpoints.
 pub struct SockRevNatMap {
@@ -240,29 +277,22 @@ impl PinnedMaps {
         Ok(table.into_iter().skip(skip).take(size as usize).collect())
     }
 
-    /// Whether the maps hold exactly `known`, read a batch at a time and compared
-    /// as read: a second copy of the table (10.8 MB at 10k Services x 10
-    /// endpoints, heaptrack) is never built for a check that nearly always finds
-    /// none.
-    pub fn holds(&self, known: &MapSnapshot) -> Result<bool, MapsError> {
-        let (mut services, mut backends) = (0, 0);
-        let (mut services_same, mut backends_same) = (true, true);
-        self.read_table(
-            |batch| {
-                services += batch.len();
-                services_same &= batch.iter().all(|(k, v)| known.services.get(k) == Some(v));
-            },
-            |batch| {
-                backends += batch.len();
-                backends_same &= batch.iter().all(|(k, v)| known.backends.get(k) == Some(v));
-            },
-        )?;
-        // Every entry read is known and none twice (keys are unique), so equal
-        // counts leave no known entry missing.
-        Ok(services_same
-            && backends_same
-            && services == known.services.len()
-            && backends == known.backends.len())
+    /// The service and backend maps' descriptors again, for reading the table on
+    /// another thread while this agent keeps writing through its own.
+    pub fn table_reader(&self) -> Result<TableReader, MapsError> {
+        let dup = |fd: &OwnedFd, map: &'static str| {
+            fd.try_clone().map_err(|io_error| MapsError::Read {
+                map,
+                source: MapError::SyscallError(SyscallError {
+                    call: "dup",
+                    io_error,
+                }),
+            })
+        };
+        Ok(TableReader {
+            services: dup(&self.services_fd, map_names::SERVICES)?,
+            backends: dup(&self.backends_fd, map_names::BACKENDS)?,
+        })
     }
 
     /// Applies `ops` in order, stopping at the first failure: the plan is ordered so

@@ -190,7 +190,16 @@ fn close(map: &mut SockRevNatMap, config: &ReaperConfig, departures: &Departures
         return pass;
     }
     let mut forget = Vec::new();
-    for ns in netns::of_cgroup(&config.cgroup) {
+    let (namespaces, refused) = netns::of_cgroup(&config.cgroup);
+    if let Some(error) = &refused.first {
+        pass.errors.push(format!(
+            "cannot open the network namespace of {} process(es) in {} ({error}): closing \
+             their sockets needs CAP_SYS_PTRACE",
+            refused.count,
+            config.cgroup.display()
+        ));
+    }
+    for ns in namespaces {
         let found = netns::run_in(&ns, || {
             close_here(map, departures, &protocols, config.close_tcp)
         });

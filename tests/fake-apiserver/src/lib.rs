@@ -1,6 +1,8 @@
 //! A small fake Kubernetes API server for tests of the API-server source.
 //!
-//! It speaks HTTP/1.1 on 127.0.0.1 and serves list and watch of Services
+//! It speaks HTTP/1.1 on 127.0.0.1 (or, [`FakeApiServer::start_tls`], HTTPS with
+//! a certificate authority of its own on a listener the test bound, as a pod's
+//! in-cluster configuration needs) and serves list and watch of Services
 //! (`/api/v1/services`), EndpointSlices (`/apis/discovery.k8s.io/v1/endpointslices`)
 //! and Nodes (`/api/v1/nodes`) the way the real one does for a client that lists all
 //! namespaces:
@@ -18,12 +20,13 @@
 //! lists or watches back, stop and restart listening, and read the requests seen.
 //! Not covered: `timeoutSeconds` (watches stay open until the test ends them),
 //! `resourceVersion`/`resourceVersionMatch` on lists (always the latest state),
-//! namespaced paths, other verbs, and authentication.
+//! namespaced paths, other verbs, and authentication (the `Authorization` header
+//! of each request is recorded, not checked).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::convert::Infallible;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -38,6 +41,8 @@ use serde_json::{json, Map, Value};
 use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
+use tokio_rustls::rustls;
+use tokio_rustls::TlsAcceptor;
 
 /// The resources served.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -92,6 +97,8 @@ pub struct Call {
     pub res: Res,
     pub watch: bool,
     pub query: BTreeMap<String, String>,
+    /// The request's `Authorization` header, if it had one.
+    pub authorization: Option<String>,
 }
 
 impl Call {
@@ -171,6 +178,58 @@ pub struct FakeApiServer {
     shared: Arc<Shared>,
     addr: SocketAddr,
     serving: Mutex<Option<JoinHandle<()>>>,
+    /// Set when serving HTTPS.
+    tls: Option<TlsAcceptor>,
+}
+
+/// A certificate authority made for one test, and a server certificate it signed:
+/// what a cluster's service account `ca.crt` and its API server's certificate are.
+pub struct ServingCert {
+    /// The authority's certificate (PEM): the `ca.crt` a client trusts.
+    pub ca_pem: String,
+    ca_der: Vec<u8>,
+    acceptor: TlsAcceptor,
+}
+
+impl ServingCert {
+    /// An authority and a certificate for the address `ip` (its only subject
+    /// alternative name, so a client reaching the server by that address accepts it).
+    pub fn for_ip(ip: IpAddr) -> ServingCert {
+        use rcgen::{
+            BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+            KeyUsagePurpose,
+        };
+        let ca_key = KeyPair::generate().expect("CA key");
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let ca_cert = ca_params.self_signed(&ca_key).expect("CA certificate");
+        let issuer = Issuer::new(ca_params, ca_key);
+        let key = KeyPair::generate().expect("server key");
+        let mut params = CertificateParams::new(vec![ip.to_string()]).expect("server params");
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        let cert = params.signed_by(&key, &issuer).expect("server certificate");
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("TLS versions")
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![cert.der().clone()],
+                rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+            )
+            .expect("server TLS configuration");
+        ServingCert {
+            ca_pem: ca_cert.pem(),
+            ca_der: ca_cert.der().to_vec(),
+            acceptor: TlsAcceptor::from(Arc::new(config)),
+        }
+    }
+
+    /// The authority's certificate (DER), as kube's `Config::root_cert` takes it.
+    pub fn ca_der(&self) -> &[u8] {
+        &self.ca_der
+    }
 }
 
 type Body = BoxBody<Bytes, io::Error>;
@@ -179,6 +238,22 @@ impl FakeApiServer {
     /// Starts listening on a free loopback port.
     pub async fn start() -> FakeApiServer {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        Self::serve_on(listener, None)
+    }
+
+    /// Serves HTTPS with `cert` on `listener`, which the caller bound: in the network
+    /// namespace its clients are in, at the address `cert` names. ([`Self::resume`]
+    /// would bind in the caller's own namespace: use `stop` and `resume` with
+    /// [`Self::start`] only.)
+    pub async fn start_tls(listener: std::net::TcpListener, cert: &ServingCert) -> FakeApiServer {
+        listener
+            .set_nonblocking(true)
+            .expect("non-blocking listener");
+        let listener = TcpListener::from_std(listener).expect("listener");
+        Self::serve_on(listener, Some(cert.acceptor.clone()))
+    }
+
+    fn serve_on(listener: TcpListener, tls: Option<TlsAcceptor>) -> FakeApiServer {
         let addr = listener.local_addr().expect("local addr");
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
@@ -186,16 +261,18 @@ impl FakeApiServer {
             hold_lists: std::array::from_fn(|_| watch::channel(false).0),
             hold_watches: std::array::from_fn(|_| watch::channel(false).0),
         });
-        let serving = tokio::spawn(serve(listener, shared.clone()));
+        let serving = tokio::spawn(serve(listener, shared.clone(), tls.clone()));
         FakeApiServer {
             shared,
             addr,
             serving: Mutex::new(Some(serving)),
+            tls,
         }
     }
 
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
     }
 
     /// A kubeconfig naming this server (plain HTTP, no credentials), as a file's text.
@@ -235,7 +312,7 @@ impl FakeApiServer {
         socket.set_reuseaddr(true).expect("SO_REUSEADDR");
         socket.bind(self.addr).expect("bind the same port again");
         let listener = socket.listen(128).expect("listen");
-        let serving = tokio::spawn(serve(listener, self.shared.clone()));
+        let serving = tokio::spawn(serve(listener, self.shared.clone(), self.tls.clone()));
         *self.serving.lock().unwrap() = Some(serving);
     }
 
@@ -546,7 +623,7 @@ fn json_response(code: StatusCode, body: &Value) -> Response<Body> {
         .expect("response")
 }
 
-async fn serve(listener: TcpListener, shared: Arc<Shared>) {
+async fn serve(listener: TcpListener, shared: Arc<Shared>, tls: Option<TlsAcceptor>) {
     // Dropping this task (stop) drops the set, which aborts every connection.
     let mut connections = JoinSet::new();
     loop {
@@ -558,11 +635,20 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>) {
                 // the one before (Nagle with delayed ACKs held events up to 40 ms).
                 let _ = stream.set_nodelay(true);
                 let shared = shared.clone();
+                let tls = tls.clone();
                 connections.spawn(async move {
                     let service = service_fn(move |req| handle(shared.clone(), req));
-                    let _ = http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
+                    let http = http1::Builder::new();
+                    match tls {
+                        None => {
+                            let _ = http.serve_connection(TokioIo::new(stream), service).await;
+                        }
+                        Some(tls) => {
+                            // A client that gives up on the handshake just goes away.
+                            let Ok(stream) = tls.accept(stream).await else { return };
+                            let _ = http.serve_connection(TokioIo::new(stream), service).await;
+                        }
+                    }
                 });
             }
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
@@ -587,10 +673,16 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
     }
     let query = parse_query(req.uri().query().unwrap_or(""));
     let watch = matches!(query.get("watch").map(String::as_str), Some("true" | "1"));
+    let authorization = req
+        .headers()
+        .get(hyper::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     shared.lock().calls.push(Call {
         res,
         watch,
         query: query.clone(),
+        authorization,
     });
     shared.bump();
 
@@ -987,4 +1079,51 @@ fn selector_syntax() {
     assert!(!s.matches_labels(&obj(json!({"a": "", "c": "1", "d": "2", "e": "x"}))));
     assert!(Selector::labels("a b").is_err());
     assert_eq!(percent_decode("%21a%2Cb+c"), "!a,b c");
+}
+
+/// Over HTTPS, a client that trusts the test's authority lists as over HTTP, the
+/// request is recorded with its credentials, and one that does not trust it gets
+/// nothing.
+#[tokio::test]
+async fn https_with_the_tests_own_authority() {
+    use k8s_openapi::api::core::v1::Service;
+    let ip: IpAddr = "127.0.0.1".parse().unwrap();
+    let cert = ServingCert::for_ip(ip);
+    let listener = std::net::TcpListener::bind((ip, 0)).unwrap();
+    let server = FakeApiServer::start_tls(listener, &cert).await;
+    server.apply(Res::Services, service("web", "10.96.0.10", &[]));
+    assert!(
+        server.url().starts_with("https://127.0.0.1:"),
+        "{}",
+        server.url()
+    );
+
+    let mut config = kube::Config::new(server.url().parse().unwrap());
+    config.root_cert = Some(vec![cert.ca_der().to_vec()]);
+    config.headers = vec![(
+        hyper::header::AUTHORIZATION,
+        "Bearer test-token".parse().unwrap(),
+    )];
+    let client = kube::Client::try_from(config).unwrap();
+    let list = kube::Api::<Service>::all(client)
+        .list(&Default::default())
+        .await
+        .unwrap();
+    assert_eq!(list.items.len(), 1);
+    let calls = server.calls();
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert_eq!(calls[0].authorization.as_deref(), Some("Bearer test-token"));
+
+    let other = ServingCert::for_ip(ip);
+    let mut config = kube::Config::new(server.url().parse().unwrap());
+    config.root_cert = Some(vec![other.ca_der().to_vec()]);
+    let client = kube::Client::try_from(config).unwrap();
+    let refused = kube::Api::<Service>::all(client)
+        .list(&Default::default())
+        .await;
+    assert!(
+        refused.is_err(),
+        "a client trusting another authority got {refused:?}"
+    );
+    assert_eq!(server.calls().len(), 1);
 }

@@ -167,10 +167,45 @@ pub fn load(
     let node_ipv6 = first(true);
     loader.override_global("LB_NODE_IPV6", &node_ipv6, true);
     loader.override_global("LB_MAGLEV_SEED", &maglev_seed, true);
-    loader.load(object).map_err(|source| LoadError::Load {
-        maps_dir: layout.maps_dir(),
-        source: Box::new(source),
+    loader.load(object).map_err(|source| {
+        let maps_dir = layout.maps_dir();
+        match errno_in(&source) {
+            Some(errno) if errno.raw_os_error() == Some(libc::EPERM) => LoadError::LoadRefused {
+                maps_dir,
+                detail: errno.to_string(),
+            },
+            _ => LoadError::Load {
+                maps_dir,
+                source: Box::new(source),
+            },
+        }
     })
+}
+
+/// The first OS error in `error`'s chain of sources.
+fn errno_in<'a>(error: &'a (dyn std::error::Error + 'static)) -> Option<&'a std::io::Error> {
+    let mut current = Some(error);
+    while let Some(e) = current {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            if io.raw_os_error().is_some() {
+                return Some(io);
+            }
+        }
+        current = e.source();
+    }
+    None
+}
+
+/// What the verifier's log says is missing, as advice; empty when it says nothing
+/// the agent can name.
+fn verifier_hint(log: &str) -> &'static str {
+    // The verifier treats a program loaded without CAP_PERFMON as unprivileged and
+    // refuses what could leak pointers or speculate past bounds.
+    if log.contains("for !root") {
+        " (the verifier allows this only with CAP_PERFMON, or CAP_SYS_ADMIN: add it)"
+    } else {
+        ""
+    }
 }
 
 fn verifier_error(program: &'static str, error: ProgramError) -> LoadError {
@@ -179,12 +214,20 @@ fn verifier_error(program: &'static str, error: ProgramError) -> LoadError {
             io_error,
             verifier_log,
         } => {
+            // Refused before any verification: the caller lacks a capability.
+            if io_error.raw_os_error() == Some(libc::EPERM) {
+                return LoadError::ProgramRefused {
+                    program,
+                    error: io_error.to_string(),
+                };
+            }
             let log = verifier_log.to_string();
             let lines: Vec<&str> = log.lines().collect();
             let tail = lines[lines.len().saturating_sub(20)..].join("\n");
             LoadError::Verifier {
                 program,
                 error: io_error.to_string(),
+                hint: verifier_hint(&log),
                 log_tail: tail,
             }
         }
@@ -192,5 +235,30 @@ fn verifier_error(program: &'static str, error: ProgramError) -> LoadError {
             program,
             source: Box::new(error),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refused_map_is_found_under_aya_s_wrapping() {
+        let error = aya::EbpfError::MapError(aya::maps::MapError::CreateError {
+            name: "LB_BACKENDS".into(),
+            io_error: std::io::Error::from_raw_os_error(libc::EPERM),
+        });
+        let errno = errno_in(&error).expect("the OS error");
+        assert_eq!(errno.raw_os_error(), Some(libc::EPERM));
+        let other = aya::EbpfError::MapError(aya::maps::MapError::InvalidName { name: "x".into() });
+        assert!(errno_in(&other).is_none());
+    }
+
+    #[test]
+    fn the_verifier_s_unprivileged_refusal_names_cap_perfmon() {
+        let log = "692: (0f) r5 += r4\nR5 tried to add from different maps, paths or \
+                   scalars, pointer arithmetic with it prohibited for !root\n";
+        assert!(verifier_hint(log).contains("CAP_PERFMON"));
+        assert_eq!(verifier_hint("invalid mem access 'scalar'"), "");
     }
 }

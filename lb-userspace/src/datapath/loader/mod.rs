@@ -43,13 +43,30 @@ pub enum LoadError {
         #[source]
         source: Box<aya::EbpfError>,
     },
+    #[error(
+        "the kernel refused to create the maps under {maps_dir} ({detail}): lb needs CAP_BPF \
+         (or CAP_SYS_ADMIN), and a seccomp profile that admits bpf(): containerd's \
+         RuntimeDefault admits it with CAP_BPF, podman's and CRI-O's only with \
+         CAP_SYS_ADMIN (deploy/daemonset.yaml lists what lb needs and why)"
+    )]
+    LoadRefused { maps_dir: PathBuf, detail: String },
     #[error("program {program} is missing from the kernel object; rebuild it with `cargo xtask build-ebpf`")]
     MissingProgram { program: &'static str },
-    #[error("the verifier rejected {program}: {error}\nverifier log (tail):\n{log_tail}")]
+    #[error("the verifier rejected {program}: {error}{hint}\nverifier log (tail):\n{log_tail}")]
     Verifier {
         program: &'static str,
         error: String,
+        /// What to do, when the log says what was missing; else empty.
+        hint: &'static str,
         log_tail: String,
+    },
+    #[error(
+        "the kernel refused to load {program} ({error}): lb's cgroup and TC programs need \
+         CAP_NET_ADMIN beside CAP_BPF (or CAP_SYS_ADMIN instead of both)"
+    )]
+    ProgramRefused {
+        program: &'static str,
+        error: String,
     },
     #[error("{program}: {source}")]
     Program {
