@@ -70,9 +70,12 @@ impl TableReader {
             }
         };
         let mut going = true;
-        lookup_batched(self.services.as_fd(), |batch: &[(ServiceKey, ServiceValue)]| {
-            going = going && each(TableBatch::Services(batch.to_vec()));
-        })
+        lookup_batched(
+            self.services.as_fd(),
+            |batch: &[(ServiceKey, ServiceValue)]| {
+                going = going && each(TableBatch::Services(batch.to_vec()));
+            },
+        )
         .map_err(failed(map_names::SERVICES))?;
         lookup_batched(self.backends.as_fd(), |batch: &[(u32, Backend)]| {
             going = going && each(TableBatch::Backends(batch.to_vec()));
