@@ -192,7 +192,8 @@ pub fn arrive(ctx: &TcContext, encapsulated: bool) -> Option<i32> {
         proto: arrival.proto,
         _pad: [0; 3],
     };
-    if !arrival.has_frontend && !(encapsulated && arrived_encapsulated(&s.reply_key)) {
+    let ours = arrival.has_frontend || (encapsulated && arrived_encapsulated(&s.reply_key));
+    if !ours {
         return None;
     }
     if encapsulated && wire::remove_outer(ctx, v6).is_err() {
@@ -289,7 +290,7 @@ fn clamp_mss(ctx: &TcContext, flow: &Flow, by: u16) -> Result<bool, ()> {
                 // The checksum sums 16-bit words from the TCP header's start: a
                 // field at an odd offset (the option behind a NOP) straddles two,
                 // and counts byte-swapped.
-                let (from, to) = if (off + 2 - flow.l4_off) % 2 == 0 {
+                let (from, to) = if (off + 2 - flow.l4_off).is_multiple_of(2) {
                     (old, new)
                 } else {
                     (old.swap_bytes(), new.swap_bytes())
