@@ -96,6 +96,10 @@ pub(super) async fn follow(
                 Wake::Resync
             }
             _ = tokio::time::sleep(RETRY_INTERVAL), if retry => Wake::Resync,
+            _ = tokio::time::sleep(RETRY_INTERVAL), if agent.devices_pending && agent.attached => {
+                agent.sync_devices();
+                continue;
+            }
             _ = tokio::signal::ctrl_c() => Wake::Stop,
             _ = sigterm.recv() => Wake::Stop,
         };

@@ -51,6 +51,8 @@ pub(super) struct Agent {
     pub(super) known_table: Option<KnownTable>,
     /// The consistency check under way, which notes the writes made meanwhile.
     pub(super) check: Option<super::consistency::Check>,
+    /// A device did not get its program at the last sync: tried again shortly.
+    pub(super) devices_pending: bool,
     /// The hooks are attached (after the first table was written).
     pub(super) attached: bool,
     pub(super) health_checks: HealthCheckServers,
@@ -178,6 +180,7 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
         index,
         known_table: None,
         check: None,
+        devices_pending: false,
         attached: false,
         health_checks: HealthCheckServers::default(),
         names,
@@ -231,9 +234,11 @@ impl Agent {
     }
 
     /// The per-packet programs on the devices the node has now.
+    /// Attaches and detaches as the node's devices now want; a device that could
+    /// not get its program leaves `devices_pending` set, and the loop tries again.
     pub(super) fn sync_devices(&mut self) {
         let wanted = crate::node::attachments(&self.net, &self.overrides);
-        self.links.sync(&mut self.ebpf, &wanted, &self.net);
+        self.devices_pending = !self.links.sync(&mut self.ebpf, &wanted, &self.net);
         self.status.set_xdp(self.links.xdp_reports());
     }
 

@@ -331,7 +331,17 @@ impl DeviceLinks {
     /// device that fails (it vanished meanwhile, or refuses) is logged and left
     /// out, so the next change tries it again; the others are unaffected. `net`
     /// says what kind of device refused XDP.
-    pub fn sync(&mut self, ebpf: &mut Ebpf, wanted: &BTreeMap<u32, Attachment>, net: &NodeNet) {
+    /// Returns false when a device could not get its program; the caller tries
+    /// again later (a link just unpinned is detached by the kernel asynchronously,
+    /// so a device that changes role twice in a row can find the program it wants
+    /// still attached from the first time: EEXIST until the kernel lets it go).
+    pub fn sync(
+        &mut self,
+        ebpf: &mut Ebpf,
+        wanted: &BTreeMap<u32, Attachment>,
+        net: &NodeNet,
+    ) -> bool {
+        let mut all = true;
         let gone: Vec<u32> = self
             .current
             .keys()
@@ -388,10 +398,12 @@ impl DeviceLinks {
                     );
                 }
                 Err(e) => {
-                    warn!(device = %want.name, "not attached (retried on the next device change): {e}")
+                    all = false;
+                    warn!(device = %want.name, "not attached (tried again in a second): {e}")
                 }
             }
         }
+        all
     }
 
     fn attach(&self, ebpf: &mut Ebpf, want: &Attachment) -> Result<Option<PathBuf>, LoadError> {
