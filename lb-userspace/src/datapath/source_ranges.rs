@@ -50,7 +50,6 @@ mod tests {
             backends: Default::default(),
             affinity_timeout_sec: None,
             source_ranges,
-            maglev: false,
         };
         let mut desired = DesiredState::default();
         desired.frontends.insert(lb, spec(Some(ranges.clone())));
