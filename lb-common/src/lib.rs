@@ -20,7 +20,7 @@ pub mod maglev;
 
 /// Bumped whenever a map's key or value layout changes. Maps are pinned under
 /// `<pin-dir>/v<PIN_LAYOUT_VERSION>/` so an agent never reuses a map with another layout.
-pub const PIN_LAYOUT_VERSION: u32 = 5;
+pub const PIN_LAYOUT_VERSION: u32 = 6;
 
 /// Map names, as the kernel object defines them and as they are pinned.
 pub mod map_names {
@@ -37,8 +37,11 @@ pub mod map_names {
     /// The devices `lb_xdp` may redirect to (a DEVMAP_HASH keyed by ifindex; see
     /// [`crate::XDP_DEVMAP_MAX`]).
     pub const XDP_DEVMAP: &str = "LB_XDP_DEVMAP";
+    /// The Maglev tables of the frontends flagged `SVC_FLAG_MAGLEV` (an ARRAY of
+    /// [`crate::MaglevSlots`]).
+    pub const MAGLEV: &str = "LB_MAGLEV";
     /// Every map the agent pins.
-    pub const ALL: [&str; 11] = [
+    pub const ALL: [&str; 12] = [
         SERVICES,
         BACKENDS,
         SOCK_REVNAT,
@@ -50,6 +53,7 @@ pub mod map_names {
         SOURCE_RANGES,
         FRAG,
         XDP_DEVMAP,
+        MAGLEV,
     ];
 }
 
@@ -103,6 +107,14 @@ pub const SVC_FLAG_EXTERNAL: u16 = 1 << 2;
 /// from sources `LB_SOURCE_RANGES` holds for this frontend's `rev_nat_id` (none: no
 /// source is admitted), as kube-proxy's firewall chains do.
 pub const SVC_FLAG_SOURCE_RANGES: u16 = 1 << 3;
+/// `ServiceValue::flags`: new flows of the per-packet path (TC and XDP, never the
+/// socket hooks) pick their slot from this frontend's Maglev table in `LB_MAGLEV`
+/// (see [`ServiceValue::maglev`]) rather than at random.
+pub const SVC_FLAG_MAGLEV: u16 = 1 << 4;
+/// `ServiceValue::flags` of a Maglev master: bits 8..12 hold the table's size as an
+/// index into [`maglev::TABLE_SIZES`] (the ladder has 10 rungs; 4 bits hold 16).
+const SVC_MAGLEV_RUNG_SHIFT: u16 = 8;
+const SVC_MAGLEV_RUNG_MASK: u16 = 0xf;
 
 /// `Backend::flags`: the endpoint runs on this node, so per-packet NAT needs no SNAT
 /// to bring its replies back through us.
@@ -221,12 +233,15 @@ pub const SCOPE_INTERNAL: u8 = 0;
 pub const SCOPE_EXTERNAL: u8 = 1;
 
 /// Value of `LB_SERVICES`. Master entries use `count`, `rev_nat_id`, `flags` and
-/// `affinity_timeout_sec`; slot entries use `backend_id` (and repeat `rev_nat_id`).
+/// `affinity_timeout_sec`, and a Maglev master also `backend_id`; slot entries use
+/// `backend_id` (and repeat `rev_nat_id`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct ServiceValue {
-    /// Slot entries: key of the backend in `LB_BACKENDS`. Master: 0.
+    /// Slot entries: key of the backend in `LB_BACKENDS`. Master: 0, or with
+    /// `SVC_FLAG_MAGLEV` the first slot of its Maglev table in `LB_MAGLEV` (a
+    /// multiple of [`MAGLEV_SLOTS_PER_ENTRY`]; see [`ServiceValue::maglev`]).
     pub backend_id: u32,
     /// Master: number of backend slots; 0 means "no usable endpoints", which the
     /// hooks answer with ECONNREFUSED like kube-proxy's REJECT rule.
@@ -267,7 +282,61 @@ impl ServiceValue {
     pub const fn has_source_ranges(&self) -> bool {
         self.flags & SVC_FLAG_SOURCE_RANGES != 0
     }
+
+    /// A Maglev master's table: its first slot in `LB_MAGLEV` and its size (a prime
+    /// of [`maglev::TABLE_SIZES`]); its slot `s` holds the position (0-based) of the
+    /// backend in slot `position + 1`. `None` without `SVC_FLAG_MAGLEV`, or with a
+    /// size index past the ladder (written by no agent).
+    #[inline(always)]
+    pub const fn maglev(&self) -> Option<(u32, u32)> {
+        if self.flags & SVC_FLAG_MAGLEV == 0 {
+            return None;
+        }
+        let rung = ((self.flags >> SVC_MAGLEV_RUNG_SHIFT) & SVC_MAGLEV_RUNG_MASK) as usize;
+        if rung >= maglev::TABLE_SIZES.len() {
+            return None;
+        }
+        Some((self.backend_id, maglev::TABLE_SIZES[rung]))
+    }
 }
+
+/// The `ServiceValue::flags` bits of a Maglev master whose table has
+/// `maglev::TABLE_SIZES[rung]` slots (`SVC_FLAG_MAGLEV` and the size index); `None`
+/// for a rung past the ladder.
+pub const fn maglev_flags(rung: usize) -> Option<u16> {
+    if rung >= maglev::TABLE_SIZES.len() {
+        return None;
+    }
+    Some(SVC_FLAG_MAGLEV | ((rung as u16 & SVC_MAGLEV_RUNG_MASK) << SVC_MAGLEV_RUNG_SHIFT))
+}
+
+/// Value of `LB_MAGLEV`, an ARRAY holding every Maglev table of the node: four
+/// consecutive slots, 8 bytes with nothing wasted (an array entry takes its value
+/// size rounded up to 8). Slot `s` of the arena is `positions[s % 4]` of entry
+/// `s / 4`; a table is a run of slots starting at a multiple of four, so its slot
+/// `t` is arena slot `first + t`.
+///
+/// Entry 0 is not part of any table: its four lanes hold the seed the tables were
+/// built with (lane `i` = bits `16 i .. 16 i + 16`), which the agent reads on start
+/// to know whether it may keep them; no program reads it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct MaglevSlots {
+    /// Four table slots: each the position (0-based, host byte order) of a backend
+    /// among the frontend's slots, in (address, port) order.
+    pub positions: [u16; 4],
+}
+const _: () = assert!(core::mem::size_of::<MaglevSlots>() == 8);
+
+/// Table slots per `LB_MAGLEV` entry.
+pub const MAGLEV_SLOTS_PER_ENTRY: u32 = 4;
+/// The first arena slot a table may start at: entry 0 is the seed header.
+pub const MAGLEV_FIRST_TABLE_SLOT: u32 = MAGLEV_SLOTS_PER_ENTRY;
+/// Default capacity of `LB_MAGLEV` in slots (`--maglev-table-slots`): 2^21 slots,
+/// 4 MiB of kernel memory, allocated whole when the map is created. Room for 2048
+/// tables of 6 to 10 backends (1024 slots each) or 8192 of 1 or 2 (252 slots).
+pub const DEFAULT_MAGLEV_SLOTS: u32 = 1 << 21;
 
 /// Value of `LB_BACKENDS`, keyed by a `u32` backend id. A backend id names one
 /// endpoint *of one frontend*; ids are not shared between Services, so removing an
@@ -670,8 +739,12 @@ pub mod stat {
     /// XDP: a packet being rewritten could not be finished or sent (a failed
     /// write, or its egress device left `LB_XDP_DEVMAP` meanwhile); dropped.
     pub const XDP_DROP_FAILED: u32 = 32;
+    /// TC or XDP: a new flow to a Maglev frontend whose table slot could not be
+    /// read or named no slot of the frontend (a table mid-rewrite, a damaged
+    /// arena); it got a random backend instead.
+    pub const MAGLEV_MISS: u32 = 33;
     /// Number of counters.
-    pub const COUNT: u32 = 33;
+    pub const COUNT: u32 = 34;
     /// Human names, indexed like the constants.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -707,6 +780,7 @@ pub mod stat {
         "xdp_drop_source_range",
         "xdp_drop_conntrack",
         "xdp_drop_failed",
+        "maglev_miss",
     ];
 }
 
@@ -730,4 +804,5 @@ mod user {
     unsafe impl aya::Pod for FragKey {}
     unsafe impl aya::Pod for FragValue {}
     unsafe impl aya::Pod for XdpMark {}
+    unsafe impl aya::Pod for MaglevSlots {}
 }

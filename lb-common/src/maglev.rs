@@ -25,7 +25,38 @@
 //! `from_le`, which is free on little-endian machines (and BPF's `bpfel`) and keeps a
 //! big-endian node's hash equal to everyone else's.
 
-use crate::IpAddrBe;
+use crate::{IpAddrBe, MAGLEV_SLOTS_PER_ENTRY};
+
+/// The Maglev table sizes, a ladder of primes: the largest prime below each power of
+/// two from 2^8 to 2^17. A master names its table's size by its index here (see
+/// `ServiceValue::maglev`); why a ladder, and which rung a backend count gets, is
+/// the agent's business (`control::maglev` in lb-userspace).
+pub const TABLE_SIZES: [u32; 10] = [
+    251, 509, 1_021, 2_039, 4_093, 8_191, 16_381, 32_749, 65_521, 131_071,
+];
+
+/// The arena slots a table of `size` slots takes: `size` rounded up to whole
+/// `LB_MAGLEV` entries, so that every table starts at an entry's first slot.
+#[inline(always)]
+pub const fn extent_slots(size: u32) -> u32 {
+    size.div_ceil(MAGLEV_SLOTS_PER_ENTRY) * MAGLEV_SLOTS_PER_ENTRY
+}
+
+/// The seed as the four lanes of the `LB_MAGLEV` header entry (lane `i` holds bits
+/// `16 i .. 16 i + 16`).
+pub const fn seed_lanes(seed: u64) -> [u16; 4] {
+    [
+        seed as u16,
+        (seed >> 16) as u16,
+        (seed >> 32) as u16,
+        (seed >> 48) as u16,
+    ]
+}
+
+/// The seed a header entry holds (the inverse of [`seed_lanes`]).
+pub const fn seed_of_lanes(lanes: [u16; 4]) -> u64 {
+    lanes[0] as u64 | (lanes[1] as u64) << 16 | (lanes[2] as u64) << 32 | (lanes[3] as u64) << 48
+}
 
 const PRIME64_1: u64 = 0x9E37_79B1_85EB_CA87;
 const PRIME64_2: u64 = 0xC2B2_AE3D_27D4_EB4F;
@@ -245,6 +276,51 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn extents_are_whole_entries_and_the_seed_round_trips() {
+        assert_eq!(extent_slots(251), 252);
+        assert_eq!(extent_slots(1_021), 1_024);
+        assert_eq!(extent_slots(131_071), 131_072);
+        for size in TABLE_SIZES {
+            let extent = extent_slots(size);
+            assert!(extent >= size && extent - size < MAGLEV_SLOTS_PER_ENTRY);
+            assert_eq!(extent % MAGLEV_SLOTS_PER_ENTRY, 0);
+        }
+        for seed in [0, 1, 0x1234_5678_9abc_def0, u64::MAX] {
+            assert_eq!(seed_of_lanes(seed_lanes(seed)), seed);
+        }
+        assert_eq!(seed_lanes(0x0004_0003_0002_0001), [1, 2, 3, 4]);
+    }
+
+    /// The flags name the size by its rung, `backend_id` the first slot; nothing
+    /// else reads as a Maglev master.
+    #[test]
+    fn masters_name_their_table_through_the_flags() {
+        use crate::{maglev_flags, ServiceValue, SVC_FLAG_AFFINITY, SVC_FLAG_MAGLEV};
+        for (rung, size) in TABLE_SIZES.iter().enumerate() {
+            let master = ServiceValue {
+                backend_id: 4096,
+                count: 3,
+                flags: SVC_FLAG_AFFINITY | maglev_flags(rung).unwrap(),
+                ..ServiceValue::default()
+            };
+            assert_eq!(master.maglev(), Some((4096, *size)));
+            assert!(master.is_affinity());
+        }
+        assert_eq!(maglev_flags(TABLE_SIZES.len()), None);
+        let plain = ServiceValue {
+            backend_id: 4096,
+            ..ServiceValue::default()
+        };
+        assert_eq!(plain.maglev(), None);
+        // A size index past the ladder, which no agent writes.
+        let bad = ServiceValue {
+            flags: SVC_FLAG_MAGLEV | (12 << 8),
+            ..plain
+        };
+        assert_eq!(bad.maglev(), None);
     }
 
     #[test]

@@ -15,7 +15,9 @@ use lb_common::{
     CT_DIR_REPLY, SCOPE_EXTERNAL, SCOPE_INTERNAL,
 };
 
-use crate::{access::Packet, ct, fib, nat::Tuple, packet::Flow, select, source_ranges, stats};
+use crate::{
+    access::Packet, ct, fib, maglev, nat::Tuple, packet::Flow, select, source_ranges, stats,
+};
 
 /// Source ports for SNAT when the client's own port is taken on the backend side.
 const SNAT_PORT_MIN: u32 = 32_768;
@@ -72,7 +74,8 @@ pub enum Refusal {
 }
 
 /// The frontend a new flow is addressed to, its scope resolved, and a backend for
-/// it (random, or the client's under ClientIP affinity, which is remembered).
+/// it: the client's under ClientIP affinity (remembered), else the one the
+/// frontend's Maglev table gives the flow, else a random one.
 #[inline(always)]
 pub fn choose(flow: &Flow, scope: u8) -> Result<Chosen, Refusal> {
     let mut key = ServiceKey {
@@ -107,9 +110,15 @@ pub fn choose(flow: &Flow, scope: u8) -> Result<Chosen, Refusal> {
         });
     }
     let client = || (AFFINITY_CLIENT_IP, flow.saddr);
-    // SAFETY: a plain helper without arguments.
-    let entropy = unsafe { bpf_get_prandom_u32() };
-    let Some((backend_id, backend)) = select::backend(&key, &master, client, entropy) else {
+    let choice = select::Choice {
+        // SAFETY: a plain helper without arguments.
+        entropy: unsafe { bpf_get_prandom_u32() },
+        // Hashed only for a Maglev frontend: a random one has no use for it.
+        flow_hash: master
+            .maglev()
+            .map(|_| maglev::flow_hash(&flow.saddr, flow.sport, flow.dport, flow.proto)),
+    };
+    let Some((backend_id, backend)) = select::backend(&key, &master, client, choice) else {
         return Err(Refusal::SlotMiss);
     };
     Ok(Chosen {

@@ -11,7 +11,8 @@
 //! writing the packet, one trait for both hooks), `packet` (parsing), `flow` (a new
 //! flow's frontend, backend and conntrack entries), `ct` (conntrack), `nat`
 //! (rewrite + checksums), `fib` (routes, TTL), `source_ranges`
-//! (loadBalancerSourceRanges); TC's own: `tc_lb` (its entry flow), `frag` (later
+//! (loadBalancerSourceRanges), `maglev` (a Maglev frontend's slot for a flow);
+//! TC's own: `tc_lb` (its entry flow), `frag` (later
 //! fragments follow their first), `icmp`/`icmp6` (errors about flows), `reject`;
 //! XDP's own: `xdp_lb` (its entry flow and sending), `mark` (the hand-over to TC).
 //! Shared with the hooks: `select` (frontend lookup, backend choice, affinity),
@@ -28,6 +29,7 @@ mod frag;
 mod hdr;
 mod icmp;
 mod icmp6;
+mod maglev;
 mod maps;
 mod mark;
 mod nat;

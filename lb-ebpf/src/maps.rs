@@ -2,14 +2,15 @@
 //! defaults; the agent sets the real `max_entries` at load time.
 
 use aya_ebpf::{
-    btf_maps::{DevMapHash, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap},
+    btf_maps::{Array, DevMapHash, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap},
     macros::btf_map,
 };
 use lb_common::{
     AffinityKey, AffinityValue, Attachment, Backend, CtKey, CtValue, FragKey, FragValue,
-    ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, SvcStats,
-    DEFAULT_AFFINITY_MAX, DEFAULT_BACKENDS_MAX, DEFAULT_CT_MAX, DEFAULT_FRAG_MAX,
-    DEFAULT_SERVICES_MAX, DEFAULT_SOCK_REVNAT_MAX, DEFAULT_SOURCE_RANGES_MAX, XDP_DEVMAP_MAX,
+    MaglevSlots, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
+    SvcStats, DEFAULT_AFFINITY_MAX, DEFAULT_BACKENDS_MAX, DEFAULT_CT_MAX, DEFAULT_FRAG_MAX,
+    DEFAULT_MAGLEV_SLOTS, DEFAULT_SERVICES_MAX, DEFAULT_SOCK_REVNAT_MAX, DEFAULT_SOURCE_RANGES_MAX,
+    MAGLEV_SLOTS_PER_ENTRY, XDP_DEVMAP_MAX,
 };
 
 /// Not preallocated: sized for 100k frontends x 10 endpoints, memory follows the
@@ -85,3 +86,13 @@ pub static LB_FRAG: LruHashMap<FragKey, FragValue, { DEFAULT_FRAG_MAX as usize }
 /// XDP frame, or its peer the program a veth needs to deliver one).
 #[btf_map]
 pub static LB_XDP_DEVMAP: DevMapHash<{ XDP_DEVMAP_MAX as usize }> = DevMapHash::new();
+
+/// Every Maglev table of the node, four slots an entry (see `lb_common::MaglevSlots`);
+/// a Maglev master names its table's first slot and size. An array: one lookup by
+/// index, no hashing, and exactly 8 bytes a 4-slot entry; its size is fixed when it
+/// is created (`--maglev-table-slots`), so the agent allocates tables inside it.
+#[btf_map]
+pub static LB_MAGLEV: Array<
+    MaglevSlots,
+    { (DEFAULT_MAGLEV_SLOTS / MAGLEV_SLOTS_PER_ENTRY) as usize },
+> = Array::new();

@@ -5,6 +5,7 @@ use aya_ebpf::helpers::generated::bpf_ktime_get_ns;
 use lb_common::{stat, AffinityKey, AffinityValue, Backend, IpAddrBe, ServiceKey, ServiceValue};
 
 use crate::{
+    maglev,
     maps::{LB_AFFINITY, LB_BACKENDS, LB_SERVICES},
     stats,
 };
@@ -18,10 +19,21 @@ pub fn frontend(key: &ServiceKey) -> Option<ServiceValue> {
     unsafe { LB_SERVICES.get(key) }.copied()
 }
 
+/// How a new connection's slot is chosen when no affinity applies.
+#[derive(Clone, Copy)]
+pub struct Choice {
+    /// Picks the slot at random.
+    pub entropy: u32,
+    /// The per-packet path's flow hash (`maglev::flow_hash`): a master with a Maglev
+    /// table picks the slot its table gives the hash. `None` (the socket hooks):
+    /// always at random.
+    pub flow_hash: Option<u32>,
+}
+
 /// A backend for a new connection to the frontend. `client` yields the affinity
 /// identity (`AffinityKey::client` and `client_ip`); it is only asked for when the
-/// Service has session affinity.
-/// `entropy` picks the slot when no affinity applies. `None` when the slots stay
+/// Service has session affinity, which applies first.
+/// `choice` picks the slot when no affinity applies. `None` when the slots stay
 /// missing even after a second look at the master: counted, and the caller refuses
 /// rather than letting the VIP through to nowhere.
 #[inline(always)]
@@ -29,16 +41,16 @@ pub fn backend(
     master_key: &ServiceKey,
     master: &ServiceValue,
     client: impl Fn() -> (u64, IpAddrBe),
-    entropy: u32,
+    choice: Choice,
 ) -> Option<(u32, Backend)> {
-    let mut picked = pick(master_key, master, &client, entropy);
+    let mut picked = pick(master_key, master, &client, choice);
     if picked.is_none() {
         // The agent shrank the frontend between our read of the master and of the
         // slot (it lowers the count before deleting the slots): the master it wrote
         // since names only slots that exist.
         stats::bump(stat::SLOT_MISS);
         if let Some(fresh) = frontend(master_key).filter(|m| m.count > 0) {
-            picked = pick(master_key, &fresh, &client, entropy);
+            picked = pick(master_key, &fresh, &client, choice);
         }
     }
     picked
@@ -49,12 +61,12 @@ fn pick(
     master_key: &ServiceKey,
     master: &ServiceValue,
     client: &impl Fn() -> (u64, IpAddrBe),
-    entropy: u32,
+    choice: Choice,
 ) -> Option<(u32, Backend)> {
     if !master.is_affinity() {
-        slot(master_key, master, entropy)
+        slot(master_key, master, choice)
     } else {
-        with_affinity(master_key, master, client(), entropy)
+        with_affinity(master_key, master, client(), choice)
     }
 }
 
@@ -63,7 +75,7 @@ fn with_affinity(
     master_key: &ServiceKey,
     master: &ServiceValue,
     (client, client_ip): (u64, IpAddrBe),
-    entropy: u32,
+    choice: Choice,
 ) -> Option<(u32, Backend)> {
     // SAFETY: a plain helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
@@ -86,7 +98,7 @@ fn with_affinity(
             }
         }
     }
-    let (backend_id, backend) = slot(master_key, master, entropy)?;
+    let (backend_id, backend) = slot(master_key, master, choice)?;
     remember(&key, backend_id, now);
     Some((backend_id, backend))
 }
@@ -103,10 +115,24 @@ fn remember(key: &AffinityKey, backend_id: u32, now: u64) {
     }
 }
 
+/// The slot a new connection gets: its Maglev table's when the caller hashed the
+/// flow and the master has a table that answers, else a random one.
 #[inline(always)]
-fn slot(master_key: &ServiceKey, master: &ServiceValue, entropy: u32) -> Option<(u32, Backend)> {
+fn slot_number(master: &ServiceValue, choice: Choice) -> u16 {
+    if let Some(hash) = choice.flow_hash {
+        match maglev::slot(master, hash) {
+            maglev::Answer::Slot(slot) => return slot,
+            maglev::Answer::Miss => stats::bump(stat::MAGLEV_MISS),
+            maglev::Answer::NoTable => {}
+        }
+    }
+    (choice.entropy % master.count as u32) as u16 + 1
+}
+
+#[inline(always)]
+fn slot(master_key: &ServiceKey, master: &ServiceValue, choice: Choice) -> Option<(u32, Backend)> {
     let slot_key = ServiceKey {
-        backend_slot: (entropy % master.count as u32) as u16 + 1,
+        backend_slot: slot_number(master, choice),
         ..*master_key
     };
     // SAFETY: copied out at once.

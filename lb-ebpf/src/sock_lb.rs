@@ -61,7 +61,13 @@ pub fn translate_forward<const V6: bool>(ctx: &SockAddrContext, hook: Hook) -> i
         Hook::SendMsg => ((cookie ^ (cookie >> 32)) as u32).wrapping_mul(0x9E37_79B1) >> 16,
     };
     let client = || (sock::netns_cookie(ctx), IpAddrBe::default());
-    let Some((_, backend)) = select::backend(&master_key, &master, client, entropy) else {
+    // Never Maglev here: a socket is translated once, on its own node, so there is
+    // no other node whose choice it must agree with.
+    let choice = select::Choice {
+        entropy,
+        flow_hash: None,
+    };
+    let Some((_, backend)) = select::backend(&master_key, &master, client, choice) else {
         return refuse(master.rev_nat_id);
     };
 

@@ -107,6 +107,48 @@ pub struct FrontendSpec {
     /// `spec.loadBalancerSourceRanges`: the per-packet path admits new flows only from
     /// these sources (an empty set admits none). `None`: every source.
     pub source_ranges: Option<BTreeSet<ipnet::IpNet>>,
+    /// New flows of the per-packet path pick their backend from a Maglev table (one
+    /// per distinct backend set, shared) rather than at random, so that a flow
+    /// entering any node reaches the same backend. Set only on the frontends
+    /// external traffic reaches (NodePort, LoadBalancer ingress IPs, externalIPs) of
+    /// Services that use [`Algorithm::Maglev`]; the socket hooks pick at random
+    /// whatever it says.
+    pub maglev: bool,
+}
+
+/// How the per-packet path picks the backend of a new flow to a NodePort,
+/// LoadBalancer or externalIP frontend: `lb agent --lb-algorithm`, or a Service's
+/// `service.lb/algorithm` annotation, which overrides it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Algorithm {
+    /// A random backend per flow (kube-proxy's behaviour).
+    #[default]
+    Random,
+    /// Maglev consistent hashing of the client's address and port, the frontend's
+    /// port and the protocol: the same backend on every node.
+    Maglev,
+}
+
+impl Algorithm {
+    /// The annotation's value, as written (`maglev` or `random`); `None` for any
+    /// other.
+    pub fn from_annotation(value: &str) -> Option<Self> {
+        match value.trim() {
+            "maglev" => Some(Algorithm::Maglev),
+            "random" => Some(Algorithm::Random),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Algorithm::Random => "random",
+            Algorithm::Maglev => "maglev",
+        })
+    }
 }
 
 /// The whole desired table.

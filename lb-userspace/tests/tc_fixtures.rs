@@ -21,6 +21,9 @@ use lb_userspace::node::host as sys;
 /// The IPv6 fixtures, on the same fixture, programs and maps.
 #[path = "tc_fixtures/ipv6.rs"]
 mod ipv6;
+/// Maglev frontends, on the same fixture.
+#[path = "tc_fixtures/maglev.rs"]
+mod maglev;
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
@@ -38,6 +41,8 @@ const LOCAL_POD: [u8; 4] = [10, 244, 1, 11];
 const OTHER_LOCAL_POD: [u8; 4] = [10, 244, 1, 12];
 const REMOTE_POD: [u8; 4] = [10, 244, 2, 21];
 const NODE_PORT: u16 = 30080;
+/// The seed the programs hash flows with and the planner builds Maglev tables with.
+const MAGLEV_SEED: u64 = 0x6c62_5f6d_6167_6c76;
 
 /// One test's maps and programs, pinned under a private directory that goes away
 /// with the fixture. The test's thread runs in a network namespace of its own: the
@@ -91,13 +96,14 @@ impl Fixture {
             ..MapSizes::default()
         };
         let node_ips = [Ipv4Addr::from(NODE).into(), ipv6::NODE6.into()];
-        let mut ebpf =
-            loader::load(&object, &layout, sizes, &node_ips).expect("load kernel object");
+        let mut ebpf = loader::load(&object, &layout, sizes, &node_ips, MAGLEV_SEED)
+            .expect("load kernel object");
         for program in [program_names::TC_EXTERNAL, program_names::TC_INTERNAL] {
             let prog: &mut SchedClassifier = ebpf.program_mut(program).unwrap().try_into().unwrap();
             prog.load().expect("verifier accepts the TC program");
         }
-        let maps = PinnedMaps::open(&layout).expect("open pinned maps");
+        let mut maps = PinnedMaps::open(&layout).expect("open pinned maps");
+        maps.set_maglev_seed(MAGLEV_SEED);
         Fixture {
             ebpf,
             maps,
@@ -165,6 +171,7 @@ fn node_port(
         backends: backends.iter().copied().collect::<BTreeSet<_>>().into(),
         affinity_timeout_sec: None,
         source_ranges: None,
+        maglev: false,
     };
     desired.frontends.insert(frontend, spec(backends));
     if let Some(local) = external_local {
@@ -1068,6 +1075,7 @@ fn a_large_table_is_written_in_batches_exactly_as_planned() {
                     backends,
                     affinity_timeout_sec: None,
                     source_ranges: None,
+                    maglev: false,
                 },
             );
         }
@@ -1167,6 +1175,7 @@ fn restricted_load_balancer(ranges: Option<&[&str]>) -> DesiredState {
         backends: BTreeSet::from([backend(LOCAL_POD, 8080, true)]).into(),
         affinity_timeout_sec: None,
         source_ranges: ranges.map(|r| r.iter().map(|c| c.parse().unwrap()).collect()),
+        maglev: false,
     };
     let lb = Frontend::internal(Ipv4Addr::from(LB_IP).into(), 80, Protocol::Tcp);
     desired.frontends.insert(lb, spec);

@@ -58,6 +58,8 @@ const UNRESOLVED_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 3, 31);
 /// No route at all.
 const UNROUTED_POD: Ipv4Addr = Ipv4Addr::new(10, 99, 0, 1);
 const NODE_PORT: u16 = 30080;
+/// The seed the programs hash flows with and the planner builds Maglev tables with.
+const MAGLEV_SEED: u64 = 0x6c62_5f6d_6167_6c76;
 
 /// One test's maps and programs, pinned under a private directory that goes away
 /// with the fixture, in a network namespace of the test thread's own.
@@ -179,8 +181,8 @@ impl Fixture {
             ..MapSizes::default()
         };
         let node_ips = [NODE.into(), net::NODE6.into()];
-        let mut ebpf =
-            loader::load(&object, &layout, sizes, &node_ips).expect("load kernel object");
+        let mut ebpf = loader::load(&object, &layout, sizes, &node_ips, MAGLEV_SEED)
+            .expect("load kernel object");
         let xdp: &mut Xdp = ebpf
             .program_mut(program_names::XDP)
             .expect("lb_xdp in the object")
@@ -191,7 +193,8 @@ impl Fixture {
             let prog: &mut SchedClassifier = ebpf.program_mut(program).unwrap().try_into().unwrap();
             load_retrying(|| prog.load()).expect("verifier accepts the TC program");
         }
-        let maps = PinnedMaps::open(&layout).expect("open pinned maps");
+        let mut maps = PinnedMaps::open(&layout).expect("open pinned maps");
+        maps.set_maglev_seed(MAGLEV_SEED);
         Fixture {
             ebpf,
             maps,
@@ -361,6 +364,7 @@ fn frontend(
             backends: backends.iter().copied().collect::<BTreeSet<_>>().into(),
             affinity_timeout_sec: None,
             source_ranges: None,
+            maglev: false,
         },
     );
 }
@@ -902,6 +906,7 @@ fn source_ranges_drop_outsiders_in_xdp_as_tc_counts_them() {
             backends: BTreeSet::from([backend(LOCAL_POD, 8080, true)]).into(),
             affinity_timeout_sec: None,
             source_ranges: Some(["203.0.113.0/24".parse().unwrap()].into_iter().collect()),
+            maglev: false,
         },
     );
     f.program(&desired);
@@ -959,4 +964,37 @@ fn a_jumbo_frame_is_translated_by_its_headers_alone() {
     assert_eq!(out.tuple, seen(NODE, 6005, REMOTE_POD, 5353));
     assert_eq!(out.payload, datagram.payload);
     assert_eq!(out.ttl, 63);
+}
+
+/// A Maglev frontend: XDP and TC pick the same backend for the same client flow
+/// (the table and the flow hash, not a random draw), and the flows spread over
+/// the backends.
+#[test]
+fn xdp_and_tc_pick_a_maglev_frontends_backend_alike() {
+    let mut f = Fixture::new();
+    let third_local_pod = Ipv4Addr::new(10, 244, 1, 13);
+    let mut desired = node_port(
+        Protocol::Tcp,
+        &[LOCAL_POD, OTHER_LOCAL_POD, third_local_pod].map(|ip| backend(ip, 8080, true)),
+    );
+    for spec in desired.frontends.values_mut() {
+        spec.maglev = true;
+    }
+    f.program(&desired);
+    let mut reached = BTreeSet::new();
+    for sport in 44_000..44_030u16 {
+        let syn = Pkt::tcp(CLIENT, sport, NODE, NODE_PORT, SYN).frame();
+        let run = f.xdp(&syn);
+        assert_eq!((run.verdict, run.marked()), (XDP_PASS, true));
+        let by_xdp = inspect(&run.frame).tuple;
+        f.clear_conntrack();
+        let (verdict, out) = f.tc(&syn);
+        assert_eq!(verdict, TC_ACT_OK);
+        assert_eq!(inspect(&out).tuple, by_xdp, "client port {sport}");
+        f.clear_conntrack();
+        reached.insert(by_xdp.dst);
+    }
+    // 30 flows over three thirds: one backend missed has probability 3 (2/3)^30.
+    assert_eq!(reached.len(), 3, "{reached:?}");
+    assert_eq!(f.counters().iter().find(|(n, _)| *n == "maglev_miss"), None);
 }

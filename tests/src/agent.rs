@@ -74,6 +74,9 @@ pub struct ServiceEntry {
     pub frontend: FrontendJson,
     pub rev_nat_id: u32,
     pub affinity_timeout_sec: Option<u32>,
+    /// How the per-packet path picks a backend: `random` or `maglev`.
+    #[serde(default)]
+    pub algorithm: String,
     pub backends: Vec<BackendJson>,
     #[serde(default)]
     pub problems: Vec<serde_json::Value>,

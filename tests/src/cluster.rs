@@ -782,6 +782,34 @@ impl Cluster {
         self.probe_in(ns, &args, Duration::from_secs(30) + per_attempt * count)
     }
 
+    /// `count` whoami TCP requests from `ns` to `to`, request `i` from local port
+    /// `from_port + i`: the same client flows each time it is called.
+    pub fn whoami_from(
+        &self,
+        ns: &NetNs,
+        to: impl Into<SocketAddr>,
+        count: u32,
+        from_port: u16,
+    ) -> Result<WhoamiReport> {
+        let to: SocketAddr = to.into();
+        let args: Vec<String> = [
+            "whoami",
+            "--to",
+            &to.to_string(),
+            "--count",
+            &count.to_string(),
+            "--from-port",
+            &from_port.to_string(),
+        ]
+        .map(String::from)
+        .to_vec();
+        self.probe_in(
+            ns,
+            &args,
+            Duration::from_secs(30) + Duration::from_secs(3) * count,
+        )
+    }
+
     /// [`Cluster::whoami`] from a host-network process of node `node` (see
     /// [`Cluster::host_probe_in_cgroup`]).
     pub fn host_whoami(

@@ -79,6 +79,8 @@ pub struct Service {
     pub load_balancer_source_ranges: Vec<String>,
     /// `ipMode` of every `status.loadBalancer.ingress[]` (default `VIP`).
     pub ip_mode: &'static str,
+    /// `metadata.annotations`.
+    pub annotations: Vec<(String, String)>,
 }
 
 impl Service {
@@ -98,7 +100,14 @@ impl Service {
             traffic_distribution: None,
             load_balancer_source_ranges: Vec::new(),
             ip_mode: "VIP",
+            annotations: Vec::new(),
         }
+    }
+
+    /// An annotation, e.g. `service.lb/algorithm: maglev`.
+    pub fn with_annotation(mut self, key: &str, value: &str) -> Self {
+        self.annotations.push((key.into(), value.into()));
+        self
     }
 
     /// `spec.trafficDistribution` (the EndpointSlice controller's cue to write
@@ -181,6 +190,12 @@ impl Service {
         let mut y = String::new();
         y += "apiVersion: v1\nkind: Service\n";
         y += &metadata(&self.name, &[("app", &self.name)]);
+        if !self.annotations.is_empty() {
+            y += "  annotations:\n";
+            for (k, v) in &self.annotations {
+                let _ = writeln!(y, "    {k}: {v}");
+            }
+        }
         y += "spec:\n";
         let _ = writeln!(y, "  clusterIP: {}", self.cluster_ip);
         let _ = writeln!(y, "  clusterIPs:\n  - {}", self.cluster_ip);

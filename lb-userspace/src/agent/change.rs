@@ -139,6 +139,7 @@ impl Agent {
             node_ips: served_addresses(&self.net, config, &self.nodes),
             node_port_range: config.node_port_range,
             zone,
+            lb_algorithm: config.lb_algorithm,
         }
     }
 

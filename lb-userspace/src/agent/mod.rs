@@ -84,6 +84,12 @@ pub struct AgentConfig {
     /// Close TCP connections to endpoints that left their Service (UDP sockets
     /// always are).
     pub terminate_tcp: bool,
+    /// `--lb-algorithm`: how external frontends pick backends unless a Service's
+    /// `service.lb/algorithm` annotation says.
+    pub lb_algorithm: crate::model::Algorithm,
+    /// `--maglev-seed`: the Maglev tables' and flow hash's seed, the same on every
+    /// node.
+    pub maglev_seed: u64,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -126,13 +126,20 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
     let loading = Instant::now();
     pins::check_map_sizes(&config.pin, config.sizes)?;
     let created_pins = CreatedPins::before_load(&config.pin);
-    let mut ebpf = loader::load(&object, &config.pin, config.sizes, &config.node_ips)?;
+    let mut ebpf = loader::load(
+        &object,
+        &config.pin,
+        config.sizes,
+        &config.node_ips,
+        config.maglev_seed,
+    )?;
     loader::verify(&mut ebpf, config.tc_mode, config.xdp_mode)?;
     info!(
         load_ms = loading.elapsed().as_millis() as u64,
         "datapath programs loaded"
     );
-    let maps = PinnedMaps::open(&config.pin)?;
+    let mut maps = PinnedMaps::open(&config.pin)?;
+    maps.set_maglev_seed(config.maglev_seed);
     let reaper = stale_sockets::Reaper::spawn(
         stale_sockets::ReaperConfig {
             pin: config.pin.clone(),
@@ -154,6 +161,7 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
         node_ips: config.node_ips.clone(),
         node_port_range: config.node_port_range,
         zone: String::new(),
+        lb_algorithm: config.lb_algorithm,
     });
     let agent = Agent {
         config,

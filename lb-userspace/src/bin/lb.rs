@@ -12,6 +12,7 @@ use lb_userspace::datapath::loader::{TcAttach, XdpAttach};
 use lb_userspace::datapath::maps::PinnedMaps;
 use lb_userspace::datapath::pins::{self, MapSizes, PinLayout};
 use lb_userspace::datapath::{conntrack, device_links, table};
+use lb_userspace::model::{Algorithm, Frontend, Protocol, Scope};
 use lb_userspace::node::host as sys;
 use lb_userspace::node::{NodePortAddresses, Overrides};
 use lb_userspace::ops::{self, BindAddress};
@@ -107,6 +108,18 @@ enum Command {
         /// view (unreadable manifest files) is asked for there.
         #[arg(long, default_value = ops::DEFAULT_METRICS_ADDR)]
         metrics_address: SocketAddr,
+    },
+    /// Show a Maglev frontend's table: its size and each backend's share of it.
+    Maglev {
+        /// The frontend as `lb services` prints it: ADDRESS:PORT/PROTOCOL, e.g.
+        /// 192.0.2.10:30080/TCP or [2001:db8::10]:443/TCP.
+        frontend: String,
+        /// The entry of externalTrafficPolicy: Local traffic from outside the
+        /// cluster (`lb services` marks it "(external)").
+        #[arg(long)]
+        external: bool,
+        #[arg(long)]
+        json: bool,
     },
     /// Detach the hooks and unpin every map and link under --pin-dir.
     Cleanup,
@@ -222,6 +235,80 @@ struct AgentArgs {
     /// always closed; kube-proxy, like the default here, leaves TCP connections be.
     #[arg(long)]
     terminate_tcp_to_removed_endpoints: bool,
+    /// How new flows to NodePort, LoadBalancer and externalIP frontends pick a
+    /// backend (TC and XDP): `random`, or `maglev` (consistent hashing of the
+    /// client's address and port: the same backend whichever node the flow enters).
+    /// A Service's `service.lb/algorithm: maglev|random` annotation overrides it.
+    /// Cluster IPs and the socket hooks always pick at random.
+    #[arg(long, value_enum, default_value_t = Algorithm::Random)]
+    lb_algorithm: Algorithm,
+    /// Seed of the Maglev tables and flow hash, decimal or 0x-hex. Every node must
+    /// use the same one (the DaemonSet sets it), else a flow entering another node
+    /// may reach another backend.
+    #[arg(long, default_value = "0", value_parser = parse_seed)]
+    maglev_seed: u64,
+    /// Capacity of LB_MAGLEV, the kernel array holding every Maglev table, in table
+    /// slots (a multiple of 4; 2 bytes each, allocated when the map is created: the
+    /// default 2097152 is 4 MiB). A table takes 252 slots for 1-2 backends, 512 for
+    /// 3-5, 1024 for 6-10, 2040 for 11-20, ... (about 100 a backend, doubling);
+    /// frontends with equal backends share one. A Maglev frontend whose table finds
+    /// no room picks at random, and the agent says so.
+    #[arg(long, default_value_t = lb_common::DEFAULT_MAGLEV_SLOTS, value_parser = maglev_slots)]
+    maglev_table_slots: u32,
+}
+
+/// `--maglev-seed`: a u64, decimal or `0x`-hex.
+fn parse_seed(value: &str) -> Result<u64, String> {
+    let value = value.trim();
+    let parsed = match value
+        .strip_prefix("0x")
+        .or_else(|| value.strip_prefix("0X"))
+    {
+        Some(hex) => u64::from_str_radix(&hex.replace('_', ""), 16),
+        None => value.replace('_', "").parse::<u64>(),
+    };
+    parsed.map_err(|e| format!("{value:?} is not a 64-bit seed (decimal, or hex with 0x): {e}"))
+}
+
+/// `--maglev-table-slots`: whole 4-slot entries, room for the header and at least
+/// the smallest table, at most 2^31 slots (4 GiB).
+fn maglev_slots(value: &str) -> Result<u32, String> {
+    let slots: u32 = value
+        .trim()
+        .parse()
+        .map_err(|e| format!("{value:?} is not a slot count: {e}"))?;
+    let smallest = lb_common::MAGLEV_FIRST_TABLE_SLOT
+        + lb_common::maglev::extent_slots(lb_common::maglev::TABLE_SIZES[0]);
+    if !slots.is_multiple_of(lb_common::MAGLEV_SLOTS_PER_ENTRY) {
+        return Err(format!(
+            "{slots} is not a multiple of 4 (slots come 4 to an entry)"
+        ));
+    }
+    if !(smallest..=1 << 31).contains(&slots) {
+        return Err(format!("{slots} is outside {smallest}..={}", 1u32 << 31));
+    }
+    Ok(slots)
+}
+
+/// A frontend as `lb services` prints it (`ADDRESS:PORT/PROTOCOL`).
+fn parse_frontend(text: &str, external: bool) -> Result<Frontend> {
+    let (address, protocol) = text.rsplit_once('/').with_context(|| {
+        format!("{text:?}: expected ADDRESS:PORT/PROTOCOL, e.g. 192.0.2.10:30080/TCP")
+    })?;
+    let address: SocketAddr = address
+        .parse()
+        .with_context(|| format!("{address:?} is not ADDRESS:PORT ([ADDRESS]:PORT for IPv6)"))?;
+    let protocol = match protocol.to_ascii_uppercase().as_str() {
+        "TCP" => Protocol::Tcp,
+        "UDP" => Protocol::Udp,
+        other => anyhow::bail!("protocol {other:?}: expected TCP or UDP"),
+    };
+    let scope = if external {
+        Scope::External
+    } else {
+        Scope::Internal
+    };
+    Ok(Frontend::internal(address.ip().to_canonical(), address.port(), protocol).with_scope(scope))
 }
 
 // Ranges of the numeric agent flags, checked while parsing: a zero interval makes
@@ -242,6 +329,34 @@ fn timeout_secs() -> impl clap::builder::TypedValueParser<Value = u64> {
 /// count of at most 2^31 (E2BIG beyond).
 fn map_size() -> impl clap::builder::TypedValueParser<Value = u32> {
     clap::value_parser!(u32).range(1..=1 << 31)
+}
+
+/// `lb maglev FRONTEND`: the frontend's table as the pinned maps hold it.
+fn show_maglev(layout: &PinLayout, frontend: &str, external: bool, json: bool) -> Result<()> {
+    let frontend = parse_frontend(frontend, external)?;
+    let maps = PinnedMaps::open(layout)?;
+    let snapshot = maps.snapshot()?;
+    let Some(place) = table::maglev_table_of(&snapshot, &frontend) else {
+        let known = table::decode(&snapshot)
+            .into_iter()
+            .any(|f| f.frontend == frontend);
+        anyhow::bail!(
+            "{frontend}: {}",
+            if known {
+                "picks backends at random (no Maglev table); see `lb services`"
+            } else {
+                "no such frontend in the service table; see `lb services`"
+            }
+        );
+    };
+    let slots = maps.maglev_table(place.first_slot, place.size)?;
+    let shares = table::maglev_shares(&snapshot, &frontend, &slots)
+        .context("the frontend changed while it was read; try again")?;
+    if json {
+        emit(&(serde_json::to_string_pretty(&shares)? + "\n"))
+    } else {
+        emit(&table::render_maglev_shares(&shares))
+    }
 }
 
 /// Writes to stdout. A reader that went away (`lb services | head -c1`) ends the
@@ -351,6 +466,11 @@ fn main() -> Result<()> {
                 emit(&text)
             }
         }
+        Command::Maglev {
+            frontend,
+            external,
+            json,
+        } => show_maglev(&layout, &frontend, external, json),
         Command::Cleanup => {
             let Some(lock) = pins::lock_for_cleanup(&layout)? else {
                 eprintln!(
@@ -467,6 +587,7 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
             sock_revnat: args.sock_revnat_map_size,
             affinity: args.affinity_map_size,
             conntrack: args.conntrack_map_size,
+            maglev_slots: args.maglev_table_slots,
         },
         tc_mode: args.tc_attach,
         xdp_mode: args.xdp,
@@ -491,6 +612,8 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
         healthz_timeout: Duration::from_secs(args.healthz_timeout_secs),
         wait_for_lock: args.wait_for_lock,
         terminate_tcp: args.terminate_tcp_to_removed_endpoints,
+        lb_algorithm: args.lb_algorithm,
+        maglev_seed: args.maglev_seed,
         consistency_interval: Duration::from_secs(args.consistency_check_interval_secs),
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -498,4 +621,99 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
         .build()?;
     runtime.block_on(agent::run(config))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn agent_args(extra: &[&str]) -> AgentArgs {
+        let args = ["lb", "agent", "--services-file", "/nonexistent"]
+            .iter()
+            .chain(extra);
+        match Cli::try_parse_from(args).expect("parses").command {
+            Command::Agent(args) => *args,
+            _ => unreachable!("the agent subcommand"),
+        }
+    }
+
+    /// Random stays the default; the flag turns Maglev on and can name random
+    /// again; anything else is refused by name.
+    #[test]
+    fn lb_algorithm_defaults_to_random_and_takes_both_values() {
+        let default = agent_args(&[]);
+        assert_eq!(default.lb_algorithm, Algorithm::Random);
+        assert_eq!(default.maglev_seed, 0);
+        assert_eq!(default.maglev_table_slots, lb_common::DEFAULT_MAGLEV_SLOTS);
+        for (value, want) in [("maglev", Algorithm::Maglev), ("random", Algorithm::Random)] {
+            assert_eq!(agent_args(&["--lb-algorithm", value]).lb_algorithm, want);
+        }
+        let refused = Cli::try_parse_from([
+            "lb",
+            "agent",
+            "--services-file",
+            "/nonexistent",
+            "--lb-algorithm",
+            "consistent",
+        ])
+        .err()
+        .expect("refused")
+        .to_string();
+        assert!(refused.contains("consistent"), "{refused}");
+        assert!(refused.contains("maglev"), "{refused}");
+    }
+
+    #[test]
+    fn maglev_seeds_are_decimal_or_hex() {
+        assert_eq!(parse_seed("0"), Ok(0));
+        assert_eq!(parse_seed("12345"), Ok(12_345));
+        assert_eq!(parse_seed("0x6c62000000000001"), Ok(0x6c62_0000_0000_0001));
+        assert_eq!(parse_seed("0XFF"), Ok(255));
+        assert_eq!(parse_seed("18446744073709551615"), Ok(u64::MAX));
+        for bad in ["", "-1", "0x", "0x1_0000_0000_0000_0000", "seed", "1e3"] {
+            assert!(parse_seed(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            agent_args(&["--maglev-seed", "0x10"]).maglev_seed,
+            16,
+            "through clap"
+        );
+    }
+
+    #[test]
+    fn maglev_table_slots_are_whole_entries_with_room_for_a_table() {
+        assert_eq!(maglev_slots("2097152"), Ok(2_097_152));
+        // The header entry and the smallest table (252 slots).
+        assert_eq!(maglev_slots("256"), Ok(256));
+        for bad in ["252", "1026", "0", "4294967292", "lots"] {
+            assert!(maglev_slots(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn frontends_are_read_as_lb_services_prints_them() {
+        let f = parse_frontend("192.0.2.10:30080/TCP", false).unwrap();
+        assert_eq!(
+            f,
+            Frontend::internal("192.0.2.10".parse().unwrap(), 30080, Protocol::Tcp)
+        );
+        let f = parse_frontend("[2001:db8::10]:443/udp", true).unwrap();
+        assert_eq!(
+            f,
+            Frontend::internal("2001:db8::10".parse().unwrap(), 443, Protocol::Udp)
+                .with_scope(Scope::External)
+        );
+        // An IPv4-mapped address is the IPv4 frontend.
+        assert_eq!(
+            parse_frontend("[::ffff:192.0.2.10]:30080/TCP", false).unwrap(),
+            parse_frontend("192.0.2.10:30080/TCP", false).unwrap()
+        );
+        for bad in [
+            "192.0.2.10:30080",
+            "192.0.2.10/TCP",
+            "192.0.2.10:30080/SCTP",
+        ] {
+            assert!(parse_frontend(bad, false).is_err(), "{bad:?}");
+        }
+    }
 }

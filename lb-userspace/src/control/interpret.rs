@@ -17,9 +17,9 @@ use ipnet::IpNet;
 use super::options::{NodePortRange, SourceOptions};
 use super::topology::{self, EndpointInfo};
 use crate::model::{
-    BackendAddr, DesiredState, Frontend, FrontendSpec, HealthCheck, Protocol, Scope,
+    Algorithm, BackendAddr, DesiredState, Frontend, FrontendSpec, HealthCheck, Protocol, Scope,
 };
-use crate::source::labels::{LABEL_HEADLESS, LABEL_PROXY_NAME};
+use crate::source::labels::{ANNOTATION_ALGORITHM, LABEL_HEADLESS, LABEL_PROXY_NAME};
 use crate::source::lean::{EndpointAddress, EndpointSlice, Service, ServicePort, ServiceSpec};
 use crate::source::{ObjectError, Problem};
 
@@ -70,6 +70,9 @@ struct ServicePlan<'a> {
     external_local: bool,
     /// `spec.healthCheckNodePort`, kept for `externalTrafficPolicy: Local` only.
     health_check_node_port: Option<u16>,
+    /// The `service.lb/algorithm` annotation, else `--lb-algorithm`: how the
+    /// external frontends (not the cluster IPs) pick a backend.
+    algorithm: Algorithm,
 }
 
 impl ServicePlan<'_> {
@@ -99,7 +102,7 @@ impl ServicePlan<'_> {
         port: &PortPlan,
         slices: &[SliceInfo],
         opts: &SourceOptions,
-    ) -> Vec<(Frontend, BTreeSet<BackendAddr>, Option<BTreeSet<IpNet>>)> {
+    ) -> Vec<FrontendPlan> {
         let node_ips = &opts.node_ips;
         let mut out = Vec::new();
         // Per family, computed only for a family some frontend has: [v4, v6].
@@ -118,13 +121,18 @@ impl ServicePlan<'_> {
                 })
                 .clone()
         };
+        // Cluster IPs stay random: their clients are this cluster's pods and
+        // nodes, which reach them through their own node (socket hooks or TC), so
+        // no other node's choice has to agree.
         for ip in &self.cluster_ips {
-            out.push((
-                Frontend::internal(*ip, port.port, port.protocol),
-                backends(ip, self.internal_local),
-                None,
-            ));
+            out.push(FrontendPlan {
+                frontend: Frontend::internal(*ip, port.port, port.protocol),
+                backends: backends(ip, self.internal_local),
+                source_ranges: None,
+                maglev: false,
+            });
         }
+        let maglev = self.algorithm == Algorithm::Maglev;
         // Source ranges guard the load-balancer IPs only, as kube-proxy's firewall
         // chains do: externalIPs and NodePorts of the same Service stay open.
         let external = self
@@ -143,17 +151,31 @@ impl ServicePlan<'_> {
             );
         for (ip, p, ranges) in external {
             let frontend = Frontend::internal(ip, p, port.protocol);
-            out.push((frontend, backends(&ip, false), ranges));
+            out.push(FrontendPlan {
+                frontend,
+                backends: backends(&ip, false),
+                source_ranges: ranges,
+                maglev,
+            });
             if self.external_local {
-                out.push((
-                    frontend.with_scope(Scope::External),
-                    backends(&ip, true),
-                    None,
-                ));
+                out.push(FrontendPlan {
+                    frontend: frontend.with_scope(Scope::External),
+                    backends: backends(&ip, true),
+                    source_ranges: None,
+                    maglev,
+                });
             }
         }
         out
     }
+}
+
+/// One frontend of a Service port, before the claims on it are settled.
+struct FrontendPlan {
+    frontend: Frontend,
+    backends: BTreeSet<BackendAddr>,
+    source_ranges: Option<BTreeSet<IpNet>>,
+    maglev: bool,
 }
 
 /// An IPv4 or IPv6 EndpointSlice that passed validation.
@@ -251,7 +273,13 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             } else {
                 format!("{ns}/{name}:{}", port.name).into()
             };
-            for (frontend, backends, source_ranges) in plan.frontends(port, slices, opts) {
+            for FrontendPlan {
+                frontend,
+                backends,
+                source_ranges,
+                maglev,
+            } in plan.frontends(port, slices, opts)
+            {
                 if let Some((owner_ns, owner_name)) = owners.get(&frontend) {
                     let owner = format!("{owner_ns}/{owner_name}");
                     errors.push(ObjectError::new(
@@ -270,6 +298,7 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                         backends: Arc::new(backends),
                         affinity_timeout_sec: plan.affinity_timeout_sec,
                         source_ranges,
+                        maglev,
                     },
                 );
             }
@@ -327,6 +356,7 @@ fn plan_service<'a>(
         errors.push(error(p))
     });
 
+    let algorithm = read_algorithm(svc, opts.lb_algorithm, &mut |p| errors.push(error(p)));
     let external_local = spec.external_traffic_policy.as_deref() == Some("Local");
     let health_check_node_port = match spec.health_check_node_port {
         Some(port) if external_local => {
@@ -350,6 +380,28 @@ fn plan_service<'a>(
         internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
         external_local,
         health_check_node_port,
+        algorithm,
+    })
+}
+
+/// The Service's `service.lb/algorithm` annotation, else `default`; a value that
+/// is neither algorithm is reported and the default used.
+fn read_algorithm(svc: &Service, default: Algorithm, report: &mut dyn FnMut(Problem)) -> Algorithm {
+    let Some(value) = svc
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(ANNOTATION_ALGORITHM))
+    else {
+        return default;
+    };
+    Algorithm::from_annotation(value).unwrap_or_else(|| {
+        report(Problem::InvalidAlgorithm {
+            annotation: ANNOTATION_ALGORITHM,
+            value: value.clone(),
+            default,
+        });
+        default
     })
 }
 

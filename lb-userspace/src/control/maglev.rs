@@ -39,9 +39,10 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 /// of one backend moves its share of the slots and a little more (see
 /// [`SLOTS_PER_BACKEND`]). The price is at most twice the memory of the tightest
 /// size: 502 bytes for up to 2 backends, 2042 bytes for up to 10.
-pub const TABLE_SIZES: [u32; 10] = [
-    251, 509, 1_021, 2_039, 4_093, 8_191, 16_381, 32_749, 65_521, 131_071,
-];
+///
+/// The kernel reads the same ladder (`lb_common::maglev::TABLE_SIZES`): a master
+/// names its table's size by its index.
+pub const TABLE_SIZES: [u32; 10] = lb_common::maglev::TABLE_SIZES;
 
 /// The smallest table.
 pub const MIN_TABLE_SIZE: u32 = TABLE_SIZES[0];
@@ -207,12 +208,18 @@ pub fn identities(
 /// The table size for a set of `backends`: the smallest of [`TABLE_SIZES`] with at
 /// least [`SLOTS_PER_BACKEND`] slots per backend, else [`MAX_TABLE_SIZE`].
 pub fn table_size(backends: usize) -> Result<u32, MaglevError> {
+    Ok(TABLE_SIZES[table_rung(backends)?])
+}
+
+/// The index in [`TABLE_SIZES`] of [`table_size`]`(backends)`: what a master
+/// carries to name its table's size.
+pub fn table_rung(backends: usize) -> Result<usize, MaglevError> {
     check_count(backends)?;
     let wanted = backends as u64 * u64::from(SLOTS_PER_BACKEND);
     Ok(TABLE_SIZES
-        .into_iter()
-        .find(|&size| u64::from(size) >= wanted)
-        .unwrap_or(MAX_TABLE_SIZE))
+        .iter()
+        .position(|&size| u64::from(size) >= wanted)
+        .unwrap_or(TABLE_SIZES.len() - 1))
 }
 
 fn check_count(backends: usize) -> Result<(), MaglevError> {

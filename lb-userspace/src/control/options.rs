@@ -1,7 +1,10 @@
 //! Settings that change how objects are read, not what they say: this node's
-//! name, addresses and zone, and the cluster's NodePort range.
+//! name, addresses and zone, the cluster's NodePort range, and the default
+//! algorithm of external frontends.
 
 use std::net::IpAddr;
+
+use crate::model::Algorithm;
 
 /// Settings that change how objects are read, not what they say.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -17,6 +20,9 @@ pub struct SourceOptions {
     /// This node's zone (its Node's `topology.kubernetes.io/zone` label, else
     /// `--zone`), for endpoints hinted `forZones`; empty when unknown.
     pub zone: String,
+    /// `--lb-algorithm`: how NodePort, LoadBalancer and externalIP frontends pick a
+    /// backend, unless the Service's `service.lb/algorithm` annotation says.
+    pub lb_algorithm: Algorithm,
 }
 
 /// An inclusive port range, `30000-32767` unless the cluster says otherwise.

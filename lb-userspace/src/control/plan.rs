@@ -11,6 +11,8 @@ use lb_common::{map_names, Backend, ServiceKey, ServiceValue};
 
 use super::ids::IdAllocator;
 use super::known::{allocators, Entries, KnownTable};
+use super::maglev::{self, MaglevError, TABLE_SIZES};
+use super::maglev_tables::MaglevTables;
 use crate::datapath::codec::{
     backend_value, master_value, slot_value, Capacity, FrontendKey, MAX_BACKENDS_PER_FRONTEND,
 };
@@ -43,6 +45,31 @@ pub enum ReconcileError {
         service: String,
         frontend: Frontend,
         max: u32,
+    },
+    /// The frontend is programmed, with random picks instead of Maglev.
+    #[error(
+        "service {service} ({frontend}): no room in {map} for its Maglev table of \
+         {slots} slots ({free} of {capacity} slots free); new flows pick a backend at \
+         random until there is; raise --{flag}"
+    )]
+    MaglevFull {
+        service: String,
+        frontend: Frontend,
+        map: &'static str,
+        slots: u32,
+        free: u64,
+        capacity: u32,
+        flag: &'static str,
+    },
+    /// The frontend is programmed, with random picks instead of Maglev.
+    #[error(
+        "service {service} ({frontend}): no Maglev table ({reason}); new flows pick a \
+         backend at random"
+    )]
+    MaglevUnusable {
+        service: String,
+        frontend: Frontend,
+        reason: MaglevError,
     },
 }
 
@@ -118,7 +145,8 @@ pub fn plan_changes(
         std::mem::replace(&mut known.backend_ids, placeholder()),
         std::mem::replace(&mut known.rev_nat_ids, placeholder()),
     );
-    let mut planner = Planner::new(desired, &known.snapshot, capacity, refs, ids);
+    let tables = std::mem::replace(&mut known.maglev, MaglevTables::new(0, 0));
+    let mut planner = Planner::new(desired, &known.snapshot, capacity, refs, ids, tables);
     // Upserts first, removals after them, as in a full plan.
     for (frontend, entries) in &groups {
         if let Some(spec) = desired.frontends.get(frontend) {
@@ -130,15 +158,18 @@ pub fn plan_changes(
             planner.remove(FrontendKey::of(frontend), entries);
         }
     }
+    planner.finish();
     let Planner {
         mut ops,
         rejected,
         backend_ids,
         rev_nat_ids,
+        tables,
         ..
     } = planner;
     known.backend_ids = backend_ids;
     known.rev_nat_ids = rev_nat_ids;
+    known.maglev = tables;
     group_backend_writes(&mut ops);
     Plan { ops, rejected }
 }
@@ -171,6 +202,13 @@ struct Planner<'a> {
     /// backend is deleted only when nothing names it.
     refs: HashMap<u32, usize>,
     deleted: HashSet<u32>,
+    /// The Maglev tables: where each set's table is, and room for new ones.
+    tables: MaglevTables,
+    /// Stale tables (built with another seed) when the plan began: while there
+    /// are any, the arena's header keeps naming the old seed.
+    stale_at_start: usize,
+    /// The plan writes a table.
+    wrote_table: bool,
 }
 
 /// Compute the operations that turn `current` into `desired`.
@@ -201,7 +239,8 @@ pub fn plan(desired: &DesiredState, current: &MapSnapshot, capacity: Capacity) -
         }
     }
     let ids = allocators(current, capacity);
-    let mut planner = Planner::new(desired, current, capacity, refs, ids);
+    let tables = MaglevTables::from_snapshot(current, capacity.maglev_slots, capacity.maglev_seed);
+    let mut planner = Planner::new(desired, current, capacity, refs, ids, tables);
     // Into empty maps (a start) the plan writes each master, slot and backend once:
     // room for exactly that, where growing by doubling held up to twice as much
     // (11.5 MB for 210k writes at 10k Services).
@@ -229,6 +268,7 @@ pub fn plan(desired: &DesiredState, current: &MapSnapshot, capacity: Capacity) -
     }
     // Leftovers of an interrupted plan: backends no slot names.
     planner.delete_unreferenced(current.backends.keys().copied());
+    planner.finish();
     group_backend_writes(&mut planner.ops);
     Plan {
         ops: planner.ops,
@@ -236,11 +276,14 @@ pub fn plan(desired: &DesiredState, current: &MapSnapshot, capacity: Capacity) -
     }
 }
 
-/// Moves the backend inserts that come before the first removal ahead of the
-/// service inserts there, keeping every other order. Backend ids belong to one
-/// frontend and a new one is free until its slot names it, so each frontend still
-/// sees its backends before its slots and master; and the kernel then gets two long
-/// runs (backends, services) it can take as batches instead of runs of a dozen.
+/// Moves the Maglev tables and backend inserts that come before the first removal
+/// ahead of the service inserts there (tables first), keeping every other order.
+/// Backend ids belong to one frontend and a new one is free until its slot names
+/// it, a new table's extent is free until its master names it (and a stale table
+/// is rewritten with the same set, so its positions stay valid), so each frontend
+/// still sees its table and backends before its slots and master; and the kernel
+/// then gets long runs (tables, backends, services) it can take as batches instead
+/// of runs of a dozen.
 fn group_backend_writes(ops: &mut [MapOp]) {
     let puts = ops
         .iter()
@@ -251,7 +294,11 @@ fn group_backend_writes(ops: &mut [MapOp]) {
             )
         })
         .unwrap_or(ops.len());
-    ops[..puts].sort_by_key(|op| !matches!(op, MapOp::PutBackend { .. }));
+    ops[..puts].sort_by_key(|op| match op {
+        MapOp::PutMaglev { .. } => 0,
+        MapOp::PutBackend { .. } => 1,
+        _ => 2,
+    });
 }
 
 impl<'a> Planner<'a> {
@@ -261,8 +308,12 @@ impl<'a> Planner<'a> {
         capacity: Capacity,
         refs: HashMap<u32, usize>,
         (backend_ids, rev_nat_ids): (IdAllocator, IdAllocator),
+        tables: MaglevTables,
     ) -> Self {
         Planner {
+            stale_at_start: tables.stale(),
+            tables,
+            wrote_table: false,
             desired,
             current,
             capacity,
@@ -313,7 +364,8 @@ impl<'a> Planner<'a> {
                 .desired
                 .frontends
                 .contains_key(&frontend.with_scope(Scope::External));
-        let master = master_value(spec, count, admitted.rev_nat_id, external_scope);
+        let maglev = self.maglev_table(frontend, spec);
+        let master = master_value(spec, count, admitted.rev_nat_id, external_scope, maglev);
         if entries.master != Some(master) {
             self.ops.push(MapOp::PutService {
                 key: key.slot(0),
@@ -331,6 +383,80 @@ impl<'a> Planner<'a> {
             .filter(|id| !kept.contains(id))
             .collect();
         self.delete_unreferenced(dropped);
+    }
+
+    /// The Maglev table of an admitted frontend that wants one (its first slot and
+    /// size's index), written first when it is new or stale. `None`: random, for a
+    /// frontend without Maglev or backends, or (reported) one whose table has no
+    /// room or whose backends give no table.
+    fn maglev_table(&mut self, frontend: &Frontend, spec: &FrontendSpec) -> Option<(u32, usize)> {
+        if !spec.maglev || spec.backends.is_empty() {
+            return None;
+        }
+        let unusable = |reason| ReconcileError::MaglevUnusable {
+            service: spec.service.to_string(),
+            frontend: *frontend,
+            reason,
+        };
+        // In (address, port) order, as the slots: a table's positions are slots.
+        let set = match maglev::identities(spec.backends.iter().map(|b| (b.ip, b.port))) {
+            Ok(set) => set,
+            Err(reason) => {
+                self.rejected.push(unusable(reason));
+                return None;
+            }
+        };
+        let rung = match maglev::table_rung(set.len()) {
+            Ok(rung) => rung,
+            Err(reason) => {
+                self.rejected.push(unusable(reason));
+                return None;
+            }
+        };
+        let Some(placed) = self.tables.place(&set, rung) else {
+            self.rejected.push(ReconcileError::MaglevFull {
+                service: spec.service.to_string(),
+                frontend: *frontend,
+                map: map_names::MAGLEV,
+                slots: lb_common::maglev::extent_slots(TABLE_SIZES[rung]),
+                free: self.tables.free_slots(),
+                capacity: self.tables.capacity(),
+                flag: "maglev-table-slots",
+            });
+            return None;
+        };
+        if placed.write {
+            let size = TABLE_SIZES[placed.rung];
+            match maglev::build(&set, size, self.tables.seed()) {
+                Ok(table) => {
+                    self.ops.push(MapOp::PutMaglev {
+                        first_slot: placed.first,
+                        positions: table.into(),
+                    });
+                    self.wrote_table = true;
+                }
+                Err(reason) => {
+                    // Not reached: the set and size come from the same rules as
+                    // build's checks.
+                    self.rejected.push(unusable(reason));
+                    return None;
+                }
+            }
+        }
+        Some((placed.first, placed.rung))
+    }
+
+    /// After every frontend: the arena's header names this agent's seed once every
+    /// table in use was built with it (never while a table built with another
+    /// seed was left from before this plan: a restart must then rebuild it).
+    fn finish(&mut self) {
+        let seed = self.tables.seed();
+        if self.current.maglev_seed != seed
+            && self.stale_at_start == 0
+            && (self.wrote_table || !self.tables.is_empty())
+        {
+            self.ops.push(MapOp::PutMaglevSeed { seed });
+        }
     }
 
     /// Whether `frontend` fits (slots, map room, ids), with the backends it wants

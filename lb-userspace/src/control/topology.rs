@@ -269,6 +269,7 @@ mod tests {
             ],
             node_port_range: NodePortRange::default(),
             zone: zone.to_owned(),
+            ..SourceOptions::default()
         };
         let (desired, errors) = build_desired(&objects.services, &objects.slices, &opts);
         assert!(errors.is_empty(), "{errors:?}");

@@ -131,13 +131,19 @@ pub const MAX_BACKENDS_PER_FRONTEND: usize = u16::MAX as usize - 1;
 /// leaves room far beyond any service map while keeping counts in a `u32`.
 pub const MAX_REV_NAT_ID: u32 = u32::MAX - 1;
 
-/// `max_entries` of the maps the plan writes to.
+/// `max_entries` of the maps the plan writes to, and what the Maglev tables in
+/// them are built with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Capacity {
     pub services: u32,
     pub backends: u32,
     /// Largest frontend id (`rev_nat_id`) to hand out; 0 is reserved.
     pub frontend_ids: u32,
+    /// Slots of `LB_MAGLEV` (its entries times four), the header's included.
+    pub maglev_slots: u32,
+    /// `--maglev-seed`, which the tables are built with (and the kernel hashes
+    /// flows with).
+    pub maglev_seed: u64,
 }
 
 /// A frontend as the map spells it, so that entries with a protocol or scope the
@@ -228,12 +234,14 @@ pub fn backend_addr(backend: &Backend) -> BackendAddr {
 
 /// The master entry of a frontend with `count` backends. `external_scope`: the
 /// frontend also has an external-scope entry that traffic from outside must use
-/// instead of this one.
+/// instead of this one. `maglev`: the first slot of its Maglev table in
+/// `LB_MAGLEV` and its size's index in the ladder (`None`: random).
 pub fn master_value(
     spec: &FrontendSpec,
     count: u16,
     rev_nat_id: u32,
     external_scope: bool,
+    maglev: Option<(u32, usize)>,
 ) -> ServiceValue {
     let mut flags = 0;
     if spec.affinity_timeout_sec.is_some() {
@@ -245,8 +253,15 @@ pub fn master_value(
     if spec.source_ranges.is_some() {
         flags |= SVC_FLAG_SOURCE_RANGES;
     }
+    let mut backend_id = 0;
+    if let Some((first, rung)) = maglev {
+        if let Some(bits) = lb_common::maglev_flags(rung) {
+            flags |= bits;
+            backend_id = first;
+        }
+    }
     ServiceValue {
-        backend_id: 0,
+        backend_id,
         count,
         flags,
         rev_nat_id,
@@ -352,8 +367,9 @@ mod tests {
             backends: Default::default(),
             affinity_timeout_sec,
             source_ranges: None,
+            maglev: false,
         };
-        let m = master_value(&spec(Some(30)), 2, 7, true);
+        let m = master_value(&spec(Some(30)), 2, 7, true, None);
         assert_eq!(
             m.flags,
             SVC_FLAG_AFFINITY | SVC_FLAG_EXTERNAL_SCOPE,
@@ -361,9 +377,13 @@ mod tests {
         );
         assert_eq!(affinity_timeout(&m), Some(30));
         assert_eq!(
-            affinity_timeout(&master_value(&spec(None), 2, 7, false)),
+            affinity_timeout(&master_value(&spec(None), 2, 7, false, None)),
             None
         );
+        let maglev = master_value(&spec(None), 2, 7, false, Some((4096, 2)));
+        assert_eq!(maglev.maglev(), Some((4096, 1_021)));
+        assert_eq!(maglev.backend_id, 4096);
+        assert_eq!(m.maglev(), None);
     }
 
     #[test]

@@ -6,12 +6,12 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::PathBuf;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap};
+use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap};
 use aya::sys::SyscallError;
 use aya_obj::generated::bpf_cmd;
 use lb_common::{
-    map_names, stat, Backend, CtKey, CtValue, ServiceKey, ServiceValue, SockRevNatKey,
-    SockRevNatValue, SourceRangeKey, SvcStats,
+    map_names, stat, Backend, CtKey, CtValue, MaglevSlots, ServiceKey, ServiceValue, SockRevNatKey,
+    SockRevNatValue, SourceRangeKey, SvcStats, MAGLEV_SLOTS_PER_ENTRY,
 };
 
 use crate::datapath::codec::{self, Capacity, SourceRange};
@@ -133,11 +133,13 @@ pub struct PinnedMaps {
     conntrack: HashMap<MapData, CtKey, CtValue>,
     service_stats: PerCpuHashMap<MapData, u32, SvcStats>,
     source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
-    /// The service, backend and conntrack maps' descriptors again, for batched updates
-    /// and reads (aya 0.14 has no batch API).
+    maglev: Array<MapData, MaglevSlots>,
+    /// The service, backend, conntrack and Maglev maps' descriptors again, for
+    /// batched updates and reads (aya 0.14 has no batch API).
     services_fd: OwnedFd,
     backends_fd: OwnedFd,
     conntrack_fd: OwnedFd,
+    maglev_fd: OwnedFd,
     /// Entries written through batch syscalls since open (the rest went one by one).
     batched: u64,
     capacity: Capacity,
@@ -172,6 +174,7 @@ impl PinnedMaps {
         let (conntrack, _, conntrack_fd) = open(layout, map_names::CT)?;
         let (service_stats, _, _) = open(layout, map_names::SVC_STATS)?;
         let (source_ranges, _, _) = open(layout, map_names::SOURCE_RANGES)?;
+        let (maglev, maglev_max, maglev_fd) = open(layout, map_names::MAGLEV)?;
         Ok(Self {
             services: HashMap::try_from(services).map_err(|e| typed(map_names::SERVICES, e))?,
             backends: HashMap::try_from(backends).map_err(|e| typed(map_names::BACKENDS, e))?,
@@ -181,16 +184,27 @@ impl PinnedMaps {
                 .map_err(|e| typed(map_names::SVC_STATS, e))?,
             source_ranges: LpmTrie::try_from(source_ranges)
                 .map_err(|e| typed(map_names::SOURCE_RANGES, e))?,
+            maglev: Array::try_from(maglev).map_err(|e| typed(map_names::MAGLEV, e))?,
             services_fd,
             backends_fd,
             conntrack_fd,
+            maglev_fd,
             batched: 0,
             capacity: Capacity {
                 services: services_max,
                 backends: backends_max,
                 frontend_ids: codec::MAX_REV_NAT_ID,
+                maglev_slots: maglev_max.saturating_mul(MAGLEV_SLOTS_PER_ENTRY),
+                maglev_seed: 0,
             },
         })
+    }
+
+    /// The seed this agent builds Maglev tables with (`--maglev-seed`, which the
+    /// loader also gave the programs): part of [`PinnedMaps::capacity`], what plans
+    /// are made with.
+    pub fn set_maglev_seed(&mut self, seed: u64) {
+        self.capacity.maglev_seed = seed;
     }
 
     /// How many entries went to the kernel in batches rather than one by one.
@@ -233,7 +247,37 @@ impl PinnedMaps {
             |batch| backends.extend_from_slice(batch),
         )?;
         snapshot.backends.extend(backends);
+        snapshot.maglev_seed = self.maglev_header()?;
         Ok(snapshot)
+    }
+
+    /// The seed `LB_MAGLEV`'s header entry names.
+    fn maglev_header(&self) -> Result<u64, MapsError> {
+        let header = self.maglev.get(&0, 0).map_err(|source| MapsError::Read {
+            map: map_names::MAGLEV,
+            source,
+        })?;
+        Ok(lb_common::maglev::seed_of_lanes(header.positions))
+    }
+
+    /// `size` slots of `LB_MAGLEV` from arena slot `first` on (a Maglev master's
+    /// table, for `lb maglev`).
+    pub fn maglev_table(&self, first: u32, size: u32) -> Result<Vec<u16>, MapsError> {
+        let mut table = Vec::with_capacity(size as usize);
+        let entries =
+            first / MAGLEV_SLOTS_PER_ENTRY..(first + size).div_ceil(MAGLEV_SLOTS_PER_ENTRY);
+        for entry in entries {
+            let slots = self
+                .maglev
+                .get(&entry, 0)
+                .map_err(|source| MapsError::Read {
+                    map: map_names::MAGLEV,
+                    source,
+                })?;
+            table.extend(slots.positions);
+        }
+        let skip = (first % MAGLEV_SLOTS_PER_ENTRY) as usize;
+        Ok(table.into_iter().skip(skip).take(size as usize).collect())
     }
 
     /// The service and backend maps' descriptors again, for reading the table on
@@ -270,9 +314,18 @@ impl PinnedMaps {
                     .iter()
                     .take_while(|op| matches!(op, MapOp::PutService { .. }))
                     .count(),
+                MapOp::PutMaglev { .. } => rest
+                    .iter()
+                    .take_while(|op| matches!(op, MapOp::PutMaglev { .. }))
+                    .count(),
                 _ => 1,
             };
             let (now, later) = rest.split_at(run);
+            if matches!(now[0], MapOp::PutMaglev { .. }) {
+                self.put_tables(now)?;
+                rest = later;
+                continue;
+            }
             let done = if run >= BATCH_MIN {
                 self.put_batch(now)
             } else {
@@ -320,7 +373,56 @@ impl PinnedMaps {
         done
     }
 
+    /// Writes a run of Maglev tables, their entries batched (a 10-backend table is
+    /// 256 entries); entry by entry where a batch fails (or the kernel has no
+    /// batch operations), which names the failing one.
+    fn put_tables(&mut self, run: &[MapOp]) -> Result<(), MapsError> {
+        let mut entries: Vec<(u32, MaglevSlots)> = Vec::new();
+        for op in run {
+            if let MapOp::PutMaglev {
+                first_slot,
+                positions,
+            } = op
+            {
+                entries.extend(maglev_entries(*first_slot, positions));
+            }
+        }
+        for chunk in entries.chunks(BATCH_CHUNK) {
+            let (keys, values): (Vec<u32>, Vec<MaglevSlots>) = chunk.iter().copied().unzip();
+            if write_batch(self.maglev_fd.as_fd(), &keys, &values).is_ok() {
+                self.batched += chunk.len() as u64;
+                continue;
+            }
+            for (entry, slots) in chunk {
+                self.maglev
+                    .set(*entry, slots, 0)
+                    .map_err(|source| MapsError::Write {
+                        map: map_names::MAGLEV,
+                        op: format!("write entry {entry} of a Maglev table"),
+                        source,
+                    })?;
+            }
+        }
+        Ok(())
+    }
+
     fn apply_one(&mut self, op: &MapOp) -> Result<(), MapsError> {
+        if let MapOp::PutMaglevSeed { seed } = op {
+            let header = MaglevSlots {
+                positions: lb_common::maglev::seed_lanes(*seed),
+            };
+            return self
+                .maglev
+                .set(0, header, 0)
+                .map_err(|source| MapsError::Write {
+                    map: map_names::MAGLEV,
+                    op: format!("{op:?}"),
+                    source,
+                });
+        }
+        if let MapOp::PutMaglev { .. } = op {
+            return self.put_tables(std::slice::from_ref(op));
+        }
         let (map, result) = match op {
             MapOp::PutBackend { id, backend } => {
                 (map_names::BACKENDS, self.backends.insert(id, backend, 0))
@@ -336,6 +438,9 @@ impl PinnedMaps {
                 map_names::BACKENDS,
                 ignore_missing(self.backends.remove(id)),
             ),
+            MapOp::PutMaglev { .. } | MapOp::PutMaglevSeed { .. } => {
+                unreachable!("handled above")
+            }
         };
         result.map_err(|source| MapsError::Write {
             map,
@@ -539,6 +644,24 @@ fn batch_attr(map: BorrowedFd<'_>) -> BatchAttr {
     }
 }
 
+/// The `LB_MAGLEV` entries of a table written from arena slot `first_slot` (a
+/// multiple of four): its positions four at a time, the last entry padded with
+/// position 0.
+fn maglev_entries(
+    first_slot: u32,
+    positions: &[u16],
+) -> impl Iterator<Item = (u32, MaglevSlots)> + '_ {
+    let first_entry = first_slot / MAGLEV_SLOTS_PER_ENTRY;
+    positions
+        .chunks(MAGLEV_SLOTS_PER_ENTRY as usize)
+        .zip(first_entry..)
+        .map(|(slots, entry)| {
+            let mut value = MaglevSlots::default();
+            value.positions[..slots.len()].copy_from_slice(slots);
+            (entry, value)
+        })
+}
+
 /// Inserts the entries `entry` picks out of a run of ops, in order, with one
 /// syscall. `K` and `V` are the map's key and value types, so their sizes are the
 /// map's.
@@ -552,6 +675,16 @@ fn update_batch<K: bytemuck::Pod, V: bytemuck::Pod>(
         // A mixed run: not for one map; the caller applies it op by op.
         return Err(io::ErrorKind::InvalidInput.into());
     }
+    write_batch(map, &keys, &values)
+}
+
+/// Inserts `keys[i] -> values[i]`, in order, with one syscall. `K` and `V` are the
+/// map's key and value types, so their sizes are the map's.
+fn write_batch<K: bytemuck::Pod, V: bytemuck::Pod>(
+    map: BorrowedFd<'_>,
+    keys: &[K],
+    values: &[V],
+) -> io::Result<()> {
     let mut attr = BatchAttr {
         keys: keys.as_ptr() as u64,
         values: values.as_ptr() as u64,

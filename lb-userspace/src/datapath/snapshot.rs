@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use lb_common::{Backend, ServiceKey, ServiceValue};
 
 /// One map write, applied in plan order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MapOp {
     PutBackend {
         id: u32,
@@ -22,6 +22,17 @@ pub enum MapOp {
     DeleteBackend {
         id: u32,
     },
+    /// One Maglev table, written whole into `LB_MAGLEV` from arena slot
+    /// `first_slot` (a multiple of four) on; the entries past its last slot, to
+    /// the end of its last 4-slot entry, get position 0.
+    PutMaglev {
+        first_slot: u32,
+        positions: Box<[u16]>,
+    },
+    /// The seed the tables in `LB_MAGLEV` are built with, into its header entry.
+    PutMaglevSeed {
+        seed: u64,
+    },
 }
 
 /// The kernel's service table as read from the pinned maps.
@@ -31,6 +42,9 @@ pub struct MapSnapshot {
     pub services: ServiceEntries,
     /// Every `LB_BACKENDS` entry.
     pub backends: BackendEntries,
+    /// The seed `LB_MAGLEV`'s header names (its tables are not read: see
+    /// `control::maglev_tables`).
+    pub maglev_seed: u64,
 }
 
 impl MapSnapshot {
@@ -51,6 +65,8 @@ impl MapSnapshot {
                 MapOp::DeleteBackend { id } => {
                     self.backends.remove(&id);
                 }
+                MapOp::PutMaglev { .. } => {}
+                MapOp::PutMaglevSeed { seed } => self.maglev_seed = seed,
             }
         }
     }

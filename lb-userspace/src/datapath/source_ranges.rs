@@ -50,6 +50,7 @@ mod tests {
             backends: Default::default(),
             affinity_timeout_sec: None,
             source_ranges,
+            maglev: false,
         };
         let mut desired = DesiredState::default();
         desired.frontends.insert(lb, spec(Some(ranges.clone())));

@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use crate::datapath::codec::{affinity_timeout, backend_addr, frontend_of};
 use crate::datapath::snapshot::{MapOp, MapSnapshot};
-use crate::model::Frontend;
+use crate::model::{Algorithm, Frontend};
 
 /// One frontend as programmed.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -20,10 +20,24 @@ pub struct ProgrammedFrontend {
     /// 0 when the master entry is missing.
     pub rev_nat_id: u32,
     pub affinity_timeout_sec: Option<u32>,
+    /// How the per-packet path picks a backend for a new flow (the socket hooks
+    /// always pick at random).
+    pub algorithm: Algorithm,
+    /// The Maglev table, when `algorithm` is Maglev.
+    pub maglev: Option<MaglevTableRef>,
     /// The backends the master counts, in slot order, as far as they are present.
     pub backends: Vec<ProgrammedBackend>,
     /// Inconsistencies, in words; empty for a well-formed frontend.
     pub problems: Vec<String>,
+}
+
+/// Where a Maglev master's table lies in `LB_MAGLEV`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct MaglevTableRef {
+    /// Its first slot in the arena.
+    pub first_slot: u32,
+    /// Its size in slots (a prime).
+    pub size: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -114,6 +128,8 @@ fn decode_one(
             frontend,
             rev_nat_id: 0,
             affinity_timeout_sec: None,
+            algorithm: Algorithm::Random,
+            maglev: None,
             backends: Vec::new(),
             problems,
         };
@@ -168,13 +184,139 @@ fn decode_one(
     if master.rev_nat_id == 0 {
         problems.push("frontend id is 0".to_owned());
     }
+    let maglev = master
+        .maglev()
+        .map(|(first_slot, size)| MaglevTableRef { first_slot, size });
     ProgrammedFrontend {
         frontend,
         rev_nat_id: master.rev_nat_id,
         affinity_timeout_sec: affinity_timeout(&master),
+        algorithm: if maglev.is_some() {
+            Algorithm::Maglev
+        } else {
+            Algorithm::Random
+        },
+        maglev,
         backends,
         problems,
     }
+}
+
+/// A Maglev frontend's table as the kernel has it, for `lb maglev`: how its
+/// slots are shared out among the frontend's backends.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MaglevShares {
+    pub frontend: Frontend,
+    pub table: MaglevTableRef,
+    /// Frontends (entries of any scope) whose masters name the same table.
+    pub shared_by: usize,
+    /// Each backend in slot order, with the table slots that send flows to it.
+    pub backends: Vec<BackendShare>,
+    /// Slots holding a position that names no backend of the frontend (the
+    /// kernel picks at random for those flows and counts `maglev_miss`).
+    pub unassigned: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct BackendShare {
+    pub backend: ProgrammedBackend,
+    pub slots: u32,
+    /// `slots` over the table size.
+    pub share: f64,
+}
+
+/// The master of `frontend` and its Maglev table's place, if it has one.
+pub fn maglev_table_of(snapshot: &MapSnapshot, frontend: &Frontend) -> Option<MaglevTableRef> {
+    let key = crate::datapath::codec::service_key(frontend, 0);
+    let (first_slot, size) = snapshot.services.get(&key)?.maglev()?;
+    Some(MaglevTableRef { first_slot, size })
+}
+
+/// The shares of `frontend`'s backends in `table` (its Maglev table as read from
+/// `LB_MAGLEV`, [`maglev_table_of`] slots); `None` when it has no Maglev master.
+pub fn maglev_shares(
+    snapshot: &MapSnapshot,
+    frontend: &Frontend,
+    table: &[u16],
+) -> Option<MaglevShares> {
+    let table_ref = maglev_table_of(snapshot, frontend)?;
+    let programmed = decode_frontend(snapshot, frontend)?;
+    let count = snapshot
+        .services
+        .get(&crate::datapath::codec::service_key(frontend, 0))
+        .map_or(0, |m| usize::from(m.count));
+    // Slots per position; a position past the frontend's slots is no backend's.
+    let mut counts = vec![0u32; count];
+    for &position in table {
+        if let Some(n) = counts.get_mut(usize::from(position)) {
+            *n += 1;
+        }
+    }
+    let size = table.len().max(1) as f64;
+    let mut assigned = 0;
+    let backends = programmed
+        .backends
+        .iter()
+        .map(|b| {
+            let slots = counts.get(usize::from(b.slot - 1)).copied().unwrap_or(0);
+            assigned += slots;
+            BackendShare {
+                backend: *b,
+                slots,
+                share: f64::from(slots) / size,
+            }
+        })
+        .collect();
+    let shared_by = snapshot
+        .services
+        .groups()
+        .filter(|(_, g)| {
+            g.master
+                .and_then(|m| m.maglev())
+                .is_some_and(|(first, _)| first == table_ref.first_slot)
+        })
+        .count();
+    Some(MaglevShares {
+        frontend: *frontend,
+        table: table_ref,
+        shared_by,
+        backends,
+        unassigned: table.len() as u32 - assigned,
+    })
+}
+
+/// One frontend as programmed (see [`decode`]).
+fn decode_frontend(snapshot: &MapSnapshot, frontend: &Frontend) -> Option<ProgrammedFrontend> {
+    let key = crate::datapath::codec::service_key(frontend, 0);
+    let group = snapshot.services.group(&key)?;
+    let slots: BTreeMap<u16, ServiceValue> = group.slots.iter().copied().collect();
+    Some(decode_one(snapshot, *frontend, group.master, &slots))
+}
+
+pub fn render_maglev_shares(shares: &MaglevShares) -> String {
+    let t = &shares.table;
+    let mut out = format!(
+        "{}: Maglev table of {} slots ({} bytes), LB_MAGLEV slots {}..{}, shared by {} frontend(s)\n",
+        shares.frontend,
+        t.size,
+        lb_common::maglev::extent_slots(t.size) * 2,
+        t.first_slot,
+        t.first_slot + t.size,
+        shares.shared_by
+    );
+    let _ = writeln!(out, "{:<46} {:>6} {:>8}", "BACKEND", "SLOTS", "SHARE");
+    for b in &shares.backends {
+        let addr = std::net::SocketAddr::new(b.backend.ip, b.backend.port).to_string();
+        let _ = writeln!(out, "{addr:<46} {:>6} {:>7.2}%", b.slots, b.share * 100.0);
+    }
+    if shares.unassigned > 0 {
+        let _ = writeln!(
+            out,
+            "! {} slot(s) name no backend of this frontend (those flows pick at random)",
+            shares.unassigned
+        );
+    }
+    out
 }
 
 /// One frontend's counters, for `lb stats --per-service`.
@@ -230,8 +372,8 @@ pub fn render_service_counters(rows: &[ServiceCounters]) -> String {
 
 /// An aligned table for people; problems follow their frontend's row.
 pub fn render_text(frontends: &[ProgrammedFrontend]) -> String {
-    let header = ["FRONTEND", "ID", "AFFINITY", "BACKENDS"];
-    let rows: Vec<[String; 4]> = frontends
+    let header = ["FRONTEND", "ID", "AFFINITY", "ALGORITHM", "BACKENDS"];
+    let rows: Vec<[String; 5]> = frontends
         .iter()
         .map(|f| {
             let backends = if f.backends.is_empty() {
@@ -248,6 +390,10 @@ pub fn render_text(frontends: &[ProgrammedFrontend]) -> String {
                 f.rev_nat_id.to_string(),
                 f.affinity_timeout_sec
                     .map_or_else(|| "-".to_owned(), |t| format!("{t}s")),
+                match f.maglev {
+                    Some(table) => format!("maglev/{}", table.size),
+                    None => f.algorithm.to_string(),
+                },
                 backends,
             ]
         })
@@ -259,24 +405,26 @@ pub fn render_text(frontends: &[ProgrammedFrontend]) -> String {
         }
     }
     let mut out = String::new();
-    let mut line = |cells: [&str; 4]| {
+    let mut line = |cells: [&str; 5]| {
         let _ = writeln!(
             out,
-            "{:<w0$}  {:<w1$}  {:<w2$}  {}",
+            "{:<w0$}  {:<w1$}  {:<w2$}  {:<w3$}  {}",
             cells[0],
             cells[1],
             cells[2],
             cells[3],
+            cells[4],
             w0 = widths[0],
             w1 = widths[1],
-            w2 = widths[2]
+            w2 = widths[2],
+            w3 = widths[3]
         );
     };
     line(header);
     for (row, f) in rows.iter().zip(frontends) {
-        line([&row[0], &row[1], &row[2], &row[3]]);
+        line([&row[0], &row[1], &row[2], &row[3], &row[4]]);
         for problem in &f.problems {
-            line(["", "", "", &format!("! {problem}")]);
+            line(["", "", "", "", &format!("! {problem}")]);
         }
     }
     out
@@ -401,19 +549,25 @@ mod tests {
 
         let text = render_text(&t);
         let lines: Vec<&str> = text.lines().collect();
-        assert_eq!(lines[0], "FRONTEND            ID  AFFINITY  BACKENDS");
+        assert_eq!(
+            lines[0],
+            "FRONTEND            ID  AFFINITY  ALGORITHM  BACKENDS"
+        );
         assert_eq!(
             lines[1],
-            "10.96.0.10:80/TCP   1   60s       10.0.0.1:8080, 10.0.0.2:8080"
+            "10.96.0.10:80/TCP   1   60s       random     10.0.0.1:8080, 10.0.0.2:8080"
         );
         assert_eq!(
             lines[2],
-            "10.96.0.11:53/UDP   2   -         (none: connections refused)"
+            "10.96.0.11:53/UDP   2   -         random     (none: connections refused)"
         );
-        assert_eq!(lines[3], "10.96.0.12:443/TCP  3   -         10.0.0.1:8080");
+        assert_eq!(
+            lines[3],
+            "10.96.0.12:443/TCP  3   -         random     10.0.0.1:8080"
+        );
         assert_eq!(
             lines[4],
-            format!("{}! slot 2 of 3 is missing", " ".repeat(34))
+            format!("{}! slot 2 of 3 is missing", " ".repeat(45))
         );
         assert_eq!(lines.len(), 1 + 4 + 3 + 1);
     }
@@ -435,16 +589,86 @@ mod tests {
         let text = render_text(&decode(&s));
         assert_eq!(
             text.lines().nth(1),
-            Some("[fd00:96::10]:80/TCP  4   -         [fd00:244::11]:8080")
+            Some("[fd00:96::10]:80/TCP  4   -         random     [fd00:244::11]:8080")
         );
         assert_eq!(frontend_names(&s)[&4].to_string(), "[fd00:96::10]:80/TCP");
+    }
+
+    /// A Maglev master shows its table in `lb services`, and `lb maglev` counts
+    /// each backend's slots (a slot naming no backend of the frontend is said).
+    #[test]
+    fn maglev_masters_show_their_table_and_shares() {
+        let web = frontend([192, 0, 2, 10], 30080, Protocol::Tcp);
+        let twin = frontend([192, 0, 2, 11], 30080, Protocol::Tcp);
+        let mut s = MapSnapshot::default();
+        let maglev_master = ServiceValue {
+            backend_id: 4,
+            flags: lb_common::maglev_flags(0).unwrap(),
+            ..master(2, 1)
+        };
+        s.services.insert(key_of(&web, 0), maglev_master);
+        s.services.insert(
+            key_of(&twin, 0),
+            ServiceValue {
+                rev_nat_id: 2,
+                ..maglev_master
+            },
+        );
+        for (f, rev) in [(web, 1), (twin, 2)] {
+            s.services.insert(key_of(&f, 1), slot(10, rev));
+            s.services.insert(key_of(&f, 2), slot(11, rev));
+        }
+        s.backends.insert(10, backend([10, 0, 0, 1], 8080));
+        s.backends.insert(11, backend([10, 0, 0, 2], 8080));
+        let t = decode(&s);
+        assert_eq!(t[0].algorithm, Algorithm::Maglev);
+        assert_eq!(
+            t[0].maglev,
+            Some(MaglevTableRef {
+                first_slot: 4,
+                size: 251
+            })
+        );
+        assert!(render_text(&t)
+            .lines()
+            .nth(1)
+            .unwrap()
+            .contains("  maglev/251  "));
+
+        // 120 slots to the first backend, 130 to the second, one to nobody.
+        let mut table = vec![0u16; 120];
+        table.extend([1u16; 130]);
+        table.push(7);
+        let shares = maglev_shares(&s, &web, &table).unwrap();
+        assert_eq!(shares.shared_by, 2);
+        assert_eq!(
+            shares
+                .backends
+                .iter()
+                .map(|b| (b.backend.slot, b.slots))
+                .collect::<Vec<_>>(),
+            [(1, 120), (2, 130)]
+        );
+        assert_eq!(shares.unassigned, 1);
+        let text = render_maglev_shares(&shares);
+        assert!(text.starts_with(
+            "192.0.2.10:30080/TCP: Maglev table of 251 slots (504 bytes), LB_MAGLEV slots \
+             4..255, shared by 2 frontend(s)\n"
+        ));
+        assert!(text.contains("10.0.0.2:8080"));
+        assert!(text.contains("51.79%"), "{text}");
+        assert!(text.contains("! 1 slot(s) name no backend"), "{text}");
+        assert_eq!(
+            maglev_shares(&s, &frontend([192, 0, 2, 99], 1, Protocol::Tcp), &table),
+            None
+        );
     }
 
     #[test]
     fn empty_table_has_only_the_header() {
         assert_eq!(
             render_text(&decode(&MapSnapshot::default())),
-            "FRONTEND  ID  AFFINITY  BACKENDS\n"
+            "FRONTEND  ID  AFFINITY  ALGORITHM  BACKENDS\n"
         );
     }
 
@@ -456,7 +680,7 @@ mod tests {
         let json = serde_json::to_string(&decode(&s)).unwrap();
         assert_eq!(
             json,
-            r#"[{"frontend":{"ip":"10.96.0.10","port":80,"protocol":"TCP","scope":"internal"},"rev_nat_id":7,"affinity_timeout_sec":null,"backends":[],"problems":[]}]"#
+            r#"[{"frontend":{"ip":"10.96.0.10","port":80,"protocol":"TCP","scope":"internal"},"rev_nat_id":7,"affinity_timeout_sec":null,"algorithm":"random","maglev":null,"backends":[],"problems":[]}]"#
         );
     }
 }

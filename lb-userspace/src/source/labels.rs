@@ -13,6 +13,11 @@ pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
 /// start of kube-proxy's network programming latency.
 pub const LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
+/// The Service annotation that chooses how the per-packet path picks a backend for
+/// its NodePort, LoadBalancer and externalIP frontends: `maglev` or `random`
+/// (overrides `lb agent --lb-algorithm`).
+pub const ANNOTATION_ALGORITHM: &str = "service.lb/algorithm";
+
 /// kube-proxy's selector for Services: those claimed by another proxy and headless
 /// ones are not proxied.
 pub const SERVICE_LABEL_SELECTOR: &str =

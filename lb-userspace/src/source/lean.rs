@@ -24,14 +24,16 @@ use serde::Deserialize;
 
 use super::intern::{self, Shared};
 use super::labels::{
-    LABEL_HEADLESS, LABEL_PROXY_NAME, LABEL_SERVICE_NAME, LABEL_ZONE, LAST_CHANGE_TRIGGER_TIME,
+    ANNOTATION_ALGORITHM, LABEL_HEADLESS, LABEL_PROXY_NAME, LABEL_SERVICE_NAME, LABEL_ZONE,
+    LAST_CHANGE_TRIGGER_TIME,
 };
 
 /// A Service: what kube-proxy's service change tracker reads of it.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 pub struct Service {
     /// Name, namespace, resource version; of the labels only the two that hand the
-    /// Service to another proxy or mark it headless.
+    /// Service to another proxy or mark it headless, and of the annotations only
+    /// `service.lb/algorithm`.
     #[serde(default, deserialize_with = "service_meta")]
     pub metadata: Meta,
     #[serde(default)]
@@ -327,8 +329,10 @@ pub struct Meta {
     pub namespace: Option<Shared>,
     /// What the API source compares to know an object unchanged.
     pub resource_version: Option<Box<str>>,
-    /// Of a Service's labels, the two read (another proxy's, headless); a slice
-    /// keeps none.
+    /// Of a Service's labels, the two read (another proxy's, headless), and of its
+    /// annotations the one read (`service.lb/algorithm`), in one map: their names
+    /// cannot collide, and a second map would cost another pointer in every
+    /// object for what few Services carry. A slice keeps none.
     pub labels: Option<BTreeMap<String, String>>,
 }
 
@@ -429,10 +433,13 @@ impl<'de> Deserialize<'de> for Entries {
 
 fn service_meta<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Meta, D::Error> {
     let mut meta = Option::<MetaIn>::deserialize(deserializer)?.unwrap_or_default();
-    let labels: BTreeMap<String, String> = [LABEL_PROXY_NAME, LABEL_HEADLESS]
+    let mut labels: BTreeMap<String, String> = [LABEL_PROXY_NAME, LABEL_HEADLESS]
         .into_iter()
         .filter_map(|key| Some((key.to_owned(), meta.labels.take(key)?)))
         .collect();
+    if let Some(algorithm) = meta.annotations.take(ANNOTATION_ALGORITHM) {
+        labels.insert(ANNOTATION_ALGORITHM.to_owned(), algorithm);
+    }
     Ok(meta.into_meta((!labels.is_empty()).then_some(labels)))
 }
 
@@ -529,7 +536,8 @@ pub(crate) mod tests {
                 "name": "web", "namespace": "default", "resourceVersion": "7",
                 "uid": "u-1", "creationTimestamp": "2026-11-24T00:00:00Z",
                 "labels": {"app": "web", LABEL_PROXY_NAME: "other"},
-                "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "x".repeat(4096)},
+                "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "x".repeat(4096),
+                                ANNOTATION_ALGORITHM: "maglev"},
                 "managedFields": [{"manager": "kubectl"}],
                 "ownerReferences": [{"apiVersion": "v1", "kind": "X", "name": "o", "uid": "u"}],
             },
@@ -572,7 +580,8 @@ pub(crate) mod tests {
 
         let thin_service: Service = serde_json::from_value(serde_json::json!({
             "metadata": {"name": "web", "namespace": "default", "resourceVersion": "7",
-                         "labels": {LABEL_PROXY_NAME: "other"}},
+                         "labels": {LABEL_PROXY_NAME: "other"},
+                         "annotations": {ANNOTATION_ALGORITHM: "maglev"}},
             "spec": {
                 "type": "LoadBalancer", "clusterIP": "10.96.0.10", "clusterIPs": ["10.96.0.10", "fd00::10"],
                 "ipFamilies": ["IPv4", "IPv6"],
@@ -590,7 +599,7 @@ pub(crate) mod tests {
                 .unwrap()
                 .keys()
                 .collect::<Vec<_>>(),
-            [LABEL_PROXY_NAME]
+            [LABEL_PROXY_NAME, ANNOTATION_ALGORITHM]
         );
         assert_eq!(service.metadata.resource_version.as_deref(), Some("7"));
 

@@ -205,6 +205,16 @@ pub enum Problem {
         Capped(.value)
     )]
     InvalidSourceRange { value: String },
+    #[error(
+        "annotation {annotation}: {:?} is neither `maglev` nor `random`; its NodePort, \
+         LoadBalancer and externalIP frontends use the agent's --lb-algorithm ({default})",
+        Capped(.value)
+    )]
+    InvalidAlgorithm {
+        annotation: &'static str,
+        value: String,
+        default: crate::model::Algorithm,
+    },
     #[error("frontend {frontend} is already used by Service {}, which keeps it; give one of them another cluster IP or port", Capped(.owner))]
     DuplicateFrontend { frontend: Frontend, owner: String },
     #[error(

@@ -200,11 +200,12 @@ mod tests {
                 .into(),
             affinity_timeout_sec: None,
             source_ranges: None,
+            maglev: false,
         };
         let mut snapshot = MapSnapshot::default();
         snapshot.services.insert(
             service_key(&frontend, 0),
-            master_value(&spec, backends.len() as u16, rev_nat_id, false),
+            master_value(&spec, backends.len() as u16, rev_nat_id, false, None),
         );
         for (slot, backend) in (1u16..).zip(backends) {
             let id = 100 + u32::from(slot);

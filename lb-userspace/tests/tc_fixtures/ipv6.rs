@@ -42,6 +42,7 @@ fn node_port6(protocol: Protocol, backends: &[(Ipv6Addr, bool)]) -> DesiredState
                 .into(),
             affinity_timeout_sec: None,
             source_ranges: None,
+            maglev: false,
         },
     );
     desired

@@ -95,6 +95,10 @@ enum Mode {
         /// Give up a connect after this long (counted as ETIMEDOUT).
         #[arg(long, default_value_t = 2000)]
         connect_timeout_ms: u64,
+        /// Send request `i` from this local port plus `i` (the same client flow
+        /// each run, e.g. through two nodes); default: a port the kernel picks.
+        #[arg(long)]
+        from_port: Option<u16>,
     },
     /// N datagrams of SIZE bytes (larger than the MTU: IP fragments) to an lb-echo
     /// `--bulk-port`, each from a new unconnected socket; each answer must echo the
@@ -151,14 +155,16 @@ fn main() -> ExitCode {
             count,
             udp,
             connect_timeout_ms,
+            from_port,
         } => {
             let report = if udp {
-                whoami_udp(to, count)
+                whoami_udp(to, count, from_port)
             } else {
                 Ok(whoami_tcp(
                     to,
                     count,
                     Duration::from_millis(connect_timeout_ms),
+                    from_port,
                 ))
             };
             report.and_then(|r| print_json(&r))
@@ -208,6 +214,27 @@ fn read_line(reader: &mut impl BufRead) -> io::Result<String> {
     Ok(line.trim_end().to_string())
 }
 
+/// The unspecified address of `to`'s family.
+fn unspecified(to: SocketAddr) -> std::net::IpAddr {
+    if to.is_ipv6() {
+        std::net::Ipv6Addr::UNSPECIFIED.into()
+    } else {
+        std::net::Ipv4Addr::UNSPECIFIED.into()
+    }
+}
+
+/// A TCP connection to `to` from local port `port`: SO_REUSEADDR lets the port be
+/// used again towards other destinations while an earlier connection from it is in
+/// TIME_WAIT.
+fn connect_from(to: SocketAddr, port: u16, timeout: Duration) -> io::Result<TcpStream> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(to), Type::STREAM, None)?;
+    socket.set_reuse_address(true)?;
+    socket.bind(&SocketAddr::new(unspecified(to), port).into())?;
+    socket.connect_timeout(&to.into(), timeout)?;
+    Ok(socket.into())
+}
+
 /// One counted connect attempt: the stream, or the error recorded in `tally`; the
 /// connect time goes into `max_ms`.
 fn timed_connect(
@@ -216,9 +243,23 @@ fn timed_connect(
     tally: &mut Tally,
     max_ms: &mut f64,
 ) -> Option<TcpStream> {
+    timed_connect_from(to, None, timeout, tally, max_ms)
+}
+
+/// [`timed_connect`] from local port `from` when given.
+fn timed_connect_from(
+    to: SocketAddr,
+    from: Option<u16>,
+    timeout: Duration,
+    tally: &mut Tally,
+    max_ms: &mut f64,
+) -> Option<TcpStream> {
     tally.attempts += 1;
     let start = Instant::now();
-    let conn = TcpStream::connect_timeout(&to, timeout);
+    let conn = match from {
+        Some(port) => connect_from(to, port, timeout),
+        None => TcpStream::connect_timeout(&to, timeout),
+    };
     *max_ms = max_ms.max(start.elapsed().as_secs_f64() * 1000.0);
     match conn {
         Ok(stream) => Some(stream),
@@ -258,13 +299,14 @@ fn tcp(to: SocketAddr, count: u32, connect_timeout: Duration) -> TcpReport {
 }
 
 fn new_udp_socket(to: SocketAddr) -> Result<UdpSocket> {
+    new_udp_socket_from(to, 0)
+}
+
+/// A UDP socket of `to`'s family bound to local port `port` (0: any).
+fn new_udp_socket_from(to: SocketAddr, port: u16) -> Result<UdpSocket> {
     // The target's family: an IPv6 address (IPv4-mapped ones too) takes an AF_INET6
     // socket, as a dual-stack application's would.
-    let any: SocketAddr = if to.is_ipv6() {
-        "[::]:0".parse()?
-    } else {
-        "0.0.0.0:0".parse()?
-    };
+    let any = SocketAddr::new(unspecified(to), port);
     let socket = UdpSocket::bind(any).context("binding a UDP socket")?;
     socket.set_read_timeout(Some(UDP_RECV_TIMEOUT))?;
     Ok(socket)
@@ -449,11 +491,22 @@ fn parse_whoami(text: &str) -> Option<(String, String)> {
     Some((name.to_string(), seen.to_string()))
 }
 
-fn whoami_tcp(to: SocketAddr, count: u32, connect_timeout: Duration) -> WhoamiReport {
+/// The local port of request `i` when requests go from `from` on.
+fn port_of(from: Option<u16>, i: u32) -> Option<u16> {
+    from.map(|first| first.wrapping_add(i as u16))
+}
+
+fn whoami_tcp(
+    to: SocketAddr,
+    count: u32,
+    connect_timeout: Duration,
+    from: Option<u16>,
+) -> WhoamiReport {
     let mut report = WhoamiReport::default();
-    for _ in 0..count {
-        let Some(stream) = timed_connect(
+    for i in 0..count {
+        let Some(stream) = timed_connect_from(
             to,
+            port_of(from, i),
             connect_timeout,
             &mut report.tally,
             &mut report.max_connect_ms,
@@ -494,12 +547,12 @@ fn whoami_tcp(to: SocketAddr, count: u32, connect_timeout: Duration) -> WhoamiRe
     report
 }
 
-fn whoami_udp(to: SocketAddr, count: u32) -> Result<WhoamiReport> {
+fn whoami_udp(to: SocketAddr, count: u32, from: Option<u16>) -> Result<WhoamiReport> {
     let mut report = WhoamiReport::default();
     let mut buf = [0u8; 2048];
-    for _ in 0..count {
+    for i in 0..count {
         report.tally.attempts += 1;
-        let socket = new_udp_socket(to)?;
+        let socket = new_udp_socket_from(to, port_of(from, i).unwrap_or(0))?;
         if let Err(e) = socket.send_to(b"whoami", to) {
             record(&mut report.tally, "sendto", &e);
             continue;

@@ -7,6 +7,10 @@ fn build(yaml: &str) -> (DesiredState, Vec<ObjectError>) {
 }
 
 fn build_node(yaml: &str, node: &str) -> (DesiredState, Vec<ObjectError>) {
+    build_with(yaml, node, Algorithm::Random)
+}
+
+fn build_with(yaml: &str, node: &str, lb_algorithm: Algorithm) -> (DesiredState, Vec<ObjectError>) {
     let objects = parse_str(Path::new("t.yaml"), yaml);
     assert!(objects.errors.is_empty(), "{:?}", objects.errors);
     let opts = SourceOptions {
@@ -14,6 +18,7 @@ fn build_node(yaml: &str, node: &str) -> (DesiredState, Vec<ObjectError>) {
         node_ips: vec!["192.168.50.2".parse().unwrap()],
         node_port_range: NodePortRange::default(),
         zone: String::new(),
+        lb_algorithm,
     };
     build_desired(&objects.services, &objects.slices, &opts)
 }
@@ -113,6 +118,69 @@ fn external_frontends_follow_external_traffic_policy() {
             .frontends
             .contains_key(&fe("192.0.2.10", 9090, Protocol::Tcp)));
     }
+}
+
+/// Maglev is for external traffic: NodePorts, externalIPs and load-balancer IPs
+/// (both entries under externalTrafficPolicy: Local) get it from the agent's
+/// default or the Service's annotation, which wins; cluster IPs never do. An
+/// annotation that names no algorithm is reported and the default applies.
+#[test]
+fn maglev_applies_to_external_frontends_by_flag_or_annotation() {
+    let annotated = |value: &str| {
+        web_load_balancer("Local").replace(
+            "    labels:\n      app: web\n    name: web\n",
+            &format!(
+                "    annotations:\n      service.lb/algorithm: {value}\n    labels:\n      app: web\n    name: web\n"
+            ),
+        )
+    };
+    let maglev_of = |d: &DesiredState| -> Vec<(String, bool)> {
+        d.frontends
+            .iter()
+            .filter(|(f, _)| f.port != 9090)
+            .map(|(f, spec)| (f.to_string(), spec.maglev))
+            .collect()
+    };
+    let external = [
+        "192.0.2.10:80/TCP",
+        "192.0.2.10:80/TCP (external)",
+        "192.168.50.2:30080/TCP",
+        "192.168.50.2:30080/TCP (external)",
+        "198.51.100.7:80/TCP",
+        "198.51.100.7:80/TCP (external)",
+        "[2001:db8::1]:80/TCP",
+        "[2001:db8::1]:80/TCP (external)",
+    ];
+    let expect = |on: bool| -> Vec<(String, bool)> {
+        let mut all: Vec<(String, bool)> = external.iter().map(|f| (f.to_string(), on)).collect();
+        all.push(("10.96.0.10:80/TCP".into(), false));
+        all.sort();
+        all
+    };
+    let sorted = |mut v: Vec<(String, bool)>| {
+        v.sort();
+        v
+    };
+    for (yaml, default, on) in [
+        (web_load_balancer("Local"), Algorithm::Random, false),
+        (web_load_balancer("Local"), Algorithm::Maglev, true),
+        (annotated("maglev"), Algorithm::Random, true),
+        (annotated("random"), Algorithm::Maglev, false),
+    ] {
+        let (d, errors) = build_with(&yaml, "node-a", default);
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(sorted(maglev_of(&d)), expect(on), "{default:?}");
+    }
+    let (d, errors) = build_with(&annotated("consistent"), "node-a", Algorithm::Maglev);
+    assert_eq!(
+        messages(&errors),
+        [
+            "Service default/web: annotation service.lb/algorithm: \"consistent\" is neither \
+          `maglev` nor `random`; its NodePort, LoadBalancer and externalIP frontends use the \
+          agent's --lb-algorithm (maglev)"
+        ]
+    );
+    assert_eq!(sorted(maglev_of(&d)), expect(true));
 }
 
 #[test]

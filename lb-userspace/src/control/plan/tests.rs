@@ -9,6 +9,8 @@ const ROOMY: Capacity = Capacity {
     services: 1 << 20,
     backends: 1 << 20,
     frontend_ids: MAX_REV_NAT_ID,
+    maglev_slots: 1 << 20,
+    maglev_seed: 0,
 };
 
 fn fe(last: u8, port: u16, protocol: Protocol) -> Frontend {
@@ -33,6 +35,7 @@ fn spec(backends: &[u8], affinity: Option<u32>) -> FrontendSpec {
         backends: std::sync::Arc::new(backends.iter().map(|&b| be(b, 8080)).collect()),
         affinity_timeout_sec: affinity,
         source_ranges: None,
+        maglev: false,
     }
 }
 
@@ -313,7 +316,7 @@ fn op_order_for_one_frontend() {
             },
             MapOp::PutService {
                 key: service_key(&a, 0),
-                value: master_value(&spec(&[1, 4], None), 2, rev, false),
+                value: master_value(&spec(&[1, 4], None), 2, rev, false, None),
             },
             MapOp::DeleteService {
                 key: service_key(&a, 3),
@@ -400,7 +403,7 @@ fn backend_ids_wrap_past_the_top_and_skip_used_ones() {
     let mut s = MapSnapshot::default();
     s.services.insert(
         service_key(&a, 0),
-        master_value(&spec(&[1, 2], None), 2, 7, false),
+        master_value(&spec(&[1, 2], None), 2, 7, false, None),
     );
     s.services
         .insert(service_key(&a, 1), slot_value(u32::MAX, 7));
@@ -447,6 +450,7 @@ fn full_services_map_leaves_the_frontend_untouched() {
             services: 7,
             backends: 100,
             frontend_ids: MAX_REV_NAT_ID,
+            ..ROOMY
         },
     );
     assert_eq!(
@@ -472,6 +476,7 @@ fn full_services_map_leaves_the_frontend_untouched() {
             services: 7,
             backends: 100,
             frontend_ids: MAX_REV_NAT_ID,
+            ..ROOMY
         },
     );
     assert!(p2.rejected.is_empty());
@@ -490,6 +495,7 @@ fn full_backends_map_leaves_the_frontend_untouched() {
             services: 100,
             backends: 4,
             frontend_ids: MAX_REV_NAT_ID,
+            ..ROOMY
         },
     );
     assert!(matches!(
@@ -546,7 +552,7 @@ fn out_of_frontend_ids() {
         );
         s.services.insert(
             service_key(&f, 0),
-            master_value(&spec(&[], None), 0, rev, false),
+            master_value(&spec(&[], None), 0, rev, false, None),
         );
     }
     // Everything old goes away, but only after the new frontend would need its id.
@@ -849,3 +855,5 @@ fn a_kept_table_counts_on_above_the_ids_a_full_plan_wrote() {
     assert_eq!(known.backend_ids.next, 4);
     assert_eq!(known.rev_nat_ids.next, 2);
 }
+
+mod maglev;

@@ -125,13 +125,15 @@ pub(super) fn xdp_program(ebpf: &mut Ebpf) -> Result<&mut Xdp, LoadError> {
 
 /// Creates (or reopens, keeping their contents across restarts) the pinned maps and
 /// prepares the programs without loading them into the kernel or attaching them;
-/// `node_ips` name the SNAT sources of the per-packet path. Tests use this to run
-/// programs through BPF_PROG_TEST_RUN.
+/// `node_ips` name the SNAT sources of the per-packet path, `maglev_seed` the seed
+/// its Maglev frontends hash flows with. Tests use this to run programs through
+/// BPF_PROG_TEST_RUN.
 pub fn load(
     object: &[u8],
     layout: &PinLayout,
     sizes: MapSizes,
     node_ips: &[IpAddr],
+    maglev_seed: u64,
 ) -> Result<Ebpf, LoadError> {
     for dir in [layout.maps_dir(), layout.links_dir()] {
         fs::create_dir_all(&dir).map_err(|source| LoadError::PinDir { path: dir, source })?;
@@ -150,6 +152,7 @@ pub fn load(
         .map_max_entries(map_names::SOCK_REVNAT, sizes.sock_revnat)
         .map_max_entries(map_names::AFFINITY, sizes.affinity)
         .map_max_entries(map_names::CT, sizes.conntrack)
+        .map_max_entries(map_names::MAGLEV, sizes.maglev_entries())
         // One counter entry per frontend at most.
         .map_max_entries(map_names::SVC_STATS, sizes.services);
     // The first address of each family; none (zero): the kernel's FIB picks one.
@@ -163,6 +166,7 @@ pub fn load(
     loader.override_global("LB_NODE_IPV4", &node_ipv4, true);
     let node_ipv6 = first(true);
     loader.override_global("LB_NODE_IPV6", &node_ipv6, true);
+    loader.override_global("LB_MAGLEV_SEED", &maglev_seed, true);
     loader.load(object).map_err(|source| {
         let maps_dir = layout.maps_dir();
         match errno_in(&source) {

@@ -19,6 +19,16 @@ pub struct MapSizes {
     pub sock_revnat: u32,
     pub affinity: u32,
     pub conntrack: u32,
+    /// `LB_MAGLEV`'s capacity in table slots (`--maglev-table-slots`), a multiple of
+    /// four: the map has a quarter as many entries.
+    pub maglev_slots: u32,
+}
+
+impl MapSizes {
+    /// `max_entries` of `LB_MAGLEV`: four slots an entry.
+    pub fn maglev_entries(&self) -> u32 {
+        self.maglev_slots / lb_common::MAGLEV_SLOTS_PER_ENTRY
+    }
 }
 
 impl Default for MapSizes {
@@ -29,6 +39,7 @@ impl Default for MapSizes {
             sock_revnat: lb_common::DEFAULT_SOCK_REVNAT_MAX,
             affinity: lb_common::DEFAULT_AFFINITY_MAX,
             conntrack: lb_common::DEFAULT_CT_MAX,
+            maglev_slots: lb_common::DEFAULT_MAGLEV_SLOTS,
         }
     }
 }
@@ -59,18 +70,41 @@ pub enum PinsError {
     },
 }
 
-/// The maps sized by a flag, with the flag.
-fn sized_maps(sizes: MapSizes) -> [(&'static str, &'static str, u32); 5] {
+/// The maps sized by a flag, with the flag, the size it asks for, and how many of
+/// the flag's units one map entry holds.
+fn sized_maps(sizes: MapSizes) -> [(&'static str, &'static str, u32, u32); 6] {
     [
-        (map_names::SERVICES, "--services-map-size", sizes.services),
-        (map_names::BACKENDS, "--backends-map-size", sizes.backends),
+        (
+            map_names::SERVICES,
+            "--services-map-size",
+            sizes.services,
+            1,
+        ),
+        (
+            map_names::BACKENDS,
+            "--backends-map-size",
+            sizes.backends,
+            1,
+        ),
         (
             map_names::SOCK_REVNAT,
             "--sock-revnat-map-size",
             sizes.sock_revnat,
+            1,
         ),
-        (map_names::AFFINITY, "--affinity-map-size", sizes.affinity),
-        (map_names::CT, "--conntrack-map-size", sizes.conntrack),
+        (
+            map_names::AFFINITY,
+            "--affinity-map-size",
+            sizes.affinity,
+            1,
+        ),
+        (map_names::CT, "--conntrack-map-size", sizes.conntrack, 1),
+        (
+            map_names::MAGLEV,
+            "--maglev-table-slots",
+            sizes.maglev_slots,
+            lb_common::MAGLEV_SLOTS_PER_ENTRY,
+        ),
     ]
 }
 
@@ -78,7 +112,7 @@ fn sized_maps(sizes: MapSizes) -> [(&'static str, &'static str, u32); 5] {
 /// the loader reuses a pinned map as it is, so a new size would be silently
 /// ignored (and the capacity the agent plans with would be wrong).
 pub fn check_map_sizes(layout: &PinLayout, sizes: MapSizes) -> Result<(), PinsError> {
-    for (map, flag, requested) in sized_maps(sizes) {
+    for (map, flag, requested, per_entry) in sized_maps(sizes) {
         let path = layout.map_path(map);
         if !path.exists() {
             continue;
@@ -88,7 +122,8 @@ pub fn check_map_sizes(layout: &PinLayout, sizes: MapSizes) -> Result<(), PinsEr
                 path: path.clone(),
                 source,
             })?
-            .max_entries();
+            .max_entries()
+            .saturating_mul(per_entry);
         if pinned != requested {
             return Err(PinsError::SizeMismatch {
                 map,
