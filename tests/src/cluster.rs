@@ -71,6 +71,33 @@ pub fn whoami_node_port(name: &str, vip: Ipv4Addr, node_port: u16) -> Service {
     .node_port()
 }
 
+/// A NodePort Service `name` on cluster IP `vip`: bulk 81 -> the echo stream port
+/// (node port `node_port`).
+pub fn bulk_node_port(name: &str, vip: Ipv4Addr, node_port: u16) -> Service {
+    Service::new(
+        name,
+        vip,
+        vec![
+            crate::manifests::ServicePort::tcp("bulk", 81, BULK_PORT.into())
+                .with_node_port(node_port.into()),
+        ],
+    )
+    .node_port()
+}
+
+/// `lb-probe whoami` arguments: `count` requests to `to`, then `extra`.
+fn whoami_args(to: SocketAddr, count: u32, extra: &[&str]) -> Vec<String> {
+    let mut args = vec![
+        "whoami".to_string(),
+        "--to".into(),
+        to.to_string(),
+        "--count".into(),
+        count.to_string(),
+    ];
+    args.extend(extra.iter().map(|a| a.to_string()));
+    args
+}
+
 /// The external client, on the node network but outside the cluster.
 pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 100);
 /// The second external client ([`ClusterBuilder::second_client`]).
@@ -765,16 +792,8 @@ impl Cluster {
         udp: bool,
         connect_timeout: Duration,
     ) -> Result<WhoamiReport> {
-        let to: SocketAddr = to.into();
-        let mut args = vec![
-            "whoami".to_string(),
-            "--to".into(),
-            to.to_string(),
-            "--count".into(),
-            count.to_string(),
-            "--connect-timeout-ms".into(),
-            connect_timeout.as_millis().to_string(),
-        ];
+        let ms = connect_timeout.as_millis().to_string();
+        let mut args = whoami_args(to.into(), count, &["--connect-timeout-ms", &ms]);
         if udp {
             args.push("--udp".into());
         }
@@ -791,18 +810,7 @@ impl Cluster {
         count: u32,
         from_port: u16,
     ) -> Result<WhoamiReport> {
-        let to: SocketAddr = to.into();
-        let args: Vec<String> = [
-            "whoami",
-            "--to",
-            &to.to_string(),
-            "--count",
-            &count.to_string(),
-            "--from-port",
-            &from_port.to_string(),
-        ]
-        .map(String::from)
-        .to_vec();
+        let args = whoami_args(to.into(), count, &["--from-port", &from_port.to_string()]);
         self.probe_in(
             ns,
             &args,
@@ -818,18 +826,7 @@ impl Cluster {
         to: impl Into<SocketAddr>,
         count: u32,
     ) -> Result<WhoamiReport> {
-        let to: SocketAddr = to.into();
-        let args: Vec<String> = [
-            "whoami",
-            "--to",
-            &to.to_string(),
-            "--count",
-            &count.to_string(),
-            "--connect-timeout-ms",
-            "2000",
-        ]
-        .map(String::from)
-        .to_vec();
+        let args = whoami_args(to.into(), count, &["--connect-timeout-ms", "2000"]);
         self.host_probe_in_cgroup(
             node,
             &args,

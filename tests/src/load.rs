@@ -96,6 +96,31 @@ impl LoadReport {
     pub fn broken(&self) -> impl Iterator<Item = &LongLivedReport> {
         self.long_lived.iter().filter(|l| l.broken.is_some())
     }
+
+    /// Zero failed connections and no broken long-lived one, and the load really
+    /// ran: at least `min_attempts` short connections, and every long-lived one
+    /// exchanged a line.
+    pub fn check_clean(&self, min_attempts: u64) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.failed() == 0 && self.successes == self.attempts,
+            "connections failed: {self:#?}"
+        );
+        let broken: Vec<_> = self.broken().collect();
+        anyhow::ensure!(
+            broken.is_empty(),
+            "long-lived connections broke: {broken:#?}"
+        );
+        anyhow::ensure!(
+            self.attempts >= min_attempts,
+            "the load made only {} attempts: {self:#?}",
+            self.attempts
+        );
+        anyhow::ensure!(
+            self.long_lived.iter().all(|l| l.exchanges > 0),
+            "a long-lived connection never exchanged a line: {self:#?}"
+        );
+        Ok(())
+    }
 }
 
 /// How to run `lb-load`.

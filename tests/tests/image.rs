@@ -38,7 +38,7 @@ use lb_fake_apiserver::{node, FakeApiServer, Res, ServingCert};
 use lb_tests::agent::{find_frontend, ServiceEntry, SYNC_TIMEOUT};
 use lb_tests::agent_proc::PinDir;
 use lb_tests::daemonset::{workspace_root, Node, PodTemplate, Probe};
-use lb_tests::load::{LoadReport, LoadRun, LoadSpec};
+use lb_tests::load::{LoadRun, LoadSpec};
 use lb_tests::manifests::NODE_NAME;
 use lb_tests::netns::NetNs;
 use lb_tests::podman::{Container, Podman};
@@ -388,25 +388,6 @@ fn probe_once(node_ns: &NetNs, probe: &Probe) -> Result<u16> {
     })
 }
 
-/// Zero failed connections and no broken long-lived one, and the load really ran.
-fn check_clean(report: &LoadReport, min_attempts: u64) -> Result<()> {
-    ensure!(
-        report.failed() == 0 && report.successes == report.attempts,
-        "connections failed: {report:#?}"
-    );
-    let broken: Vec<_> = report.broken().collect();
-    ensure!(
-        broken.is_empty(),
-        "long-lived connections broke: {broken:#?}"
-    );
-    ensure!(
-        report.attempts >= min_attempts,
-        "the load made only {} attempts: {report:#?}",
-        report.attempts
-    );
-    Ok(())
-}
-
 /// The manifest's pod runs from the image with least privilege: the in-cluster
 /// configuration reaches the API server (HTTPS, the service account's token), a
 /// pod reaches the ClusterIP and the NodePort Service it serves, the probes
@@ -570,7 +551,7 @@ fn the_daemonsets_pod_serves_from_the_image_and_hands_over_under_load() -> Resul
         report.broken().count(),
         report.max_connect_ms
     );
-    check_clean(&report, 500)?;
+    report.check_clean(500)?;
     n.wait_table(&all)?;
 
     // The last container stops; the datapath stays, with nobody to run it.

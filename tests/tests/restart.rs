@@ -156,29 +156,6 @@ impl Bed {
     }
 }
 
-/// Zero failed connections and no broken long-lived one; the load really ran.
-fn check_clean(report: &LoadReport, min_attempts: u64) -> Result<()> {
-    ensure!(
-        report.failed() == 0 && report.successes == report.attempts,
-        "connections failed: {report:#?}"
-    );
-    let broken: Vec<_> = report.broken().collect();
-    ensure!(
-        broken.is_empty(),
-        "long-lived connections broke: {broken:#?}"
-    );
-    ensure!(
-        report.attempts >= min_attempts,
-        "the load made only {} attempts: {report:#?}",
-        report.attempts
-    );
-    ensure!(
-        report.long_lived.iter().all(|l| l.exchanges > 0),
-        "a long-lived connection never exchanged a line: {report:#?}"
-    );
-    Ok(())
-}
-
 fn summary(report: &LoadReport) -> String {
     format!(
         "{} attempts, {} failed, backends {:?}, max connect {:.1} ms, long-lived: {} open, {} broken, {} exchanges",
@@ -249,7 +226,7 @@ fn a_second_agent_on_the_pin_dir_is_refused_or_waits_its_turn() -> Result<()> {
     load.run_for(Duration::from_secs(1))?;
     let report = load.stop()?;
     eprintln!("handover under load: {}", summary(&report));
-    check_clean(&report, 300)?;
+    report.check_clean(300)?;
     let after = bed.pins.services_value()?;
     ensure!(after == before, "the table changed across the handover");
     Ok(())
@@ -283,7 +260,7 @@ fn sigkill_and_restart_under_load() -> Result<()> {
     load.run_for(Duration::from_secs(1))?;
     let report = load.stop()?;
     eprintln!("restart under load: {}", summary(&report));
-    check_clean(&report, 300)?;
+    report.check_clean(300)?;
     ensure!(
         report.backends.len() == 3,
         "not every backend got connections: {report:#?}"
@@ -384,7 +361,7 @@ fn endpoint_churn_under_load() -> Result<()> {
         broken_stayed.is_empty(),
         "long-lived connections to backends that never left ({stayed:?}) broke: {broken_stayed:#?}"
     );
-    check_clean(&report, 300)?;
+    report.check_clean(300)?;
 
     // The last step has all three; only a final removal tells whether new connections
     // follow the table.
@@ -422,7 +399,7 @@ fn restart_applies_a_change_made_while_no_agent_ran() -> Result<()> {
         "change while down, restart under load: {}",
         summary(&report)
     );
-    check_clean(&report, 300)?;
+    report.check_clean(300)?;
     bed.check_single_attachment()?;
 
     let r = bed.bed.tcp(0, SocketAddrV4::new(VIP, PORT), 40)?;

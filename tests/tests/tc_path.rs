@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use lb_tests::cluster::{
-    node_ip, node_name, whoami_node_port, Cluster, ClusterBuilder, BULK_PORT, CLIENT_IP,
-    DROP_CONNECT_TIMEOUT, WHOAMI_PORT,
+    bulk_node_port, node_ip, node_name, whoami_node_port, Cluster, ClusterBuilder, BULK_PORT,
+    CLIENT_IP, DROP_CONNECT_TIMEOUT, WHOAMI_PORT,
 };
 use lb_tests::manifests::{Conditions, Service, ServicePort};
 use lb_tests::probe::UdpEchoReport;
@@ -197,14 +197,7 @@ fn external_ip_and_load_balancer_ip_reach_backends() -> Result<()> {
 #[test]
 fn bulk_transfer_through_node_port_is_byte_exact() -> Result<()> {
     const BYTES: u64 = 16 << 20;
-    let bulk = |name: &str, vip: Ipv4Addr, node_port: u16| {
-        Service::new(
-            name,
-            vip,
-            vec![ServicePort::tcp("bulk", 81, BULK_PORT.into()).with_node_port(node_port.into())],
-        )
-        .node_port()
-    };
+    let bulk = bulk_node_port;
     let remote = bulk("bulk-remote", Ipv4Addr::new(10, 96, 0, 34), 30084);
     let local = bulk("bulk-local", Ipv4Addr::new(10, 96, 0, 35), 30085);
     let cluster = setup(

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use lb_tests::cluster::{
-    node_ip, node_ip6, whoami_node_port, Cluster, ClusterBuilder, BULK_PORT, CLIENT_IP, CLIENT_IP6,
-    WHOAMI_PORT,
+    bulk_node_port, node_ip, node_ip6, whoami_node_port, Cluster, ClusterBuilder, BULK_PORT,
+    CLIENT_IP, CLIENT_IP6, WHOAMI_PORT,
 };
 use lb_tests::manifests::{Service, ServicePort};
 use lb_tests::{cargo_tools, lb_binary};
@@ -198,14 +198,7 @@ fn udp_node_port_in_xdp() -> Result<()> {
 #[test]
 fn bulk_transfer_through_xdp_is_byte_exact() -> Result<()> {
     const BYTES: u64 = 32 << 20;
-    let bulk = |name: &str, vip: Ipv4Addr, node_port: u16| {
-        Service::new(
-            name,
-            vip,
-            vec![ServicePort::tcp("bulk", 81, BULK_PORT.into()).with_node_port(node_port.into())],
-        )
-        .node_port()
-    };
+    let bulk = bulk_node_port;
     let v4 = bulk("bulk4", Ipv4Addr::new(10, 96, 0, 63), 30165);
     let v6 = bulk("bulk6", Ipv4Addr::new(10, 96, 9, 9), 30166).ipv6_only(vip6(63));
     let cluster = setup(&[(&v4, &["pod-b"]), (&v6, &["pod-b"])], xdp_native)?;
