@@ -41,11 +41,21 @@ pub(super) async fn follow(
     let mut check_every = interval_at(Instant::now() + every, every);
     check_every.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut net_followed = true;
-    let mut retry = false;
+    // Deadlines, not fresh sleeps: a `sleep` made in the `select!` starts again on
+    // every turn of the loop, so under a steady stream of changes it never ends.
+    let mut retry_at: Option<Instant> = None;
+    let mut devices_retry_at: Option<Instant> = None;
     // The batches of the consistency check under way (its state is the agent's,
     // which notes the writes made meanwhile).
     let mut batches: Option<consistency::Batches> = None;
     loop {
+        // A device left without its program (set by any sync) is tried again a
+        // second after, and not before: whatever else wakes the loop meanwhile.
+        devices_retry_at = match (agent.devices_pending && agent.attached, devices_retry_at) {
+            (false, _) => None,
+            (true, Some(at)) => Some(at),
+            (true, None) => Some(Instant::now() + RETRY_INTERVAL),
+        };
         let wake = tokio::select! {
             _ = gc.tick() => {
                 collect(&mut agent.maps, &agent.config.ct_timeouts);
@@ -95,8 +105,12 @@ pub(super) async fn follow(
                 info!(addresses = ?served, "node addresses changed");
                 Wake::Resync
             }
-            _ = tokio::time::sleep(RETRY_INTERVAL), if retry => Wake::Resync,
-            _ = tokio::time::sleep(RETRY_INTERVAL), if agent.devices_pending && agent.attached => {
+            _ = sleep_until(retry_at), if retry_at.is_some() => {
+                retry_at = None;
+                Wake::Resync
+            }
+            _ = sleep_until(devices_retry_at), if devices_retry_at.is_some() => {
+                devices_retry_at = None;
                 agent.sync_devices();
                 continue;
             }
@@ -109,11 +123,25 @@ pub(super) async fn follow(
             Wake::Stop => break,
         };
         match outcome {
-            Ok(failed) => retry = failed,
+            Ok(failed) => {
+                retry_at = match (failed, retry_at) {
+                    (false, _) => None,
+                    (true, Some(at)) => Some(at),
+                    (true, None) => Some(Instant::now() + RETRY_INTERVAL),
+                }
+            }
             Err(e) => return (agent, Err(e.into())),
         }
     }
     (agent, Ok(()))
+}
+
+/// Until `at` (never, without one).
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// The next batch of the check under way (never, without one).
