@@ -179,13 +179,16 @@ impl Config {
             // (HZ=250) charges the whole tick to what the CPU was doing, so over N
             // ticks of a busy CPU the kernel's count is ~Binomial(N, p), relative
             // error sqrt((1-p) / (N p)); with p ~ 0.9 (system + softirq + irq: the
-            // client and server do little in user mode), 1% needs N ~ 1100 ticks =
-            // 4.4 s = 55k connections per side. Full: 3 repetitions x 11 rounds x
+            // client and server spent 4-6 µs of ~150 in user mode in the first run,
+            // but other tasks' ticks on the CPU lowered p to 0.7-0.85 there), 1%
+            // needs N ~ 1100 ticks = 4.4 s = 55k connections per side (at p = 0.7,
+            // 1.3%). Full: 3 repetitions x 11 rounds x
             // 2000 = 66k connections a side, ~1300 ticks: ~0.9%; /proc/stat's 10 ms
             // units add ~4 ms of rounding per block, sqrt(33) x 4 ms = 23 ms of
             // 5.3 s (0.4%). Quick: 1 x 8 x 2000 = 16k a side: ~2%. Cost: 2 x 22k x
             // 80 µs = 3.5 s per repetition and row: ~11 s per row, 20 rows (four
             // datapaths x five scales) ~4 min of a full run; quick ~2.6 s per row.
+            // (On a loaded machine a connection took ~150 µs: twice that.)
             cpu_block: 2000,
             cpu_rounds: if quick { 8 } else { 11 },
         }
