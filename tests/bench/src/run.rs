@@ -815,7 +815,9 @@ impl Env {
                 let cpu = self.paired_cpu(ns, cg, to, base.rr, agent_pid)?;
                 errors += cpu.errors;
                 pair_cpu.extend(cpu.cpu);
-                let cpu_now = pair_cpu.last().and_then(|r| CpuCost::of(&[r.clone()]));
+                let cpu_now = pair_cpu
+                    .last()
+                    .and_then(|r| CpuCost::of(std::slice::from_ref(r)));
                 println!(
                     "  {name:<10} S={s:<6} rep {rep}: paired with {}: p50 {:.3}x, p99 {:.3}x{}{}",
                     base.what,
