@@ -12,6 +12,7 @@ use std::process::ExitCode;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 mod api;
+mod cpu;
 mod kubeproxy;
 mod netio;
 mod report;
@@ -78,7 +79,7 @@ enum Cmd {
     Client {
         #[arg(long)]
         to: SocketAddr,
-        /// lat | rate | bulk | watch | paired-lat | paired-bulk
+        /// lat | rate | bulk | watch | paired-lat | paired-bulk | paired-cpu
         #[arg(long)]
         mode: String,
         #[arg(long, default_value_t = 2000)]
@@ -90,9 +91,18 @@ enum Cmd {
         /// watch: stop at the first answer from this backend.
         #[arg(long)]
         until: Option<String>,
-        /// paired-lat | paired-bulk: measured alternately with --to.
+        /// paired-lat | paired-bulk | paired-cpu: measured alternately with --to.
         #[arg(long)]
         baseline: Option<SocketAddr>,
+        /// paired-cpu: rounds of one block of --count connections to each address.
+        #[arg(long, default_value_t = 8)]
+        rounds: u64,
+        /// paired-cpu: pids of the servers (comma-separated), whose CPU time counts.
+        #[arg(long, value_delimiter = ',')]
+        server_pids: Vec<u32>,
+        /// paired-cpu: pid of the agent, whose CPU time is reported beside.
+        #[arg(long)]
+        agent_pid: Option<u32>,
     },
 }
 
@@ -151,6 +161,9 @@ fn real_main() -> Result<()> {
             cpu,
             until,
             baseline,
+            rounds,
+            server_pids,
+            agent_pid,
         } => {
             let args = netio::ClientArgs {
                 to,
@@ -160,6 +173,9 @@ fn real_main() -> Result<()> {
                 secs,
                 cpu,
                 until,
+                rounds,
+                server_pids,
+                agent_pid,
             };
             let report = netio::client(&args)?;
             println!("{}", serde_json::to_string(&report)?);

@@ -122,8 +122,39 @@ pub struct ClientReport {
     /// Paired bulk: median over rounds of target MB/s / baseline MB/s.
     #[serde(default)]
     pub bulk_ratio: Option<f64>,
+    /// Paired CPU: what each side cost (see [`PairedCpu`]).
+    #[serde(default)]
+    pub cpu: Option<PairedCpu>,
     /// Names of the backends that answered (first few).
     pub backends: Vec<String>,
+}
+
+/// One side of a paired CPU run: the sums over its blocks.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct CpuSide {
+    /// Connections that completed.
+    pub connections: u64,
+    /// Exact CPU time of client, servers and ksoftirqd (user time included), ns.
+    pub tasks_ns: u64,
+    /// Of which ksoftirqd (softirq work deferred past its budget).
+    pub ksoftirqd_ns: u64,
+    /// The pinned CPU's /proc/stat counters, USER_HZ ticks.
+    pub ticks: crate::cpu::Ticks,
+    /// Wall time of the blocks, ns.
+    pub wall_ns: u64,
+}
+
+/// What a `paired-cpu` run measured.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct PairedCpu {
+    pub target: CpuSide,
+    pub baseline: CpuSide,
+    /// User time of client and servers over the whole run (both sides), ns.
+    pub user_ns: u64,
+    /// CPU time of the agent (all threads, whichever CPU) over the whole run, ns.
+    pub agent_ns: Option<u64>,
+    /// USER_HZ, the unit of `ticks`.
+    pub user_hz: u64,
 }
 
 /// One connection: connect, request, response, close. Returns the backend name.
@@ -162,6 +193,12 @@ pub struct ClientArgs {
     pub secs: f64,
     pub cpu: Option<usize>,
     pub until: Option<String>,
+    /// paired-cpu: rounds (one block of `count` connections to each address).
+    pub rounds: u64,
+    /// paired-cpu: the servers' pids (their CPU time is part of a connection's).
+    pub server_pids: Vec<u32>,
+    /// paired-cpu: the agent's pid (its CPU time is reported beside).
+    pub agent_pid: Option<u32>,
 }
 
 /// `lb-bench client`: measure and print one JSON report.
@@ -292,6 +329,18 @@ pub fn client(a: &ClientArgs) -> Result<ClientReport> {
             report.baseline_mb_per_sec = Some(mean(&base));
             report.bulk_ratio = Some(percentile(&ratios, 0.50));
         }
+        "paired-cpu" => {
+            let baseline = a.baseline.context("paired-cpu needs --baseline")?;
+            let cpu = a
+                .cpu
+                .context("paired-cpu needs --cpu (the CPU whose work it counts)")?;
+            warm_up(a.to, &req, &mut resp)?;
+            warm_up(baseline, &req, &mut resp)?;
+            report.cpu = Some(paired_cpu(a, baseline, cpu, &mut report.errors)?);
+            report.count = a.count * a.rounds;
+            one_rr(a.to, &req, &mut resp)?;
+            note(&mut report, &resp);
+        }
         "watch" => {
             let until = a.until.clone().context("watch needs --until")?;
             println!("watching");
@@ -317,6 +366,64 @@ pub fn client(a: &ClientArgs) -> Result<ClientReport> {
         other => bail!("unknown client mode {other}"),
     }
     Ok(report)
+}
+
+/// Blocks of `a.count` connections, alternately to `a.to` and to `baseline` (the
+/// order swapped every round, so drift and a slow moment hit both sides alike), each
+/// between two reads of the CPU's counters and the tasks' clocks (crate::cpu).
+fn paired_cpu(
+    a: &ClientArgs,
+    baseline: SocketAddr,
+    cpu: usize,
+    errors: &mut u64,
+) -> Result<PairedCpu> {
+    let probe = crate::cpu::Probe::new(cpu, &a.server_pids)?;
+    let agent = |pid: Option<u32>| pid.map(crate::cpu::process_ns).transpose();
+    let (agent0, user0) = (agent(a.agent_pid)?, probe.user_ns()?);
+    let req = [b'x'; REQ_LEN];
+    let mut resp = [0u8; RESP_LEN];
+    let mut out = PairedCpu {
+        user_hz: crate::cpu::user_hz(),
+        ..Default::default()
+    };
+    for round in 0..a.rounds {
+        let order = if round % 2 == 0 {
+            [true, false]
+        } else {
+            [false, true]
+        };
+        for is_target in order {
+            let to = if is_target { a.to } else { baseline };
+            let (t0, before) = (monotonic_ns(), probe.read()?);
+            let mut done = 0;
+            for _ in 0..a.count {
+                match one_rr(to, &req, &mut resp) {
+                    Ok(()) => done += 1,
+                    Err(_) => *errors += 1,
+                }
+            }
+            let after = probe.read()?;
+            let side = if is_target {
+                &mut out.target
+            } else {
+                &mut out.baseline
+            };
+            side.wall_ns += monotonic_ns() - t0;
+            side.connections += done;
+            side.tasks_ns += after.tasks_ns - before.tasks_ns;
+            side.ksoftirqd_ns += after.ksoftirqd_ns - before.ksoftirqd_ns;
+            side.ticks.add(&after.ticks.since(&before.ticks));
+        }
+    }
+    out.user_ns = probe.user_ns()?.saturating_sub(user0);
+    out.agent_ns = match (agent0, agent(a.agent_pid)?) {
+        (Some(a0), Some(a1)) => Some(a1 - a0),
+        _ => None,
+    };
+    if out.target.connections == 0 || out.baseline.connections == 0 {
+        bail!("no connection to {} or {baseline} succeeded", a.to);
+    }
+    Ok(out)
 }
 
 /// Rounds of a paired bulk run (each one window to each address). With 8, the

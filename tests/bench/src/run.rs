@@ -26,6 +26,7 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::api::ApiSource;
+use crate::cpu::CpuCost;
 use crate::kubeproxy::{self, ProxyConfig, SvcPort};
 use crate::netio::{monotonic_ns, ClientReport, BULK_PORT, RR_PORT};
 use lb_tests::agent::{Agent, AgentSpec, READY_TIMEOUT};
@@ -135,6 +136,12 @@ pub struct Config {
     /// Time `measured_changes` changes under churn (full runs; `--change-distribution`).
     #[serde(default)]
     pub change_distribution: bool,
+    /// Paired CPU per connection: connections per block, and rounds (a block to each
+    /// side) per repetition.
+    #[serde(default)]
+    pub cpu_block: u64,
+    #[serde(default)]
+    pub cpu_rounds: u64,
 }
 
 impl Config {
@@ -165,6 +172,25 @@ impl Config {
             tc_path: true,
             only: Vec::new(),
             change_distribution: !quick,
+            // Sizing of the paired CPU runs, for the /proc/stat cross-check, the
+            // statistical one (the task clocks it is judged by are exact; their
+            // spread is the machine's, shown per repetition). A connection costs
+            // ~80 µs of CPU here (12.5k conn/s on one busy CPU). Each 4 ms tick
+            // (HZ=250) charges the whole tick to what the CPU was doing, so over N
+            // ticks of a busy CPU the kernel's count is ~Binomial(N, p), relative
+            // error sqrt((1-p) / (N p)); with p ~ 0.9 (system + softirq + irq: the
+            // client and server spent 4-6 µs of ~150 in user mode in the first run,
+            // but other tasks' ticks on the CPU lowered p to 0.7-0.85 there), 1%
+            // needs N ~ 1100 ticks = 4.4 s = 55k connections per side (at p = 0.7,
+            // 1.3%). Full: 3 repetitions x 11 rounds x
+            // 2000 = 66k connections a side, ~1300 ticks: ~0.9%; /proc/stat's 10 ms
+            // units add ~4 ms of rounding per block, sqrt(33) x 4 ms = 23 ms of
+            // 5.3 s (0.4%). Quick: 1 x 8 x 2000 = 16k a side: ~2%. Cost: 2 x 22k x
+            // 80 µs = 3.5 s per repetition and row: ~11 s per row, 20 rows (four
+            // datapaths x five scales) ~4 min of a full run; quick ~2.6 s per row.
+            // (On a loaded machine a connection took ~150 µs: twice that.)
+            cpu_block: 2000,
+            cpu_rounds: if quick { 8 } else { 11 },
         }
     }
 }
@@ -226,6 +252,10 @@ pub struct DataResult {
     /// Per repetition: median over alternating bulk windows of MB/s / baseline MB/s.
     #[serde(default)]
     pub paired_bulk_ratio: Option<Stat>,
+    /// CPU per connection against the baseline's, from blocks of connections
+    /// alternating between the two (crate::cpu).
+    #[serde(default)]
+    pub paired_cpu: Option<CpuCost>,
 }
 
 /// The direct path a datapath is paired with: the same backend by its pod IP, from
@@ -235,6 +265,23 @@ struct Baseline {
     rr: SocketAddr,
     bulk: SocketAddr,
     what: &'static str,
+}
+
+/// A measured datapath's pairing: its baseline, and the agent serving it (whose CPU
+/// time the paired CPU run reports beside the connections').
+#[derive(Clone, Copy)]
+struct Paired {
+    base: Baseline,
+    agent_pid: Option<u64>,
+}
+
+impl Baseline {
+    fn with_agent(self, pid: u64) -> Option<Paired> {
+        Some(Paired {
+            base: self,
+            agent_pid: Some(pid),
+        })
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -670,7 +717,7 @@ impl Env {
     }
 
     /// Latency, rate and (optionally) bulk, `reps` times; with a baseline, also
-    /// latency and bulk interleaved with it.
+    /// latency, bulk and CPU per connection interleaved with it.
     #[allow(clippy::too_many_arguments)]
     fn measure(
         &self,
@@ -680,10 +727,11 @@ impl Env {
         cg: bool,
         to: SocketAddr,
         bulk_to: Option<SocketAddr>,
-        baseline: Option<Baseline>,
+        baseline: Option<Paired>,
     ) -> Result<DataResult> {
         let (mut p50, mut p99, mut rate, mut bulk) = (vec![], vec![], vec![], vec![]);
         let (mut pair_p50, mut pair_p99, mut pair_bulk) = (vec![], vec![], vec![]);
+        let mut pair_cpu = vec![];
         let mut errors = 0;
         let mut stalls = 0;
         for rep in 0..self.cfg.reps {
@@ -730,7 +778,7 @@ impl Env {
                 )?;
                 bulk.extend(r.mb_per_sec);
             }
-            if let Some(base) = baseline {
+            if let Some(Paired { base, agent_pid }) = baseline {
                 let base_arg = |a: SocketAddr| ["--baseline".to_string(), a.to_string()];
                 let lat = self.client(
                     ns,
@@ -764,14 +812,31 @@ impl Env {
                     )?;
                     pair_bulk.extend(r.bulk_ratio);
                 }
+                let cpu = self.paired_cpu(ns, cg, to, base.rr, agent_pid)?;
+                errors += cpu.errors;
+                pair_cpu.extend(cpu.cpu);
+                let cpu_now = pair_cpu
+                    .last()
+                    .and_then(|r| CpuCost::of(std::slice::from_ref(r)));
                 println!(
-                    "  {name:<10} S={s:<6} rep {rep}: paired with {}: p50 {:.3}x, p99 {:.3}x{}",
+                    "  {name:<10} S={s:<6} rep {rep}: paired with {}: p50 {:.3}x, p99 {:.3}x{}{}",
                     base.what,
                     pair_p50.last().copied().unwrap_or_default(),
                     pair_p99.last().copied().unwrap_or_default(),
                     pair_bulk
                         .last()
                         .map(|b| format!(", bulk {b:.3}x"))
+                        .unwrap_or_default(),
+                    cpu_now
+                        .map(|c| format!(
+                            ", CPU {:.1} vs {:.1} us/conn {:.3}x (ticks {:.3}x, user {:.1} us, idle {:.1}%)",
+                            c.kernel_us,
+                            c.baseline_kernel_us,
+                            c.ratio,
+                            c.ticks_ratio,
+                            c.user_us,
+                            100.0 * c.ticks_idle_share
+                        ))
                         .unwrap_or_default()
                 );
             }
@@ -795,11 +860,45 @@ impl Env {
             bulk_mb_per_sec: Stat::of(bulk),
             errors,
             stalls,
-            paired_baseline: baseline.map(|b| b.what.to_owned()),
+            paired_baseline: baseline.map(|b| b.base.what.to_owned()),
             paired_p50_ratio: Stat::of(pair_p50),
             paired_p99_ratio: Stat::of(pair_p99),
             paired_bulk_ratio: Stat::of(pair_bulk),
+            paired_cpu: CpuCost::of(&pair_cpu),
         })
+    }
+
+    /// One paired-cpu client run: `cpu_rounds` blocks of `cpu_block` connections to
+    /// `to` and to `baseline`, the servers' CPU time counted with the client's.
+    fn paired_cpu(
+        &self,
+        ns: &NetNs,
+        cg: bool,
+        to: SocketAddr,
+        baseline: SocketAddr,
+        agent_pid: Option<u64>,
+    ) -> Result<ClientReport> {
+        let servers: Vec<String> = self.servers.iter().map(|c| c.pid().to_string()).collect();
+        let mut args = vec![
+            "--mode".to_string(),
+            "paired-cpu".into(),
+            "--count".into(),
+            self.cfg.cpu_block.max(1).to_string(),
+            "--rounds".into(),
+            self.cfg.cpu_rounds.max(1).to_string(),
+            "--baseline".into(),
+            baseline.to_string(),
+            "--server-pids".into(),
+            servers.join(","),
+        ];
+        if let Some(pid) = agent_pid.filter(|p| *p > 0) {
+            args.extend(["--agent-pid".into(), pid.to_string()]);
+        }
+        let r = self.client(ns, cg, to, &args)?;
+        if r.cpu.is_none() {
+            bail!("paired-cpu client to {to} reported no CPU figures");
+        }
+        Ok(r)
     }
 
     /// Start a watcher that connects until pod-b answers; run `change`; the time from
@@ -1143,7 +1242,7 @@ impl Env {
             true,
             to,
             Some(bulk),
-            Some(SOCKET_BASELINE),
+            SOCKET_BASELINE.with_agent(pid),
         )?);
         if self.cfg.wants("socket-lb6") {
             let vip6 = |port| SocketAddr::new(MEASURED_VIP6.into(), port);
@@ -1154,7 +1253,7 @@ impl Env {
                 true,
                 vip6(SVC_PORT),
                 Some(vip6(SVC_PORT + 1)),
-                Some(SOCKET_BASELINE6),
+                SOCKET_BASELINE6.with_agent(pid),
             )?);
         }
         let change_ms =
@@ -1254,7 +1353,7 @@ impl Env {
                     false,
                     SocketAddr::new(node_ip, NODE_PORT),
                     Some(SocketAddr::new(node_ip, NODE_PORT + 1)),
-                    Some(baseline),
+                    baseline.with_agent(pid),
                 )
                 .map_err(|e| {
                     let stats = agent.lb_command(&["stats"]).unwrap_or_default();
