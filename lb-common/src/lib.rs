@@ -88,6 +88,11 @@ pub mod program_names {
     /// Passes every frame: for the far end of a veth that `lb_xdp` sends into (not
     /// attached by the agent).
     pub const XDP_PASS: &str = "lb_xdp_pass";
+    /// The benchmark's packet generator, run through BPF_PROG_TEST_RUN's
+    /// live-frames mode (not attached by the agent).
+    pub const XDP_GEN: &str = "lb_xdp_gen";
+    /// Drops every frame: the benchmark's sink (not attached by the agent).
+    pub const XDP_DROP: &str = "lb_xdp_drop";
 }
 
 /// IANA protocol numbers as `bpf_sock_addr.protocol` reports them.
