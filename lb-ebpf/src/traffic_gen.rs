@@ -8,8 +8,18 @@
 //! source address on every send (a new flow each time: the SYN flood row); any
 //! other frame is sent as given (one established flow). IPv4 only; checksums are
 //! kept right, as the node's stack verifies the IPv4 header's.
+//!
+//! Every send writes the whole frame afresh from `LB_GEN_FRAME`. Live frames come
+//! from a page pool that fills a page with the given frame only when it first
+//! allocates the page; a recycled page holds what its last user left there. The
+//! node under test rewrites frames in place (MAC addresses and TTL when it routes,
+//! addresses and ports when it translates), and the sink's drop hands the page
+//! back to the generator's pool, so without the rewrite a page's second trip
+//! carried the sink's MAC as destination and the node dropped it as meant for
+//! another host: only the pool's first pages (about 128 a run) ever arrived.
 
 use aya_ebpf::{helpers::generated::bpf_get_prandom_u32, programs::XdpContext};
+use lb_common::GEN_FRAME_WORDS;
 
 use crate::{
     access::{L4Csum, Packet},
@@ -25,6 +35,12 @@ const TCP_FLAG_SYN: u8 = 0x02;
 const SRC_LOW: usize = ETH_HLEN + IP_SRC + 2;
 const TCP: usize = ETH_HLEN + IP_HLEN;
 
+/// The frame to send, in frame order as 16-bit words (`GEN_FRAME_LEN` bytes); set
+/// by the loader (`lb_tests::xdp::Generator`). All zero (the agent never sets it):
+/// no Ethernet type, so every send is dropped.
+#[unsafe(no_mangle)]
+static LB_GEN_FRAME: [u16; GEN_FRAME_WORDS] = [0; GEN_FRAME_WORDS];
+
 #[inline(always)]
 pub fn handle(ctx: &XdpContext) -> u32 {
     match vary(ctx) {
@@ -35,6 +51,12 @@ pub fn handle(ctx: &XdpContext) -> u32 {
 
 #[inline(always)]
 fn vary(ctx: &XdpContext) -> Result<(), ()> {
+    for i in 0..GEN_FRAME_WORDS {
+        // SAFETY: a read-only global the loader patches, read inside its bounds;
+        // volatile so the compiler does not fold the zeros it sees at build time.
+        let word = unsafe { core::ptr::read_volatile(LB_GEN_FRAME.as_ptr().add(i)) };
+        ctx.write(i * 2, &word)?;
+    }
     let ether_type: u16 = ctx.read(ETH_TYPE_OFF)?;
     if ether_type != ETH_TYPE_IPV4_RAW {
         return Err(());

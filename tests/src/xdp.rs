@@ -9,7 +9,7 @@ use std::process::Command;
 use anyhow::{ensure, Context, Result};
 use aya::programs::{TestRun, TestRunAttrs, TestRunOptions, Xdp, XdpMode};
 use aya::{Ebpf, EbpfLoader};
-use lb_common::program_names;
+use lb_common::{program_names, GEN_FRAME_LEN};
 
 use crate::netns::NetNs;
 use crate::util::run;
@@ -70,19 +70,33 @@ pub fn tx_checksum_off(ns: &NetNs, device: &str) -> Result<()> {
 /// The benchmark's packet generator: `lb_xdp_gen` run through BPF_PROG_TEST_RUN's
 /// live-frames mode with `device` in `ns` as the ingress device, so every frame it
 /// returns `XDP_TX` for leaves through `device` (see lb-ebpf/src/traffic_gen.rs).
+/// Loaded for one frame, which it rewrites from its template on every send.
 pub struct Generator<'a> {
     ebpf: Ebpf,
     ns: &'a NetNs,
     ifindex: u32,
+    frame: [u8; GEN_FRAME_LEN],
 }
 
 impl<'a> Generator<'a> {
-    pub fn load(ns: &'a NetNs, device: &str) -> Result<Self> {
+    /// `frame`: Ethernet, IPv4 without options and TCP without options, no
+    /// payload, checksums complete (`GEN_FRAME_LEN` bytes).
+    pub fn load(ns: &'a NetNs, device: &str, frame: &[u8]) -> Result<Self> {
+        let frame: [u8; GEN_FRAME_LEN] = frame.try_into().map_err(|_| {
+            anyhow::anyhow!(
+                "the generator sends {GEN_FRAME_LEN}-byte frames (Ethernet, IPv4, TCP), not {}",
+                frame.len()
+            )
+        })?;
         let path = option_env!("LB_EBPF_OBJECT")
             .context("built without LB_EBPF_OBJECT: build through `cargo xtask`")?;
         let object = std::fs::read(path).with_context(|| format!("reading {path}"))?;
         // Its own, unpinned maps: only the generator is loaded.
-        let mut ebpf = EbpfLoader::new().load(&object)?;
+        let mut ebpf = EbpfLoader::new()
+            // The template in frame order: the program copies it as it lies in memory.
+            .override_global("LB_GEN_FRAME", &frame, true)
+            .load(&object)
+            .context("loading the kernel object for lb_xdp_gen")?;
         let prog: &mut Xdp = ebpf
             .program_mut(program_names::XDP_GEN)
             .context("lb_xdp_gen missing from the kernel object")?
@@ -95,24 +109,30 @@ impl<'a> Generator<'a> {
             ensure!(index != 0, "no device {device} in {}", ns.name());
             Ok(index)
         })?;
-        Ok(Generator { ebpf, ns, ifindex })
+        Ok(Generator {
+            ebpf,
+            ns,
+            ifindex,
+            frame,
+        })
     }
 
-    /// Sends `frame` `count` times (varied as `traffic_gen.rs` says), from a thread
-    /// in the namespace pinned to `cpu`, so the sending and whatever the receivers
-    /// do in softirq on that CPU share it. Returns how long the sending took.
-    pub fn send(&self, frame: &[u8], count: u32, cpu: usize) -> Result<std::time::Duration> {
+    /// Sends the frame `count` times (varied as `traffic_gen.rs` says), from a
+    /// thread in the namespace pinned to `cpu`, so the sending and whatever the
+    /// receivers do in softirq on that CPU share it. Returns how long the sending
+    /// took.
+    pub fn send(&self, count: u32, cpu: usize) -> Result<std::time::Duration> {
         let prog: &Xdp = self
             .ebpf
             .program(program_names::XDP_GEN)
             .context("lb_xdp_gen not loaded")?
             .try_into()?;
-        let ctx_in = xdp_md(frame.len() as u32, self.ifindex);
+        let ctx_in = xdp_md(GEN_FRAME_LEN as u32, self.ifindex);
         self.ns.run_in(|| {
             pin_to_cpu(cpu)?;
             let started = std::time::Instant::now();
             prog.test_run(TestRunOptions {
-                data_in: Some(frame),
+                data_in: Some(&self.frame),
                 ctx_in: Some(&ctx_in),
                 repeat: count,
                 attrs: TestRunAttrs::new().xdp_live_frames(64),

@@ -27,15 +27,19 @@
 //! packet is a new conntrack entry and SNAT port) and one established flow (the same
 //! ACK over and over: a conntrack hit).
 
+use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
+use etherparse::PacketBuilder;
+use lb_common::GEN_FRAME_LEN;
 use lb_tests::agent::{Agent, AgentSpec, READY_TIMEOUT};
 use lb_tests::cgroup::Cgroup;
 use lb_tests::manifests::{documents, Endpoint, EndpointSlice, ManifestDir, Service, ServicePort};
 use lb_tests::netns::NetNs;
-use lb_tests::util::{poll, unique_name};
+use lb_tests::util::{poll, run as run_cmd, unique_name};
 use lb_tests::xdp::{self, Generator};
 use serde::{Deserialize, Serialize};
 
@@ -93,17 +97,16 @@ struct Bed {
 pub fn run(lb: &std::path::Path, cfg: &Config) -> Result<Vec<PpsResult>> {
     let bed = Bed::build()?;
     let count: u32 = if cfg.quick { 500_000 } else { 2_000_000 };
-    let generator = Generator::load(&bed.gen, "eth0")?;
     let frames = [
-        ("new", bed.frame(NODE_UPLINK_IP, NODE_PORT, TCP_SYN)?),
+        ("new", bed.frame(NODE_UPLINK_IP, NODE_PORT, Flags::Syn)?),
         (
             "established",
-            bed.frame(NODE_UPLINK_IP, NODE_PORT, TCP_ACK)?,
+            bed.frame(NODE_UPLINK_IP, NODE_PORT, Flags::Ack)?,
         ),
     ];
     let direct_frames = [
-        ("new", bed.frame(POD_IP, POD_PORT, TCP_SYN)?),
-        ("established", bed.frame(POD_IP, POD_PORT, TCP_ACK)?),
+        ("new", bed.frame(POD_IP, POD_PORT, Flags::Syn)?),
+        ("established", bed.frame(POD_IP, POD_PORT, Flags::Ack)?),
     ];
     let mut out = Vec::new();
     for path in [Path::Direct, Path::Tc, Path::Xdp] {
@@ -123,26 +126,34 @@ pub fn run(lb: &std::path::Path, cfg: &Config) -> Result<Vec<PpsResult>> {
             &frames
         };
         for (flows, frame) in frames {
+            lb_tests::interrupt::check()?;
+            let generator = Generator::load(&bed.gen, "eth0", frame)?;
+            let stats_before = agent.as_ref().map(|a| a.stats()).transpose()?;
+            let forwarded_before = bed.forwarded()?;
             let row = bed
-                .measure(&generator, frame, count, cfg)
+                .measure(&generator, count, cfg)
                 .with_context(|| format!("{} {flows}", path.name()))?;
+            let forwarded = bed.forwarded()? - forwarded_before;
+            let counters = match (&agent, stats_before) {
+                (Some(agent), Some(before)) => counter_deltas(&before, &agent.stats()?),
+                _ => Default::default(),
+            };
+            ensure_path(path, flows, &row, forwarded, &counters)
+                .with_context(|| format!("the {} {flows} row", path.name()))?;
             println!(
                 "  pps        {:<6} {flows:<11} {:.0} packets/s [{:.0}–{:.0}], {:.1}% delivered",
                 path.name(),
-                row.0.median,
-                row.0.min,
-                row.0.max,
-                row.1 * 100.0
+                row.pps.median,
+                row.pps.min,
+                row.pps.max,
+                row.share() * 100.0
             );
             out.push(PpsResult {
                 path: path.name().into(),
                 flows: (*flows).into(),
-                pps: row.0,
-                delivered: row.1,
+                pps: row.pps.clone(),
+                delivered: row.share(),
             });
-        }
-        if let Some(agent) = &agent {
-            ensure_translated(agent, path)?;
         }
         drop(agent);
         drop(pass);
@@ -150,31 +161,97 @@ pub fn run(lb: &std::path::Path, cfg: &Config) -> Result<Vec<PpsResult>> {
     Ok(out)
 }
 
-/// The row's packets went through the path it names (not, say, XDP passing them on
-/// to TC): the agent's counters say so.
-fn ensure_translated(agent: &Agent, path: Path) -> Result<()> {
-    let stats = agent.stats()?;
-    let (counter, other) = match path {
-        Path::Xdp => ("xdp_redirect", "tc_new_flow"),
-        _ => ("tc_new_flow", "xdp_redirect"),
+/// What one row measured: the rates of its repetitions, and every frame sent and
+/// delivered to the sink from the start of its warm-up to the end.
+struct Row {
+    pps: Stat,
+    measured_sent: u64,
+    measured_delivered: u64,
+    total_delivered: u64,
+}
+
+impl Row {
+    /// Frames reaching the sink / frames sent, over the measured repetitions.
+    fn share(&self) -> f64 {
+        self.measured_delivered as f64 / self.measured_sent as f64
+    }
+}
+
+/// How much each of the agent's counters grew.
+fn counter_deltas(
+    before: &BTreeMap<String, u64>,
+    after: &BTreeMap<String, u64>,
+) -> BTreeMap<String, u64> {
+    after
+        .iter()
+        .map(|(k, v)| (k.clone(), v.saturating_sub(*before.get(k).unwrap_or(&0))))
+        .filter(|(_, v)| *v > 0)
+        .collect()
+}
+
+/// The row's frames took the path it names: every frame the sink got was
+/// translated by that path's program (its counters grew by at least as much) and
+/// none by the other's; the direct and TC rows went through the node's IP
+/// forwarding, the XDP row did not (a hundredth is left either way for the node's
+/// own packets, such as IPv6 neighbour discovery, which the sink also counts).
+fn ensure_path(
+    path: Path,
+    flows: &str,
+    row: &Row,
+    forwarded: u64,
+    counters: &BTreeMap<String, u64>,
+) -> Result<()> {
+    let delivered = row.total_delivered;
+    ensure!(delivered > 0, "no frame reached the sink");
+    let count = |names: &[&str]| {
+        names
+            .iter()
+            .map(|n| counters.get(*n).copied().unwrap_or(0))
+            .sum::<u64>()
     };
-    let n = stats.get(counter).copied().unwrap_or(0);
-    ensure!(
-        n > 0,
-        "{counter} is 0: the packets did not take the {} path: {stats:?}",
-        path.name()
-    );
-    let m = stats.get(other).copied().unwrap_or(0);
-    ensure!(
-        m == 0,
-        "{other} is {m} in the {} row: {stats:?}",
-        path.name()
-    );
+    let (ours, theirs): (&[&str], &[&str]) = match (path, flows) {
+        (Path::Direct, _) => (&[], &[]),
+        (Path::Tc, "new") => (&["tc_new_flow"], &["xdp_new_flow", "xdp_redirect"]),
+        (Path::Tc, _) => (
+            &["tc_new_flow", "tc_ct_hit"],
+            &["xdp_new_flow", "xdp_redirect"],
+        ),
+        (Path::Xdp, _) => (&["xdp_redirect"], &["tc_new_flow", "tc_ct_hit"]),
+    };
+    if !ours.is_empty() {
+        ensure!(
+            count(ours) >= delivered,
+            "{ours:?} grew by {} but the sink got {delivered} frames: they did not all take \
+             the {} path (counters: {counters:?})",
+            count(ours),
+            path.name()
+        );
+        ensure!(
+            count(theirs) == 0,
+            "{theirs:?} grew by {} in the {} row (counters: {counters:?})",
+            count(theirs),
+            path.name()
+        );
+    }
+    if path == Path::Xdp {
+        ensure!(
+            forwarded <= delivered / 100,
+            "the node's stack forwarded {forwarded} of {delivered} frames in the XDP row"
+        );
+    } else {
+        ensure!(
+            forwarded + delivered / 100 >= delivered,
+            "the node's stack forwarded {forwarded} frames but the sink got {delivered}"
+        );
+    }
     Ok(())
 }
 
-const TCP_SYN: u8 = 0x02;
-const TCP_ACK: u8 = 0x10;
+#[derive(Clone, Copy)]
+enum Flags {
+    Syn,
+    Ack,
+}
 
 impl Bed {
     fn build() -> Result<Bed> {
@@ -255,58 +332,73 @@ impl Bed {
         Ok(agent)
     }
 
-    /// An Ethernet + IPv4 + TCP frame from the generator to `dst`:`dport` with
-    /// TCP flags `flags`, checksums complete.
-    fn frame(&self, dst: Ipv4Addr, dport: u16, flags: u8) -> Result<Vec<u8>> {
+    /// An Ethernet + IPv4 + TCP frame from the generator to `dst`:`dport`,
+    /// checksums complete.
+    fn frame(&self, dst: Ipv4Addr, dport: u16, flags: Flags) -> Result<Vec<u8>> {
         let dst_mac = parse_mac(&mac(&self.node, "eth0")?)?;
         let src_mac = parse_mac(&mac(&self.gen, "eth0")?)?;
-        Ok(tcp_frame(
-            dst_mac, src_mac, GEN_IP, dst, 40_000, dport, flags,
-        ))
+        tcp_frame(dst_mac, src_mac, GEN_IP, dst, 40_000, dport, flags)
     }
 
     /// `cfg.reps` runs of `count` frames after a warm-up: the packets/s that reached
-    /// the sink, and the share of all frames sent that reached it.
-    fn measure(
-        &self,
-        generator: &Generator<'_>,
-        frame: &[u8],
-        count: u32,
-        cfg: &Config,
-    ) -> Result<(Stat, f64)> {
-        generator.send(frame, count / 10, cfg.cpu)?;
-        self.settled_rx()?;
+    /// the sink in each, and the frames sent and delivered.
+    fn measure(&self, generator: &Generator<'_>, count: u32, cfg: &Config) -> Result<Row> {
+        let start = self.settled_rx()?;
+        generator.send(count / 10, cfg.cpu)?;
         let (mut rates, mut sent, mut delivered) = (Vec::new(), 0u64, 0u64);
+        let mut end = self.settled_rx()?;
         for _ in 0..cfg.reps {
-            let before = self.settled_rx()?;
-            let took = generator.send(frame, count, cfg.cpu)?;
-            let got = self.settled_rx()? - before;
+            let before = end;
+            let took = generator.send(count, cfg.cpu)?;
+            end = self.settled_rx()?;
+            let got = end - before;
             rates.push(got as f64 / took.as_secs_f64());
             sent += u64::from(count);
             delivered += got;
         }
         if std::env::var_os("LB_BENCH_PPS_DEBUG").is_some() {
-            for (ns, dev) in [
-                (&self.gen, "eth0"),
-                (&self.node, "eth0"),
-                (&self.node, "eth1"),
-                (&self.sink, "eth0"),
-            ] {
-                let v = link_json(ns, dev, true)?;
-                eprintln!("    {} {dev}: {}", ns.name(), v["stats64"]);
-                let out = std::process::Command::new("ip")
-                    .args(["netns", "exec", ns.name(), "ethtool", "-S", dev])
-                    .output()?;
-                let text = String::from_utf8_lossy(&out.stdout);
-                let nonzero: Vec<&str> = text
-                    .lines()
-                    .filter(|l| !l.trim_end().ends_with(": 0"))
-                    .collect();
-                eprintln!("      {}", nonzero.join(" | "));
-            }
+            self.debug_counters()?;
         }
-        let stat = Stat::of(rates).context("no repetitions")?;
-        Ok((stat, delivered as f64 / sent as f64))
+        Ok(Row {
+            pps: Stat::of(rates).context("no repetitions")?,
+            measured_sent: sent,
+            measured_delivered: delivered,
+            total_delivered: end - start,
+        })
+    }
+
+    /// Where frames went, for `LB_BENCH_PPS_DEBUG=1`: each device's counters (and
+    /// its driver's non-zero ones), and the node's non-zero IP and softnet figures.
+    fn debug_counters(&self) -> Result<()> {
+        for (ns, dev) in [
+            (&self.gen, "eth0"),
+            (&self.node, "eth0"),
+            (&self.node, "eth1"),
+            (&self.sink, "eth0"),
+        ] {
+            let v = link_json(ns, dev, true)?;
+            eprintln!("    {} {dev}: {}", ns.name(), v["stats64"]);
+            let text = ns_output(ns, &["ethtool", "-S", dev])?;
+            let nonzero: Vec<&str> = text
+                .lines()
+                .filter(|l| !l.trim_end().ends_with(": 0"))
+                .collect();
+            eprintln!("      {}", nonzero.join(" | "));
+        }
+        let nstat = ns_output(&self.node, &["nstat", "-asz"])?;
+        let nonzero: Vec<&str> = nstat
+            .lines()
+            .filter(|l| l.starts_with("Ip") || l.starts_with("TcpExt"))
+            .filter(|l| l.split_whitespace().nth(1).is_some_and(|v| v != "0"))
+            .collect();
+        eprintln!("    node nstat: {}", nonzero.join(" | "));
+        Ok(())
+    }
+
+    /// The node's `IpForwDatagrams`: packets its stack routed on.
+    fn forwarded(&self) -> Result<u64> {
+        let snmp = ns_output(&self.node, &["cat", "/proc/net/snmp"])?;
+        ip_mib(&snmp, "ForwDatagrams")
     }
 
     /// The sink's received-frame count once it stops moving (the last batch's
@@ -324,6 +416,34 @@ impl Bed {
         }
         Ok(last)
     }
+}
+
+/// `ip netns exec NS ARGS...`'s standard output.
+fn ns_output(ns: &NetNs, args: &[&str]) -> Result<String> {
+    run_cmd(
+        Command::new("ip")
+            .args(["netns", "exec", ns.name()])
+            .args(args),
+    )
+}
+
+/// One field of the `Ip:` lines of /proc/net/snmp (a header line, then values).
+fn ip_mib(snmp: &str, field: &str) -> Result<u64> {
+    let mut ip = snmp.lines().filter(|l| l.starts_with("Ip:"));
+    let (names, values) = ip
+        .next()
+        .zip(ip.next())
+        .context("no Ip: lines in /proc/net/snmp")?;
+    let at = names
+        .split_whitespace()
+        .position(|n| n == field)
+        .with_context(|| format!("no {field} in /proc/net/snmp"))?;
+    values
+        .split_whitespace()
+        .nth(at)
+        .context("a short Ip: line in /proc/net/snmp")?
+        .parse()
+        .with_context(|| format!("{field} in /proc/net/snmp"))
 }
 
 /// A veth pair: `a_dev` = `a_ip`/24 in `a`, `b_dev` = `b_ip`/24 in `b`, both up.
@@ -399,73 +519,43 @@ fn tcp_frame(
     dst: Ipv4Addr,
     sport: u16,
     dport: u16,
-    flags: u8,
-) -> Vec<u8> {
-    let mut f = Vec::with_capacity(54);
-    f.extend_from_slice(&dst_mac);
-    f.extend_from_slice(&src_mac);
-    f.extend_from_slice(&0x0800u16.to_be_bytes());
-    let mut ip = [0u8; 20];
-    ip[0] = 0x45;
-    ip[2..4].copy_from_slice(&40u16.to_be_bytes());
-    ip[6] = 0x40; // DF
-    ip[8] = 64;
-    ip[9] = 6;
-    ip[12..16].copy_from_slice(&src.octets());
-    ip[16..20].copy_from_slice(&dst.octets());
-    let c = checksum(&[&ip]);
-    ip[10..12].copy_from_slice(&c.to_be_bytes());
-    let mut tcp = [0u8; 20];
-    tcp[0..2].copy_from_slice(&sport.to_be_bytes());
-    tcp[2..4].copy_from_slice(&dport.to_be_bytes());
-    tcp[4..8].copy_from_slice(&1u32.to_be_bytes());
-    if flags & TCP_ACK != 0 {
-        tcp[8..12].copy_from_slice(&1u32.to_be_bytes());
-    }
-    tcp[12] = 5 << 4;
-    tcp[13] = flags;
-    tcp[14..16].copy_from_slice(&64_240u16.to_be_bytes());
-    let mut pseudo = [0u8; 12];
-    pseudo[0..4].copy_from_slice(&src.octets());
-    pseudo[4..8].copy_from_slice(&dst.octets());
-    pseudo[9] = 6;
-    pseudo[10..12].copy_from_slice(&20u16.to_be_bytes());
-    let c = checksum(&[&pseudo, &tcp]);
-    tcp[16..18].copy_from_slice(&c.to_be_bytes());
-    f.extend_from_slice(&ip);
-    f.extend_from_slice(&tcp);
-    f
-}
-
-/// The Internet checksum of the concatenation of `parts` (each of even length).
-fn checksum(parts: &[&[u8]]) -> u16 {
-    let mut sum = 0u32;
-    for part in parts {
-        for w in part.chunks(2) {
-            sum += u32::from(u16::from_be_bytes([w[0], w[1]]));
-        }
-    }
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
+    flags: Flags,
+) -> Result<Vec<u8>> {
+    let tcp = PacketBuilder::ethernet2(src_mac, dst_mac)
+        .ipv4(src.octets(), dst.octets(), 64)
+        .tcp(sport, dport, 1, 64_240);
+    let tcp = match flags {
+        Flags::Syn => tcp.syn(),
+        Flags::Ack => tcp.ack(1),
+    };
+    let mut f = Vec::with_capacity(GEN_FRAME_LEN);
+    tcp.write(&mut f, &[])
+        .context("building the generator's frame")?;
+    Ok(f)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use etherparse::{NetHeaders, PacketHeaders, TransportHeader};
 
-    /// A header with its checksum in place sums to zero.
+    /// The generator takes the frame as it is: its length, and checksums a router
+    /// and a receiver accept.
     #[test]
     fn frames_carry_valid_checksums() {
-        let f = tcp_frame([1; 6], [2; 6], GEN_IP, POD_IP, 40_000, 8080, TCP_SYN);
-        assert_eq!(f.len(), 54);
-        assert_eq!(checksum(&[&f[14..34]]), 0);
-        let mut pseudo = [0u8; 12];
-        pseudo[0..4].copy_from_slice(&GEN_IP.octets());
-        pseudo[4..8].copy_from_slice(&POD_IP.octets());
-        pseudo[9] = 6;
-        pseudo[10..12].copy_from_slice(&20u16.to_be_bytes());
-        assert_eq!(checksum(&[&pseudo, &f[34..54]]), 0);
+        for flags in [Flags::Syn, Flags::Ack] {
+            let f = tcp_frame([1; 6], [2; 6], GEN_IP, POD_IP, 40_000, 8080, flags).unwrap();
+            assert_eq!(f.len(), GEN_FRAME_LEN);
+            let h = PacketHeaders::from_ethernet_slice(&f).unwrap();
+            let Some(NetHeaders::Ipv4(ip, _)) = h.net else {
+                panic!("not IPv4: {h:?}")
+            };
+            assert_eq!(ip.header_checksum, ip.calc_header_checksum());
+            let Some(TransportHeader::Tcp(tcp)) = h.transport else {
+                panic!("not TCP: {h:?}")
+            };
+            assert_eq!(tcp.checksum, tcp.calc_checksum_ipv4(&ip, &[]).unwrap());
+            assert_eq!(tcp.syn, matches!(flags, Flags::Syn));
+        }
     }
 }
