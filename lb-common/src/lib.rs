@@ -88,7 +88,19 @@ pub mod program_names {
     /// Passes every frame: for the far end of a veth that `lb_xdp` sends into (not
     /// attached by the agent).
     pub const XDP_PASS: &str = "lb_xdp_pass";
+    /// The benchmark's packet generator, run through BPF_PROG_TEST_RUN's
+    /// live-frames mode (not attached by the agent).
+    pub const XDP_GEN: &str = "lb_xdp_gen";
+    /// Drops every frame: the benchmark's sink (not attached by the agent).
+    pub const XDP_DROP: &str = "lb_xdp_drop";
 }
+
+/// The benchmark generator's frame (`lb_xdp_gen`): Ethernet, a 20-byte IPv4 header
+/// and a 20-byte TCP header, no payload. The generator rewrites every byte of it
+/// from its `LB_GEN_FRAME` template on each send.
+pub const GEN_FRAME_LEN: usize = 54;
+/// `LB_GEN_FRAME`'s length in 16-bit words, the unit the generator copies in.
+pub const GEN_FRAME_WORDS: usize = GEN_FRAME_LEN / 2;
 
 /// IANA protocol numbers as `bpf_sock_addr.protocol` reports them.
 pub const IPPROTO_TCP: u8 = 6;

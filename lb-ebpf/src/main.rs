@@ -41,6 +41,7 @@ mod sock_lb;
 mod source_ranges;
 mod stats;
 mod tc_lb;
+mod traffic_gen;
 mod verdict;
 mod xdp_lb;
 
@@ -132,6 +133,19 @@ pub fn lb_xdp(ctx: XdpContext) -> u32 {
 #[xdp(frags)]
 pub fn lb_xdp_pass(_ctx: XdpContext) -> u32 {
     aya_ebpf::bindings::xdp_action::XDP_PASS
+}
+
+/// Drops every frame: the benchmark's sink, where a wire would take the frames
+/// away (never attached by the agent).
+#[xdp]
+pub fn lb_xdp_drop(_ctx: XdpContext) -> u32 {
+    aya_ebpf::bindings::xdp_action::XDP_DROP
+}
+
+/// The benchmark's packet generator (`traffic_gen.rs`); never attached by the agent.
+#[xdp]
+pub fn lb_xdp_gen(ctx: XdpContext) -> u32 {
+    traffic_gen::handle(&ctx)
 }
 
 #[cfg(not(test))]

@@ -15,6 +15,7 @@ mod api;
 mod cpu;
 mod kubeproxy;
 mod netio;
+mod pps;
 mod report;
 mod run;
 
@@ -48,7 +49,7 @@ enum Cmd {
         #[arg(long, value_delimiter = ',')]
         scales: Vec<usize>,
         /// Only these datapaths (comma-separated: iptables, nftables, socket-lb, socket-lb6,
-        /// tc-nodeport, tc-nodeport6, socket-lb-api).
+        /// tc-nodeport, tc-nodeport6, socket-lb-api, pps).
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
         /// Time endpoint changes under churn at every scale (200, 1000 from 10k up; on in full runs).

@@ -371,6 +371,9 @@ pub struct Results {
     pub skipped: Vec<Skipped>,
     pub errors: Vec<String>,
     pub wall_secs: f64,
+    /// NodePort packet rate on one CPU (pps.rs).
+    #[serde(default)]
+    pub pps: Vec<crate::pps::PpsResult>,
 }
 
 /// The bench environment. Field order is teardown order.
@@ -1576,6 +1579,7 @@ pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
         skipped: vec![],
         errors: vec![],
         wall_secs: 0.0,
+        pps: vec![],
     };
     println!("direct (start)");
     res.direct_start = Some(env.direct()?);
@@ -1635,6 +1639,16 @@ pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
             }
         }
         lb_tests::interrupt::check()?;
+    }
+    if cfg.tc_path && cfg.wants("pps") {
+        println!("packet rate");
+        match crate::pps::run(&env.lb, &cfg) {
+            Ok(rows) => res.pps = rows,
+            Err(e) => {
+                res.errors.push(format!("pps: {e:#}"));
+                eprintln!("pps failed: {e:#}");
+            }
+        }
     }
     println!("direct (end)");
     res.direct_end = Some(env.direct()?);
