@@ -1,10 +1,11 @@
 //! The loop: every event becomes at most one change. Objects from the source,
-//! the node's devices and addresses, the conntrack collector, the consistency check
-//! and the retry of a refused write each wait in one `select!`.
+//! the node's devices and addresses, the consistency check and the retry of a
+//! refused write each wait in one `select!`. (The conntrack collector runs on a
+//! thread of its own: `ct_gc`.)
 
 use std::time::Duration;
 
-use tokio::time::{interval, interval_at, Instant, MissedTickBehavior};
+use tokio::time::{interval_at, Instant, MissedTickBehavior};
 use tracing::{debug, info, warn};
 
 use super::change::Cause;
@@ -12,8 +13,7 @@ use super::consistency::{self, Check, Verdict};
 use super::node_objects::served_addresses;
 use super::start::{Agent, Inputs};
 use super::AgentError;
-use crate::datapath::conntrack;
-use crate::datapath::maps::{MapsError, PinnedMaps, TableBatch};
+use crate::datapath::maps::{MapsError, TableBatch};
 
 /// How long to wait before retrying a service table the kernel refused.
 const RETRY_INTERVAL: Duration = Duration::from_secs(1);
@@ -35,8 +35,6 @@ pub(super) async fn follow(
         Ok(s) => s,
         Err(e) => return (agent, Err(AgentError::Signal(e))),
     };
-    let mut gc = interval(agent.config.ct_gc_interval);
-    gc.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let every = agent.config.consistency_interval;
     let mut check_every = interval_at(Instant::now() + every, every);
     check_every.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -57,10 +55,6 @@ pub(super) async fn follow(
             (true, None) => Some(Instant::now() + RETRY_INTERVAL),
         };
         let wake = tokio::select! {
-            _ = gc.tick() => {
-                collect(&mut agent.maps, &agent.config.ct_timeouts);
-                continue;
-            }
             _ = check_every.tick(), if agent.attached && batches.is_none() => {
                 batches = agent.start_check();
                 continue;
@@ -213,37 +207,4 @@ impl Agent {
         self.check = None;
         Step::Done
     }
-}
-
-fn collect(maps: &mut PinnedMaps, timeouts: &conntrack::Timeouts) {
-    match collect_idle_flows(maps, timeouts) {
-        Ok(0) => {}
-        Ok(n) => debug!(entries = n, "conntrack entries expired"),
-        Err(e) => warn!("conntrack garbage collection failed: {e}"),
-    }
-}
-
-/// Deletes the entries of flows idle past their timeout. An entry is re-read just
-/// before its deletion and kept if a packet touched it since the scan, so a flow
-/// that came back to life at the last moment keeps its backend.
-fn collect_idle_flows(
-    maps: &mut PinnedMaps,
-    timeouts: &conntrack::Timeouts,
-) -> Result<usize, MapsError> {
-    let entries = maps.conntrack()?;
-    let idle = conntrack::expired(&entries, conntrack::monotonic_now_ns(), timeouts);
-    drop(entries);
-    let mut removed = 0;
-    for (key, seen) in idle {
-        let Some(current) = maps.conntrack_entry(&key)? else {
-            continue;
-        };
-        // Seen again since it was read: the flow is alive.
-        if current.last_seen_ns != seen {
-            continue;
-        }
-        maps.remove_conntrack(&key)?;
-        removed += 1;
-    }
-    Ok(removed)
 }

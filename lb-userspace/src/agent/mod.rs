@@ -7,6 +7,7 @@
 
 mod change;
 mod consistency;
+mod ct_gc;
 mod event_loop;
 mod names;
 mod node_objects;
@@ -118,6 +119,8 @@ pub enum AgentError {
     Pins(#[from] pins::PinsError),
     #[error(transparent)]
     Reaper(#[from] stale_sockets::ReaperError),
+    #[error(transparent)]
+    Collector(#[from] ct_gc::CollectorError),
     #[error("cannot install signal handler: {0}")]
     Signal(#[source] std::io::Error),
 }

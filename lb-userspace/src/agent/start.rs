@@ -58,6 +58,8 @@ pub(super) struct Agent {
     pub(super) health_checks: HealthCheckServers,
     pub(super) names: FrontendNames,
     pub(super) reaper: stale_sockets::Reaper,
+    /// Deletes idle conntrack entries, on its own thread.
+    _collector: super::ct_gc::Collector,
     /// Pins this start created; removed if the start fails before attaching.
     pub(super) created_pins: CreatedPins,
     /// Map directories of other layout versions, unpinned once the hooks attached.
@@ -148,6 +150,8 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
         },
         status.clone(),
     )?;
+    let collector =
+        super::ct_gc::Collector::spawn(&config.pin, config.ct_timeouts, config.ct_gc_interval)?;
     let names = FrontendNames::default();
     // A second handle for scrapes, so /metrics reads fresh datapath counters.
     names.serve_scrapes(&status, PinnedMaps::open(&config.pin)?);
@@ -182,6 +186,7 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
         health_checks: HealthCheckServers::default(),
         names,
         reaper,
+        _collector: collector,
         created_pins,
         retired,
         pin_lock: Some(pin_lock),

@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand};
 use lb_userspace::agent::{self, AgentConfig, ObjectSource};
 use lb_userspace::control::NodePortRange;
 use lb_userspace::datapath::loader::{TcAttach, XdpAttach};
-use lb_userspace::datapath::maps::PinnedMaps;
+use lb_userspace::datapath::maps::{ConntrackMap, PinnedMaps};
 use lb_userspace::datapath::pins::{self, MapSizes, PinLayout};
 use lb_userspace::datapath::{conntrack, device_links, table};
 use lb_userspace::model::{Algorithm, Frontend, Protocol, Scope};
@@ -401,8 +401,8 @@ fn main() -> Result<()> {
             }
         }
         Command::Conntrack { json } => {
-            let maps = PinnedMaps::open(&layout)?;
-            let flows = conntrack::flows(&maps.conntrack()?, conntrack::monotonic_now_ns());
+            let map = ConntrackMap::open(&layout)?;
+            let flows = conntrack::flows(&map.entries()?, conntrack::monotonic_now_ns());
             if json {
                 emit(&(serde_json::to_string_pretty(&flows)? + "\n"))
             } else {
