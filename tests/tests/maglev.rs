@@ -1,9 +1,10 @@
 //! Maglev end to end: two nodes, each with its own agent over the same manifests and
-//! the same `--maglev-seed`, a NodePort Service with four backends on both nodes.
-//! The external client connects from fixed source ports through node1 and then
-//! through node2: each client flow reaches the same backend either way, as the
-//! backend itself reports. (With random picks the two nodes would agree only by
-//! chance, a quarter of the time; that is not asserted here.)
+//! the same `--maglev-seed`, a dual-stack NodePort Service with four backends on
+//! both nodes. The external client connects from fixed source ports through node1
+//! and then through node2, over IPv4 and over IPv6: each client flow reaches the
+//! same backend either way, as the backend itself reports. (With random picks the
+//! two nodes would agree only by chance, a quarter of the time; that is not
+//! asserted here.)
 //!
 //! Both ways of turning it on, and off: on the TC path the agents keep the default
 //! `--lb-algorithm random` and the Service's `service.lb/algorithm: maglev`
@@ -15,11 +16,13 @@
 //! builds it; or set LB_BIN). All traffic stays in the test's namespaces.
 
 use std::collections::BTreeSet;
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
-use anyhow::{ensure, Result};
-use lb_tests::cluster::{node_ip, whoami_node_port, Cluster, ClusterBuilder, WHOAMI_PORT};
+use anyhow::{ensure, Context, Result};
+use lb_tests::cluster::{
+    node_ip, node_ip6, whoami_node_port, Cluster, ClusterBuilder, WHOAMI_PORT,
+};
 use lb_tests::{cargo_tools, lb_binary};
 
 /// The same seed on both nodes, as the DaemonSet gives every agent.
@@ -43,21 +46,48 @@ fn four_backends() -> ClusterBuilder {
         .backend("pod-d", 1)
 }
 
-fn backends(cluster: &Cluster) -> Result<Vec<SocketAddrV4>> {
+/// The two address families, each test covers both.
+const FAMILIES: [bool; 2] = [false, true];
+
+/// The IPv6 cluster IP `fd00:96::<n>` of a dual-stack Service.
+fn vip6(n: u16) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, n)
+}
+
+/// The four backends' whoami addresses, IPv6 ones when `ipv6`.
+fn backends(cluster: &Cluster, ipv6: bool) -> Result<Vec<SocketAddr>> {
     PODS.iter()
-        .map(|p| Ok(SocketAddrV4::new(cluster.pod(p)?.ip(), WHOAMI_PORT)))
+        .map(|p| {
+            let pod = cluster.pod(p)?;
+            let ip = match ipv6 {
+                true => IpAddr::V6(pod.ip6().context("dual-stack pods")?),
+                false => IpAddr::V4(pod.ip()),
+            };
+            Ok(SocketAddr::new(ip, WHOAMI_PORT))
+        })
         .collect()
 }
 
-/// The NodePort `port` on each node's address.
-fn via(port: u16) -> [SocketAddrV4; 2] {
-    [0, 1].map(|n| SocketAddrV4::new(node_ip(n), port))
+/// The NodePort `port` on each node's address (its IPv6 one when `ipv6`).
+fn via(port: u16, ipv6: bool) -> [SocketAddr; 2] {
+    [0, 1].map(|n| match ipv6 {
+        true => SocketAddr::new(node_ip6(n).into(), port),
+        false => SocketAddr::new(node_ip(n).into(), port),
+    })
 }
 
-/// Both nodes program `port` with the four backends and the algorithm `algorithm`.
+/// Both nodes program `port` of both families with the four backends and the
+/// algorithm `algorithm`.
 fn ensure_algorithm(cluster: &Cluster, port: u16, algorithm: &str) -> Result<()> {
-    let backends = backends(cluster)?;
-    for (n, frontend) in via(port).into_iter().enumerate() {
+    for ipv6 in FAMILIES {
+        ensure_algorithm_of(cluster, port, algorithm, ipv6)?;
+    }
+    Ok(())
+}
+
+fn ensure_algorithm_of(cluster: &Cluster, port: u16, algorithm: &str, ipv6: bool) -> Result<()> {
+    let backends = backends(cluster, ipv6)?;
+    for (n, frontend) in via(port, ipv6).into_iter().enumerate() {
         let entry = cluster.wait_frontend(n, frontend, "TCP", "internal", &backends)?;
         ensure!(
             entry.algorithm == algorithm,
@@ -69,11 +99,17 @@ fn ensure_algorithm(cluster: &Cluster, port: u16, algorithm: &str) -> Result<()>
     Ok(())
 }
 
-/// The same `FLOWS` client flows through node1's and node2's NodePort `port`: each
-/// answered, and each reaching the same backend both times. Returns the backends
-/// reached.
-fn same_backend_through_either_node(cluster: &Cluster, port: u16) -> Result<BTreeSet<String>> {
-    let [one, two] = via(port);
+/// The same `FLOWS` client flows through node1's and node2's NodePort `port`, in
+/// each family: each answered, and each reaching the same backend both times.
+fn same_backend_through_either_node(cluster: &Cluster, port: u16) -> Result<()> {
+    for ipv6 in FAMILIES {
+        same_backend_through_either_node_of(cluster, port, ipv6)?;
+    }
+    Ok(())
+}
+
+fn same_backend_through_either_node_of(cluster: &Cluster, port: u16, ipv6: bool) -> Result<()> {
+    let [one, two] = via(port, ipv6);
     let through1 = cluster.whoami_from(cluster.client(), one, FLOWS, FIRST_PORT)?;
     let through2 = cluster.whoami_from(cluster.client(), two, FLOWS, FIRST_PORT)?;
     for (r, frontend) in [(&through1, one), (&through2, two)] {
@@ -102,13 +138,16 @@ fn same_backend_through_either_node(cluster: &Cluster, port: u16) -> Result<BTre
     }
     // The flows spread over the backends (20 flows over four quarters: one backend
     // for all would be a broken table, not bad luck).
-    ensure!(reached.len() >= 2, "every flow went to {reached:?}");
-    Ok(reached)
+    ensure!(
+        reached.len() >= 2,
+        "every flow through {one} went to {reached:?}"
+    );
+    Ok(())
 }
 
 /// A random Service still answers through both nodes, from more than one backend.
 fn random_still_serves(cluster: &Cluster, port: u16) -> Result<()> {
-    for frontend in via(port) {
+    for frontend in FAMILIES.into_iter().flat_map(|ipv6| via(port, ipv6)) {
         let r = cluster.whoami(
             cluster.client(),
             frontend,
@@ -128,10 +167,18 @@ fn random_still_serves(cluster: &Cluster, port: u16) -> Result<()> {
     Ok(())
 }
 
-/// `lb maglev` on both nodes: a 509-slot table (four backends), every slot one of
-/// theirs, balanced to a slot, and the same on both nodes.
+/// `lb maglev` on both nodes, for each family's NodePort: a 509-slot table (four
+/// backends), every slot one of theirs, balanced to a slot, and the same on both
+/// nodes.
 fn ensure_same_tables(cluster: &Cluster, port: u16) -> Result<()> {
-    let shares: Vec<serde_json::Value> = via(port)
+    for ipv6 in FAMILIES {
+        ensure_same_tables_of(cluster, port, ipv6)?;
+    }
+    Ok(())
+}
+
+fn ensure_same_tables_of(cluster: &Cluster, port: u16, ipv6: bool) -> Result<()> {
+    let shares: Vec<serde_json::Value> = via(port, ipv6)
         .into_iter()
         .enumerate()
         .map(|(n, frontend)| {
@@ -202,20 +249,27 @@ fn a_client_flow_reaches_the_same_backend_through_either_node() -> Result<()> {
     let lb = lb_binary()?;
     let mut cluster = four_backends().build(cargo_tools!())?;
     let consistent = whoami_node_port("consistent", Ipv4Addr::new(10, 96, 0, 60), MAGLEV_PORT)
+        .dual_stack(vip6(0x60))
         .with_annotation("service.lb/algorithm", "maglev");
-    let plain = whoami_node_port("plain", Ipv4Addr::new(10, 96, 0, 61), RANDOM_PORT);
+    let plain =
+        whoami_node_port("plain", Ipv4Addr::new(10, 96, 0, 61), RANDOM_PORT).dual_stack(vip6(0x61));
     cluster.publish(&consistent, &PODS)?;
     cluster.publish(&plain, &PODS)?;
     cluster.start_agents(&lb, |_| vec!["--maglev-seed".into(), SEED.into()])?;
     ensure_algorithm(&cluster, MAGLEV_PORT, "maglev")?;
     ensure_algorithm(&cluster, RANDOM_PORT, "random")?;
-    // The cluster IP of the Maglev Service stays random.
+    // The cluster IPs of the Maglev Service stay random.
     let listing = cluster.node(0).agent().services_json()?;
-    let vip = listing
-        .iter()
-        .find(|e| e.is(Ipv4Addr::new(10, 96, 0, 60), 80, "TCP"))
-        .expect("the cluster IP is programmed with the NodePorts");
-    ensure!(vip.algorithm == "random", "cluster IP: {vip:?}");
+    for ip in [
+        IpAddr::from(Ipv4Addr::new(10, 96, 0, 60)),
+        vip6(0x60).into(),
+    ] {
+        let vip = listing
+            .iter()
+            .find(|e| e.is(ip, 80, "TCP"))
+            .expect("the cluster IPs are programmed with the NodePorts");
+        ensure!(vip.algorithm == "random", "cluster IP: {vip:?}");
+    }
 
     same_backend_through_either_node(&cluster, MAGLEV_PORT)?;
     ensure_no_miss(&cluster)?;
@@ -232,8 +286,10 @@ fn a_client_flow_reaches_the_same_backend_through_either_node() -> Result<()> {
 fn through_xdp_a_client_flow_reaches_the_same_backend_through_either_node() -> Result<()> {
     let lb = lb_binary()?;
     let mut cluster = four_backends().xdp_ready().build(cargo_tools!())?;
-    let consistent = whoami_node_port("consistent", Ipv4Addr::new(10, 96, 0, 70), MAGLEV_PORT);
+    let consistent = whoami_node_port("consistent", Ipv4Addr::new(10, 96, 0, 70), MAGLEV_PORT)
+        .dual_stack(vip6(0x70));
     let opted_out = whoami_node_port("opted-out", Ipv4Addr::new(10, 96, 0, 71), RANDOM_PORT)
+        .dual_stack(vip6(0x71))
         .with_annotation("service.lb/algorithm", "random");
     cluster.publish(&consistent, &PODS)?;
     cluster.publish(&opted_out, &PODS)?;
@@ -255,7 +311,7 @@ fn through_xdp_a_client_flow_reaches_the_same_backend_through_either_node() -> R
     // packet whose next hop is not resolved goes to TC by design, and is not what
     // the counted flows are about. Flows from other ports than the counted ones,
     // until both nodes' pods answered through each node.
-    for frontend in via(MAGLEV_PORT) {
+    for frontend in FAMILIES.into_iter().flat_map(|ipv6| via(MAGLEV_PORT, ipv6)) {
         let r = cluster.whoami_from(cluster.client(), frontend, 16, WARM_UP_PORT)?;
         let nodes: BTreeSet<usize> = r
             .answers
@@ -276,8 +332,8 @@ fn through_xdp_a_client_flow_reaches_the_same_backend_through_either_node() -> R
     for (n, then) in before.into_iter().enumerate() {
         let now = cluster.stat(n, "xdp_new_flow")?;
         ensure!(
-            now >= then + u64::from(FLOWS),
-            "node{}: xdp_new_flow went from {then} to {now}, expected +{FLOWS}\n{}",
+            now >= then + 2 * u64::from(FLOWS),
+            "node{}: xdp_new_flow went from {then} to {now}, expected +{FLOWS} per family\n{}",
             n + 1,
             cluster.all_stats()
         );
