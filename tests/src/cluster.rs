@@ -673,6 +673,13 @@ impl Cluster {
             .expect("built with ClusterBuilder::second_client")
     }
 
+    /// The switch's namespace: its bridge `br0` and one port per host, `sw-node1`,
+    /// `sw-node2`, ..., `sw-ext` (the client), whose counters say what crossed
+    /// the switch to whom.
+    pub fn switch(&self) -> &NetNs {
+        &self.switch
+    }
+
     /// Unique prefix of this cluster's namespace names.
     pub fn base(&self) -> &str {
         &self.base
