@@ -230,7 +230,7 @@ pub fn arrive(ctx: &TcContext, encapsulated: bool) -> Option<i32> {
 /// later packets come so too, without the frontend.
 #[inline(always)]
 fn arrived_encapsulated(reply_key: &CtKey) -> bool {
-    // SAFETY: copied out at once.
+    // SAFETY: the entry is read at once, before anything else runs.
     unsafe { LB_CT.get(reply_key) }
         .is_some_and(|entry| entry.dir == CT_DIR_REPLY && entry.is_dsr_ipip())
 }
