@@ -23,7 +23,7 @@ use lb_tests::cluster::{
 };
 use lb_tests::manifests::{Service, ServicePort};
 use lb_tests::netns::NetNs;
-use lb_tests::{cargo_tools, lb_binary};
+use lb_tests::{cargo_tools, lb_binary, ECHO_TCP_PORT};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const REQUESTS: u32 = 10;
@@ -349,4 +349,117 @@ fn snat_replies_cross_the_entry_node() -> Result<()> {
         "{counters:?}"
     );
     Ok(())
+}
+
+/// A LoadBalancer IP on three nodes whose three backends all run on node3.
+const MOVED_LB_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 210);
+const MOVED_PODS: [&str; 3] = ["pod-c", "pod-d", "pod-e"];
+/// Connections held across the move. Were node2 to pick its own backend for a
+/// moved flow (random), all would survive with probability (1/3)^12.
+const HELD: usize = 12;
+
+/// The client reaches a LoadBalancer IP through node1, then an upstream router
+/// changes its mind and the same flows enter through node2 mid-stream (the route
+/// to the IP is replaced). With DSR and Maglev on every node (same seed), node2
+/// picks the backend node1 picked for each flow it has never seen, and node3's
+/// pods keep answering the client directly: every held connection goes on, with
+/// the same backend. (Cilium 27730: such a flow was reset.)
+fn moved_flows_keep_their_backend(dispatch: &str) -> Result<()> {
+    let lb = lb_binary()?;
+    let mut builder = Cluster::builder()
+        .nodes(3)
+        .client_route_via_node1(MOVED_LB_IP);
+    for pod in MOVED_PODS {
+        builder = builder.backend(pod, 2);
+    }
+    let mut cluster = builder.build(cargo_tools!())?;
+    lb_tests::xdp::tx_checksum_off(cluster.client(), "eth0")?;
+    let svc = Service::new(
+        "moved",
+        Ipv4Addr::new(10, 96, 0, 90),
+        vec![ServicePort::tcp("echo", 80, ECHO_TCP_PORT.into()).with_node_port(30190)],
+    )
+    .load_balancer([MOVED_LB_IP]);
+    cluster.publish(&svc, &MOVED_PODS)?;
+    let mut args = dsr_args(dispatch, false);
+    args.extend(
+        [
+            "--lb-algorithm",
+            "maglev",
+            "--maglev-seed",
+            "0x6c62deadbeef2026",
+        ]
+        .map(String::from),
+    );
+    cluster.start_agents(&lb, move |_| args.clone())?;
+    let backends: Vec<SocketAddr> = MOVED_PODS
+        .iter()
+        .map(|p| Ok(SocketAddr::new(cluster.pod(p)?.ip().into(), ECHO_TCP_PORT)))
+        .collect::<Result<_>>()?;
+    let frontend = SocketAddrV4::new(MOVED_LB_IP, 80);
+    for node in 0..2 {
+        cluster.wait_frontend(node, frontend, "TCP", "internal", &backends)?;
+    }
+    // Neighbours learned first (node1 and node2 -> node3, node3 -> the client),
+    // through each entry node's NodePort.
+    for node in 0..2 {
+        let to = SocketAddrV4::new(node_ip(node), 30190);
+        let r = cluster.tcp(cluster.client(), to, 3, CONNECT_TIMEOUT)?;
+        ensure!(
+            r.tally.answered == 3,
+            "warm-up through {to}: {r:#?}\n{}",
+            cluster.all_stats()
+        );
+    }
+
+    let mut held = Vec::with_capacity(HELD);
+    for _ in 0..HELD {
+        held.push(cluster.hold(cluster.client(), frontend)?);
+    }
+    for (i, h) in held.iter_mut().enumerate() {
+        let reply = h.echo(&format!("before {i}"))?;
+        ensure!(reply == format!("{} before {i}", h.backend), "{reply}");
+    }
+    let spread: std::collections::BTreeSet<&str> =
+        held.iter().map(|h| h.backend.as_str()).collect();
+    ensure!(spread.len() >= 2, "every held flow went to {spread:?}");
+    let node2_before = stats(&cluster, 1)?;
+
+    cluster.client().ip(&[
+        "route",
+        "replace",
+        &format!("{MOVED_LB_IP}/32"),
+        "via",
+        &node_ip(1).to_string(),
+    ])?;
+    for (i, h) in held.iter_mut().enumerate() {
+        let reply = h.echo(&format!("after {i}")).with_context(|| {
+            format!(
+                "held connection {i} to {} after the move\n{}",
+                h.backend,
+                cluster.all_stats()
+            )
+        })?;
+        ensure!(
+            reply == format!("{} after {i}", h.backend),
+            "held connection {i}: {reply} (greeted by {})",
+            h.backend
+        );
+    }
+    // node2 did carry them, as new flows it sent to node3 by DSR.
+    ensure_grew(&cluster, 1, &node2_before, "tc_new_flow", HELD as u64)?;
+    for h in held {
+        h.close()?;
+    }
+    Ok(())
+}
+
+#[test]
+fn a_flow_moved_to_another_entry_node_keeps_its_backend_with_options() -> Result<()> {
+    moved_flows_keep_their_backend("opt")
+}
+
+#[test]
+fn a_flow_moved_to_another_entry_node_keeps_its_backend_with_ipip() -> Result<()> {
+    moved_flows_keep_their_backend("ipip")
 }
