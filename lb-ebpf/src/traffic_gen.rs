@@ -24,8 +24,8 @@ use lb_common::GEN_FRAME_WORDS;
 use crate::{
     access::{L4Csum, Packet},
     hdr::{
-        ETH_HLEN, ETH_TYPE_IPV4_RAW, ETH_TYPE_OFF, IP_CSUM, IP_HLEN, IP_SRC, TCP_CSUM,
-        TCP_FLAGS, TCP_SPORT,
+        ETH_HLEN, ETH_TYPE_IPV4_RAW, ETH_TYPE_OFF, IP_CSUM, IP_HLEN, IP_SRC, TCP_CSUM, TCP_FLAGS,
+        TCP_SPORT,
     },
     verdict::{XDP_DROP, XDP_TX},
 };
