@@ -29,7 +29,7 @@ use lb_common::{IpAddrBe, CT_DSR_IPIP};
 use lb_userspace::control::plan as reconcile;
 use lb_userspace::datapath::forwarding::{DsrDispatch, Forwarding, LbMode};
 use lb_userspace::datapath::loader;
-use lb_userspace::datapath::maps::PinnedMaps;
+use lb_userspace::datapath::maps::{ConntrackMap, PinnedMaps};
 use lb_userspace::datapath::pins::{self, MapSizes, PinLayout};
 use lb_userspace::model::{BackendAddr, DesiredState, Frontend, FrontendSpec, Protocol};
 use lb_userspace::node::host as sys;
@@ -75,6 +75,7 @@ const NEXT_DEST_OPTS: u8 = 60;
 struct Fixture {
     ebpf: Ebpf,
     maps: PinnedMaps,
+    conntrack: ConntrackMap,
     /// Last: the pins go once the program and map handles are closed.
     _pins: PinGuard,
 }
@@ -155,9 +156,11 @@ impl Fixture {
             load_retrying(|| prog.load()).expect("verifier accepts the TC program");
         }
         let maps = PinnedMaps::open(&layout).expect("open pinned maps");
+        let conntrack = ConntrackMap::open(&layout).expect("open the pinned conntrack");
         Fixture {
             ebpf,
             maps,
+            conntrack,
             _pins: pins,
         }
     }
@@ -239,7 +242,7 @@ impl Fixture {
     }
 
     fn conntrack(&self) -> Vec<(CtKey, CtValue)> {
-        self.maps.conntrack().unwrap()
+        self.conntrack.entries().unwrap()
     }
 
     /// The conntrack entry a packet with this tuple finds.

@@ -12,7 +12,7 @@ use aya::Ebpf;
 use lb_common::{program_names, stat};
 use lb_userspace::control::plan as reconcile;
 use lb_userspace::datapath::loader;
-use lb_userspace::datapath::maps::PinnedMaps;
+use lb_userspace::datapath::maps::{ConntrackMap, PinnedMaps};
 use lb_userspace::datapath::pins::{self, MapSizes, PinLayout};
 use lb_userspace::datapath::source_ranges;
 use lb_userspace::model::{BackendAddr, DesiredState, Frontend, FrontendSpec, Protocol, Scope};
@@ -51,6 +51,7 @@ const MAGLEV_SEED: u64 = 0x6c62_5f6d_6167_6c76;
 struct Fixture {
     ebpf: Ebpf,
     maps: PinnedMaps,
+    conntrack: ConntrackMap,
     /// Last: the pins go once the program and map handles are closed.
     _pins: PinGuard,
 }
@@ -104,9 +105,11 @@ impl Fixture {
         }
         let mut maps = PinnedMaps::open(&layout).expect("open pinned maps");
         maps.set_maglev_seed(MAGLEV_SEED);
+        let conntrack = ConntrackMap::open(&layout).expect("open the pinned conntrack");
         Fixture {
             ebpf,
             maps,
+            conntrack,
             _pins: pins,
         }
     }
@@ -424,7 +427,7 @@ fn node_port_to_local_backend_keeps_client_address_and_reverses_replies() {
         (1, 0)
     );
 
-    let entries = f.maps.conntrack().unwrap();
+    let entries = f.conntrack.entries().unwrap();
     assert_eq!(entries.len(), 2, "one entry per direction: {entries:?}");
 }
 

@@ -23,7 +23,7 @@ use aya::Ebpf;
 use lb_common::{map_names, program_names, stat, CtKey, CtValue, XdpMark, XDP_MARK_MAGIC};
 use lb_userspace::control::plan as reconcile;
 use lb_userspace::datapath::loader;
-use lb_userspace::datapath::maps::PinnedMaps;
+use lb_userspace::datapath::maps::{ConntrackMap, PinnedMaps};
 use lb_userspace::datapath::pins::{self, MapSizes, PinLayout};
 use lb_userspace::datapath::source_ranges;
 use lb_userspace::model::{BackendAddr, DesiredState, Frontend, FrontendSpec, Protocol};
@@ -66,6 +66,7 @@ const MAGLEV_SEED: u64 = 0x6c62_5f6d_6167_6c76;
 struct Fixture {
     ebpf: Ebpf,
     maps: PinnedMaps,
+    conntrack: ConntrackMap,
     net: net::Net,
     /// Last: the pins go once the program and map handles are closed.
     _pins: PinGuard,
@@ -195,9 +196,11 @@ impl Fixture {
         }
         let mut maps = PinnedMaps::open(&layout).expect("open pinned maps");
         maps.set_maglev_seed(MAGLEV_SEED);
+        let conntrack = ConntrackMap::open(&layout).expect("open the pinned conntrack");
         Fixture {
             ebpf,
             maps,
+            conntrack,
             net,
             _pins: pins,
         }
@@ -296,8 +299,8 @@ impl Fixture {
     /// writes) zeroed, sorted.
     fn conntrack(&self) -> Vec<(CtKey, CtValue)> {
         let mut entries: Vec<(CtKey, CtValue)> = self
-            .maps
-            .conntrack()
+            .conntrack
+            .entries()
             .unwrap()
             .into_iter()
             .map(|(k, v)| {
@@ -315,8 +318,8 @@ impl Fixture {
     }
 
     fn clear_conntrack(&mut self) {
-        for (key, _) in self.maps.conntrack().unwrap() {
-            self.maps.remove_conntrack(&key).unwrap();
+        for (key, _) in self.conntrack.entries().unwrap() {
+            self.conntrack.remove(&key).unwrap();
         }
     }
 

@@ -567,7 +567,7 @@ mod tests {
             let f = tcp_frame([1; 6], [2; 6], GEN_IP, POD_IP, 40_000, 8080, flags).unwrap();
             assert_eq!(f.len(), GEN_FRAME_LEN);
             let h = PacketHeaders::from_ethernet_slice(&f).unwrap();
-            let Some(NetHeaders::Ipv4(ip, _)) = h.net else {
+            let Some(NetHeaders::Ipv4(ip, _)) = h.net.clone() else {
                 panic!("not IPv4: {h:?}")
             };
             assert_eq!(ip.header_checksum, ip.calc_header_checksum());
