@@ -533,10 +533,22 @@ fn the_daemonsets_pod_serves_from_the_image_and_hands_over_under_load() -> Resul
         n.probes_answer()
             .with_context(|| format!("after handover {i}"))?;
         let progress = load.run_for(Duration::from_millis(200))?;
-        ensure!(
-            progress.failures == 0 && progress.broken == 0,
-            "handover {i}: connections failed: {progress:?}"
-        );
+        if progress.failures != 0 || progress.broken != 0 {
+            // What failed, how, and what both agents said around it.
+            let report = load.stop()?;
+            let tail = |log: String| {
+                let lines: Vec<&str> = log.lines().collect();
+                lines[lines.len().saturating_sub(40)..].join("\n")
+            };
+            bail!(
+                "handover {i}: connections failed: {progress:?}\nby error: {:?}\nsamples: {:?}\n\
+                 old agent:\n{}\nnew agent:\n{}",
+                report.failures,
+                report.failure_samples,
+                tail(n.containers[current].log()),
+                tail(n.containers[next].log())
+            );
+        }
         // The stopped container is removed, as the kubelet removes the old pod.
         let old = n.containers.remove(current);
         drop(old);

@@ -88,9 +88,16 @@ pub(super) async fn follow(
                     continue;
                 }
                 agent.net = inputs.node_net.borrow_and_update().clone();
-                if agent.attached {
-                    agent.sync_devices();
+                if !agent.attached {
+                    // No table written yet: the first change reads these addresses.
+                    // A resync now would program the objects known so far, none
+                    // before the source's first hand-on: a restarted agent wiped
+                    // the service table its predecessor left and said it was
+                    // serving with 0 frontends (the image's rolling update, 3 of
+                    // 5 runs with a slower program load).
+                    continue;
                 }
+                agent.sync_devices();
                 // Only a change of the served addresses needs a new table.
                 let served = served_addresses(&agent.net, &agent.config, &agent.nodes);
                 if served == agent.index.options().node_ips {
