@@ -93,11 +93,7 @@ pub struct SockRevNatMap {
 
 impl SockRevNatMap {
     pub fn open(layout: &PinLayout) -> Result<Self, MapsError> {
-        let (map, _, fd) = open(layout, map_names::SOCK_REVNAT)?;
-        let map = HashMap::try_from(map).map_err(|source| MapsError::Open {
-            path: layout.map_path(map_names::SOCK_REVNAT),
-            source,
-        })?;
+        let (map, fd) = open_hash(layout, map_names::SOCK_REVNAT)?;
         Ok(SockRevNatMap { map, fd })
     }
 
@@ -134,11 +130,7 @@ pub struct ConntrackMap {
 
 impl ConntrackMap {
     pub fn open(layout: &PinLayout) -> Result<Self, MapsError> {
-        let (map, _, fd) = open(layout, map_names::CT)?;
-        let map = HashMap::try_from(map).map_err(|source| MapsError::Open {
-            path: layout.map_path(map_names::CT),
-            source,
-        })?;
+        let (map, fd) = open_hash(layout, map_names::CT)?;
         Ok(ConntrackMap { map, fd })
     }
 
@@ -200,6 +192,20 @@ fn open(layout: &PinLayout, name: &'static str) -> Result<(Map, u32, OwnedFd), M
         }))
     })?;
     Ok((Map::from_map_data(data).map_err(wrap)?, max_entries, fd))
+}
+
+/// A pinned hash map of its own (one a thread of the agent reads on its own), typed,
+/// with a second descriptor for batched reads.
+fn open_hash<K: aya::Pod, V: aya::Pod>(
+    layout: &PinLayout,
+    name: &'static str,
+) -> Result<(HashMap<MapData, K, V>, OwnedFd), MapsError> {
+    let (map, _, fd) = open(layout, name)?;
+    let map = HashMap::try_from(map).map_err(|source| MapsError::Open {
+        path: layout.map_path(name),
+        source,
+    })?;
+    Ok((map, fd))
 }
 
 impl PinnedMaps {
