@@ -147,3 +147,21 @@ pub fn io_error_name(e: &io::Error) -> String {
         kind => format!("{kind:?}"),
     }
 }
+
+/// Pins the calling thread to `cpu` (benchmarks: a sender and the softirq work it
+/// causes share that CPU).
+pub fn pin_to_cpu(cpu: usize) -> anyhow::Result<()> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes inside it and
+    // sched_setaffinity only reads it.
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    anyhow::ensure!(
+        rc == 0,
+        "sched_setaffinity({cpu}): {}",
+        std::io::Error::last_os_error()
+    );
+    Ok(())
+}

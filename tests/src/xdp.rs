@@ -129,7 +129,7 @@ impl<'a> Generator<'a> {
             .try_into()?;
         let ctx_in = xdp_md(GEN_FRAME_LEN as u32, self.ifindex);
         self.ns.run_in(|| {
-            pin_to_cpu(cpu)?;
+            crate::util::pin_to_cpu(cpu)?;
             let started = std::time::Instant::now();
             prog.test_run(TestRunOptions {
                 data_in: Some(&self.frame),
@@ -151,20 +151,4 @@ fn xdp_md(data_end: u32, ingress_ifindex: u32) -> [u8; 24] {
     md[4..8].copy_from_slice(&data_end.to_ne_bytes());
     md[12..16].copy_from_slice(&ingress_ifindex.to_ne_bytes());
     md
-}
-
-/// Pins the calling thread to `cpu`.
-fn pin_to_cpu(cpu: usize) -> Result<()> {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; the calls only read it.
-    let rc = unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
-    };
-    ensure!(
-        rc == 0,
-        "pinning to CPU {cpu}: {}",
-        std::io::Error::last_os_error()
-    );
-    Ok(())
 }

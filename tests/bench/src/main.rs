@@ -150,7 +150,7 @@ fn real_main() -> Result<()> {
         Cmd::Report { out } => report::rerender(&out),
         Cmd::Serve { name, cpu } => {
             if let Some(cpu) = cpu {
-                netio::pin_cpu(cpu)?;
+                lb_tests::util::pin_to_cpu(cpu)?;
             }
             netio::serve(&name)
         }

@@ -35,22 +35,6 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// Pin the calling process to one CPU.
-pub fn pin_cpu(cpu: usize) -> Result<()> {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes inside it.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-            bail!(
-                "sched_setaffinity({cpu}): {}",
-                std::io::Error::last_os_error()
-            );
-        }
-    }
-    Ok(())
-}
-
 /// `lb-bench serve --name N`: request/response and bulk servers, until killed.
 pub fn serve(name: &str) -> Result<()> {
     // `::` with the default bindv6only=0: one socket per port for both families.
@@ -204,7 +188,7 @@ pub struct ClientArgs {
 /// `lb-bench client`: measure and print one JSON report.
 pub fn client(a: &ClientArgs) -> Result<ClientReport> {
     if let Some(cpu) = a.cpu {
-        pin_cpu(cpu)?;
+        lb_tests::util::pin_to_cpu(cpu)?;
     }
     let req = [b'x'; REQ_LEN];
     let mut resp = [0u8; RESP_LEN];
