@@ -280,6 +280,20 @@ fn a_flow_moves_between_xdp_and_tc_across_restarts() -> Result<()> {
         links.iter().all(|l| l.xdp == "-"),
         "XDP still attached after a restart without it: {links:#?}"
     );
+    // Unpinning the old agent's XDP link detaches it from a kernel work item, a
+    // moment after the new agent is ready: TC is asked only once the device says
+    // it has no XDP program.
+    lb_tests::util::poll(
+        "lb_xdp to leave node1's eth0",
+        Duration::from_secs(5),
+        || {
+            let link = cluster
+                .node(0)
+                .netns()
+                .ip(&["-d", "link", "show", "eth0"])?;
+            Ok((!link.contains("prog/xdp")).then_some(()))
+        },
+    )?;
     let tc_before = cluster.stat(0, "tc_ct_hit")?;
     let reply = held.echo("in tc");
     ensure!(
