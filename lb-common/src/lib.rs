@@ -499,8 +499,11 @@ pub struct CtValue {
     pub state: u8,
     /// `CT_DIR_FORWARD` or `CT_DIR_REPLY`.
     pub dir: u8,
+    /// `CT_DSR_*` bits: the flow goes by direct server return (see the DSR section
+    /// below); 0 for every other flow.
+    pub dsr: u8,
     /// Explicit padding up to the 8-byte alignment of `last_seen_ns`.
-    pub _pad2: u16,
+    pub _pad2: u8,
 }
 const _: () = assert!(core::mem::size_of::<CtValue>() == 56);
 
@@ -665,6 +668,93 @@ pub const ATTACH_XDP_REFUSED: u8 = 3;
 /// Kubernetes' 110-pods-per-node default).
 pub const ATTACHMENTS_MAX: u32 = 16_384;
 
+// ---- Direct server return (DSR) ------------------------------------------------
+//
+// In DSR mode the node a client's flow enters (the entry node) sends the flow to a
+// backend on another node keeping the client's address, and tells the backend's
+// node which frontend the client addressed; that node rewrites the pod's replies to
+// come from the frontend and sends them straight to the client. What the programs
+// are told (the mode, the dispatch) is a load-time constant, [`DsrConfig`]; what a
+// flow became is in its conntrack entries (`CtValue::dsr`).
+
+/// `DsrConfig::mode`: every remote backend is reached with SNAT (the default).
+pub const LB_MODE_SNAT: u8 = 0;
+/// `DsrConfig::mode`: remote backends of external frontends (NodePort,
+/// LoadBalancer IPs, externalIPs) are reached by DSR, TCP and UDP.
+pub const LB_MODE_DSR: u8 = 1;
+/// `DsrConfig::mode`: DSR for TCP, SNAT for UDP.
+pub const LB_MODE_HYBRID: u8 = 2;
+
+/// `DsrConfig::dispatch`: the frontend travels in an IPv4 option (8 bytes) or an
+/// IPv6 Destination Options header (24 bytes) of the flow's first packet (a TCP
+/// SYN) and of every UDP datagram.
+pub const DSR_DISPATCH_OPT: u8 = 0;
+/// `DsrConfig::dispatch`: every packet of the flow travels inside an outer IPv4 /
+/// IPv6 header (20 / 40 bytes) from the entry node to the backend's node; the
+/// packets that carry the frontend carry it as with `DSR_DISPATCH_OPT`, inside.
+pub const DSR_DISPATCH_IPIP: u8 = 1;
+
+/// How the per-packet programs reach remote backends: set by the agent at load time
+/// (`--lb-mode`, `--dsr-dispatch`) as a read-only global of the kernel object, as
+/// `--node-ip` is. Read through its predicates.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct DsrConfig {
+    /// `LB_MODE_*`.
+    pub mode: u8,
+    /// `DSR_DISPATCH_*`.
+    pub dispatch: u8,
+    /// Explicit padding.
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(core::mem::size_of::<DsrConfig>() == 4);
+
+impl DsrConfig {
+    /// New flows of protocol `proto` to remote backends of external frontends go
+    /// by DSR.
+    #[inline(always)]
+    pub const fn dsr_for(&self, proto: u8) -> bool {
+        match self.mode {
+            LB_MODE_DSR => proto == IPPROTO_TCP || proto == IPPROTO_UDP,
+            LB_MODE_HYBRID => proto == IPPROTO_TCP,
+            _ => false,
+        }
+    }
+
+    /// DSR packets travel inside an outer IP header (`DSR_DISPATCH_IPIP`).
+    #[inline(always)]
+    pub const fn is_ipip(&self) -> bool {
+        self.dispatch == DSR_DISPATCH_IPIP
+    }
+}
+
+/// `CtValue::dsr`: the flow goes by DSR. On the entry node it marks the forward
+/// entry (its packets leave with the client's address, and with the frontend in
+/// an option when they are a TCP SYN or a UDP datagram); on the backend's node the
+/// reply entry it created when the flow arrived (the pod's replies leave from the
+/// frontend, straight to the client).
+pub const CT_DSR: u8 = 1 << 0;
+/// `CtValue::dsr`, with `CT_DSR`: the flow's packets travel from the entry node
+/// inside an outer IP header (`DSR_DISPATCH_IPIP`). The entry node adds it to every
+/// forward packet; the backend's node removes it, and lowers the MSS of the pod's
+/// SYN-ACK by its size, as it bounds the segments the client sends.
+pub const CT_DSR_IPIP: u8 = 1 << 1;
+
+impl CtValue {
+    /// The flow goes by DSR (`CT_DSR`).
+    #[inline(always)]
+    pub const fn is_dsr(&self) -> bool {
+        self.dsr & CT_DSR != 0
+    }
+
+    /// Its packets travel inside an outer IP header (`CT_DSR_IPIP`).
+    #[inline(always)]
+    pub const fn is_dsr_ipip(&self) -> bool {
+        self.dsr & (CT_DSR | CT_DSR_IPIP) == CT_DSR | CT_DSR_IPIP
+    }
+}
+
 /// Indexes of the per-CPU `LB_STATS` array (u64 counters). Plain constants rather
 /// than an enum: the index crosses the kernel boundary as a raw `u32`.
 pub mod stat {
@@ -755,8 +845,35 @@ pub mod stat {
     /// read or named no slot of the frontend (a table mid-rewrite, a damaged
     /// arena); it got a random backend instead.
     pub const MAGLEV_MISS: u32 = 33;
+    /// DSR, entry node: a packet of a DSR flow sent to the backend's node with the
+    /// DSR option (a TCP SYN, a UDP datagram) or inside an outer header (`ipip`).
+    pub const DSR_ENCAPSULATED: u32 = 34;
+    /// DSR, backend's node: a packet for a local pod whose DSR option was removed
+    /// or whose outer header was (`ipip`).
+    pub const DSR_DECAPSULATED: u32 = 35;
+    /// DSR, backend's node: a pod's SYN-ACK whose MSS was lowered by the outer
+    /// header its flow's packets carry from the entry node (`ipip`).
+    pub const DSR_MSS_CLAMPED: u32 = 36;
+    /// DSR, entry node: a new UDP flow whose first datagram would not fit the
+    /// egress MTU with the DSR overhead; it went by SNAT, as in `snat` mode.
+    pub const DSR_UDP_TOO_BIG_SNAT: u32 = 37;
+    /// DSR, backend's node: a pod's reply rewritten to come from the frontend and
+    /// sent straight to the client.
+    pub const DSR_REPLY_REWRITTEN: u32 = 38;
+    /// DSR, entry node: a new flow DSR would have carried went by SNAT for another
+    /// reason: IPv4 options or IPv6 extension headers already in the packet, a
+    /// fragment, no route to the backend, or (`ipip`) a backend not behind a
+    /// gateway that names its node.
+    pub const DSR_SNAT_FALLBACK: u32 = 39;
+    /// DSR, entry node: a later packet of a DSR flow that could not take the
+    /// overhead (a fragment, or a UDP datagram that would no longer fit the MTU)
+    /// and went to the backend translated but without it.
+    pub const DSR_PLAIN: u32 = 40;
+    /// XDP, passed untouched to TC: a packet matching the reply entry of a DSR
+    /// flow on the backend's node (TC rewrites it, counts it, clamps its MSS).
+    pub const XDP_PASS_DSR_REPLY: u32 = 41;
     /// Number of counters.
-    pub const COUNT: u32 = 34;
+    pub const COUNT: u32 = 42;
     /// Human names, indexed like the constants.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -793,6 +910,14 @@ pub mod stat {
         "xdp_drop_conntrack",
         "xdp_drop_failed",
         "maglev_miss",
+        "dsr_encapsulated",
+        "dsr_decapsulated",
+        "dsr_mss_clamped",
+        "dsr_udp_too_big_snat",
+        "dsr_reply_rewritten",
+        "dsr_snat_fallback",
+        "dsr_plain",
+        "xdp_pass_dsr_reply",
     ];
 }
 
@@ -817,4 +942,5 @@ mod user {
     unsafe impl aya::Pod for FragValue {}
     unsafe impl aya::Pod for XdpMark {}
     unsafe impl aya::Pod for MaglevSlots {}
+    unsafe impl aya::Pod for DsrConfig {}
 }

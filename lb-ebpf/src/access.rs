@@ -15,14 +15,19 @@
 //! treats a failed access the same way (the header is not there, or not writable).
 
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
-    helpers::generated::{bpf_csum_diff, bpf_xdp_get_buff_len},
+    bindings::{
+        bpf_adj_room_mode::{BPF_ADJ_ROOM_MAC, BPF_ADJ_ROOM_NET},
+        BPF_F_ADJ_ROOM_ENCAP_L3_IPV4, BPF_F_ADJ_ROOM_ENCAP_L3_IPV6, BPF_F_MARK_MANGLED_0,
+        BPF_F_PSEUDO_HDR, BPF_F_RECOMPUTE_CSUM,
+    },
+    helpers::generated::{bpf_csum_diff, bpf_xdp_adjust_head, bpf_xdp_get_buff_len},
     programs::{TcContext, XdpContext},
     EbpfContext,
 };
 use lb_common::IpAddrBe;
 
 use crate::csum;
+use crate::hdr::{ETH_HLEN, IP6_HLEN, IP_HLEN};
 
 /// Where a TCP or UDP checksum lies, and whether it is UDP's, in which zero means
 /// "no checksum" (IPv4) and must stay zero, and a computed zero is sent as 0xffff.
@@ -30,6 +35,21 @@ use crate::csum;
 pub struct L4Csum {
     pub off: usize,
     pub udp: bool,
+}
+
+/// Where [`Packet::open_room`] inserts bytes. The headers in front of that place
+/// move towards the start of the buffer, so what lies behind it (the TCP/UDP
+/// header and payload) stays where it is: a checksum the hardware is yet to
+/// complete (`CHECKSUM_PARTIAL`, its start counted from the buffer's head) still
+/// finds its bytes.
+#[derive(Clone, Copy)]
+pub enum Room {
+    /// Right behind the fixed IP header (20 bytes, or 40 for IPv6): an IPv4 option
+    /// or an IPv6 extension header goes there, before any already present.
+    AfterIp { v6: bool },
+    /// Right behind the Ethernet header: an outer IP header of the same family
+    /// (IPv4 in IPv4, IPv6 in IPv6).
+    AfterEthernet { v6: bool },
 }
 
 pub trait Packet: EbpfContext {
@@ -67,6 +87,16 @@ pub trait Packet: EbpfContext {
 
     /// The TCP/UDP checksum follows an IPv6 address of its pseudo header changing.
     fn l4_csum_update6(&self, csum: &L4Csum, from: &IpAddrBe, to: &IpAddrBe) -> Result<(), ()>;
+
+    /// Inserts `len` bytes at `room` (at most 40), for the caller to write: what
+    /// they hold before is unspecified (TC zeroes them, XDP leaves old bytes).
+    fn open_room(&self, room: Room, len: u32) -> Result<(), ()>;
+
+    /// Writes header bytes that no incremental checksum update accounts for (an
+    /// option, an extension header or an outer header the program adds, an IP
+    /// header it rewrites whole): TC keeps the skb's receive checksum in step with
+    /// them, XDP has none to keep.
+    fn write_added<T: Copy>(&self, off: usize, value: &T) -> Result<(), ()>;
 }
 
 impl Packet for TcContext {
@@ -133,6 +163,30 @@ impl Packet for TcContext {
             flags |= BPF_F_MARK_MANGLED_0 as u64;
         }
         TcContext::l4_csum_replace(self, csum.off, 0, diff as u64, flags).map_err(|_| ())
+    }
+
+    /// `bpf_skb_adjust_room`: at the network layer (after the fixed IP header), or
+    /// at the MAC layer flagged as an encapsulation, so the kernel records the
+    /// inner headers and a GSO packet is segmented as a tunnel's (its segments
+    /// shrink by the outer header, so each still fits the MTU).
+    #[inline(always)]
+    fn open_room(&self, room: Room, len: u32) -> Result<(), ()> {
+        let (mode, flags) = match room {
+            Room::AfterIp { .. } => (BPF_ADJ_ROOM_NET, 0),
+            Room::AfterEthernet { v6: false } => {
+                (BPF_ADJ_ROOM_MAC, BPF_F_ADJ_ROOM_ENCAP_L3_IPV4 as u64)
+            }
+            Room::AfterEthernet { v6: true } => {
+                (BPF_ADJ_ROOM_MAC, BPF_F_ADJ_ROOM_ENCAP_L3_IPV6 as u64)
+            }
+        };
+        self.adjust_room(len as i32, mode, flags).map_err(|_| ())
+    }
+
+    #[inline(always)]
+    fn write_added<T: Copy>(&self, off: usize, value: &T) -> Result<(), ()> {
+        self.store(off, value, BPF_F_RECOMPUTE_CSUM as u64)
+            .map_err(|_| ())
     }
 }
 
@@ -240,6 +294,49 @@ impl Packet for XdpContext {
         }
         self.write(csum.off, &mangle_zero(csum, sum))
     }
+
+    /// `bpf_xdp_adjust_head` grows the frame at its front; the headers in front of
+    /// `room` then move there.
+    #[inline(always)]
+    fn open_room(&self, room: Room, len: u32) -> Result<(), ()> {
+        if len > 40 {
+            return Err(());
+        }
+        // SAFETY: the helper only moves the program's own frame's start, within
+        // the headroom the kernel keeps (it refuses a move past it).
+        if unsafe { bpf_xdp_adjust_head(self.ctx, -(len as i32)) } != 0 {
+            return Err(());
+        }
+        let from = len as usize;
+        match room {
+            Room::AfterIp { v6: false } => move_front::<{ ETH_HLEN + IP_HLEN }>(self, from),
+            Room::AfterIp { v6: true } => move_front::<{ ETH_HLEN + IP6_HLEN }>(self, from),
+            Room::AfterEthernet { .. } => move_front::<ETH_HLEN>(self, from),
+        }
+    }
+
+    #[inline(always)]
+    fn write_added<T: Copy>(&self, off: usize, value: &T) -> Result<(), ()> {
+        self.write(off, value)
+    }
+}
+
+/// The `N` header bytes at `from` move to the start of the frame; the `from` bytes
+/// behind them (the room [`Packet::open_room`] made) keep what they held, for the
+/// caller to overwrite. Word by word, front first (the destination lies before the
+/// source), through registers: a header-sized buffer would cost stack the
+/// programs do not have.
+#[inline(always)]
+fn move_front<const N: usize>(ctx: &XdpContext, from: usize) -> Result<(), ()> {
+    const { assert!(N % 4 == 2, "header lengths here are 14, 34 and 54") };
+    let mut at = 0;
+    while at + 4 <= N {
+        let w: u32 = ctx.read(from + at)?;
+        ctx.write(at, &w)?;
+        at += 4;
+    }
+    let tail: u16 = ctx.read(from + at)?;
+    ctx.write(at, &tail)
 }
 
 /// A UDP checksum that comes out as zero is sent as 0xffff (its one's-complement

@@ -3,7 +3,8 @@
 
 use aya_ebpf::helpers::generated::bpf_ktime_get_ns;
 use lb_common::{
-    CtKey, CtValue, CT_STATE_ESTABLISHED, CT_STATE_FIN, CT_STATE_RST, CT_STATE_SYN, IPPROTO_TCP,
+    CtKey, CtValue, CT_DIR_REPLY, CT_STATE_ESTABLISHED, CT_STATE_FIN, CT_STATE_RST, CT_STATE_SYN,
+    IPPROTO_TCP,
 };
 
 use crate::{
@@ -67,6 +68,40 @@ pub fn state_of(flow: &Flow) -> u8 {
     state
 }
 
+/// What a known flow's entry says about a packet of it.
+#[derive(Clone, Copy)]
+pub struct Known {
+    /// The tuple the packet leaves with.
+    pub to: Tuple,
+    /// The entry's `CT_DSR*` bits (read through the predicates below, which are
+    /// `CtValue`'s).
+    dsr: u8,
+    /// The entry is the flow's reply direction.
+    pub reply: bool,
+}
+
+impl Known {
+    #[inline(always)]
+    fn flags(&self) -> CtValue {
+        CtValue {
+            dsr: self.dsr,
+            ..CtValue::default()
+        }
+    }
+
+    /// The flow goes by DSR (`CtValue::is_dsr`).
+    #[inline(always)]
+    pub fn is_dsr(&self) -> bool {
+        self.flags().is_dsr()
+    }
+
+    /// Its packets travel inside an outer IP header (`CtValue::is_dsr_ipip`).
+    #[inline(always)]
+    pub fn is_dsr_ipip(&self) -> bool {
+        self.flags().is_dsr_ipip()
+    }
+}
+
 /// The translation of a known flow, with its entry refreshed for the GC.
 ///
 /// A SYN (or SYN-ACK) on the tuple of a flow that already ended (FIN or RST seen)
@@ -75,7 +110,7 @@ pub fn state_of(flow: &Flow) -> u8 {
 /// is balanced afresh and a SYN-ACK of a connection that never went through a
 /// Service (the client reached the pod directly) passes untouched.
 #[inline(always)]
-pub fn follow(flow: &Flow) -> Option<Tuple> {
+pub fn follow(flow: &Flow) -> Option<Known> {
     let key = key_of(flow);
     let entry = LB_CT.get_ptr_mut(key)?;
     // SAFETY: the pointer is valid for this program run; concurrent updates of the
@@ -97,14 +132,19 @@ pub fn follow(flow: &Flow) -> Option<Tuple> {
     if entry.state & state != state {
         entry.state |= state;
     }
-    Some(Tuple {
-        saddr: entry.nat_src_addr,
-        daddr: entry.nat_dst_addr,
-        sport: entry.nat_src_port,
-        dport: entry.nat_dst_port,
+    Some(Known {
+        to: Tuple {
+            saddr: entry.nat_src_addr,
+            daddr: entry.nat_dst_addr,
+            sport: entry.nat_src_port,
+            dport: entry.nat_dst_port,
+        },
+        dsr: entry.dsr,
+        reply: entry.dir == CT_DIR_REPLY,
     })
 }
 
+/// A new entry rewriting to `to`, without DSR (see [`CtValue::dsr`] for that).
 #[inline(always)]
 pub fn entry(to: &Tuple, backend_id: u32, rev_nat_id: u32, state: u8, dir: u8) -> CtValue {
     CtValue {
@@ -117,6 +157,7 @@ pub fn entry(to: &Tuple, backend_id: u32, rev_nat_id: u32, state: u8, dir: u8) -
         rev_nat_id,
         state,
         dir,
+        dsr: 0,
         _pad2: 0,
     }
 }

@@ -44,6 +44,23 @@ pub fn route<P: Packet>(
 ) -> (i64, bpf_fib_lookup) {
     // SAFETY: an all-zero bpf_fib_lookup is a valid request to fill in.
     let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    let rc = route_into(ctx, saddr, daddr, v6, ip_len, flags, &mut params);
+    (rc, params)
+}
+
+/// [`route`], answered in `params` (which may be map memory rather than stack).
+#[inline(always)]
+pub fn route_into<P: Packet>(
+    ctx: &P,
+    saddr: &IpAddrBe,
+    daddr: &IpAddrBe,
+    v6: bool,
+    ip_len: u16,
+    flags: u32,
+    params: &mut bpf_fib_lookup,
+) -> i64 {
+    // SAFETY: an all-zero bpf_fib_lookup is a valid request to fill in.
+    *params = unsafe { core::mem::zeroed() };
     params.ifindex = ctx.ingress_device();
     params.__bindgen_anon_1.tot_len = ip_len;
     if v6 {
@@ -55,16 +72,15 @@ pub fn route<P: Packet>(
         params.__bindgen_anon_3.ipv4_src = saddr.v4();
         params.__bindgen_anon_4.ipv4_dst = daddr.v4();
     }
-    // SAFETY: params lives on this stack frame for the call.
-    let rc = unsafe {
+    // SAFETY: params is a live, writable bpf_fib_lookup for the call.
+    unsafe {
         fib_lookup(
             ctx.as_ptr(),
-            &mut params,
+            params,
             core::mem::size_of::<bpf_fib_lookup>() as i32,
             flags,
         )
-    };
-    (rc, params)
+    }
 }
 
 /// [`route`] for TC, whose redirect resolves a missing neighbour itself: `None`

@@ -36,7 +36,7 @@ static LB_NODE_IPV6: IpAddrBe = IpAddrBe { words: [0; 4] };
 
 /// `--node-ip` of the flow's family, when given.
 #[inline(always)]
-fn node_ip(v6: bool) -> Option<IpAddrBe> {
+pub fn node_ip(v6: bool) -> Option<IpAddrBe> {
     if v6 {
         // SAFETY: a read-only global the loader patches; volatile so the compiler
         // does not fold the zero it sees at build time.
@@ -144,11 +144,12 @@ pub fn snat_source<P: Packet>(ctx: &P, flow: &Flow, chosen: &Chosen) -> Option<I
 }
 
 /// Writes the conntrack entries of a chosen flow and returns the tuple its packets
-/// leave with: `node` (from [`snat_source`]) becomes their source when given. The
+/// leave with: `node` (from [`snat_source`]) becomes their source when given;
+/// `dsr` (`CT_DSR*` bits, 0 but for a DSR flow) marks the forward entry. The
 /// flow is counted for its frontend; `Err` (counted: `TC_CT_FULL` or
 /// `TC_SNAT_EXHAUSTED`) means the packet must be dropped.
 #[inline(always)]
-pub fn commit(flow: &Flow, chosen: &Chosen, node: Option<IpAddrBe>) -> Result<Tuple, ()> {
+pub fn commit(flow: &Flow, chosen: &Chosen, node: Option<IpAddrBe>, dsr: u8) -> Result<Tuple, ()> {
     // What the backend's replies will come back to us as, and what they must become.
     let original_reply = reply_tuple(&Tuple {
         saddr: flow.saddr,
@@ -171,13 +172,14 @@ pub fn commit(flow: &Flow, chosen: &Chosen, node: Option<IpAddrBe>) -> Result<Tu
         dport: chosen.backend.port,
     };
     claim_reply(flow, &mut forward, &reply_entry, node)?;
-    let forward_entry = ct::entry(
+    let mut forward_entry = ct::entry(
         &forward,
         chosen.backend_id,
         rev_nat_id,
         ct::state_of(flow),
         CT_DIR_FORWARD,
     );
+    forward_entry.dsr = dsr;
     if ct::put(&ct::key_of(flow), &forward_entry).is_err() {
         stats::bump(stat::TC_CT_FULL);
         return Err(());

@@ -68,9 +68,14 @@ pub const NEXTHDR_FRAGMENT: u8 = IpProto::Ipv6Frag as u8;
 pub const NEXTHDR_AUTH: u8 = IpProto::Ah as u8;
 pub const NEXTHDR_DEST: u8 = IpProto::Ipv6Opts as u8;
 pub const NEXTHDR_ESP: u8 = IpProto::Esp as u8;
+/// IP in IP (RFC 2003) and IPv6 in IPv6 (RFC 2473): an inner packet right behind
+/// the outer header.
+pub const IPPROTO_IPIP: u8 = IpProto::Ipv4 as u8;
+pub const IPPROTO_IPV6: u8 = IpProto::Ipv6 as u8;
 
 // The wire formats, checked against the crate at build time.
 const _: () = assert!(ETH_HLEN == 14 && IP_HLEN == 20 && IP6_HLEN == 40);
+const _: () = assert!(IPPROTO_IPIP == 4 && IPPROTO_IPV6 == 41 && NEXTHDR_DEST == 60);
 const _: () = assert!(TCP_HLEN == 20 && UDP_HLEN == 8 && ICMP_HLEN == 8 && ICMP6_HLEN == 8);
 const _: () = assert!(IP_CSUM == 10 && IP6_SRC == 8 && TCP_CSUM == 16 && TCP_DOFF_FLAGS == 12);
 const _: () = assert!(L4_DPORT == TCP_DPORT && ICMP_HLEN == ICMP6_HLEN && ICMP_CSUM == ICMP6_CSUM);

@@ -16,13 +16,14 @@
 //! fragments follow their first), `icmp`/`icmp6` (errors about flows), `reject`;
 //! XDP's own: `xdp_lb` (its entry flow and sending), `mark` (the hand-over to TC).
 //! Shared with the hooks: `select` (frontend lookup, backend choice, affinity),
-//! `stats`.
+//! `stats`. Direct server return, both programs: `dsr`.
 #![no_std]
 #![no_main]
 
 mod access;
 mod csum;
 mod ct;
+mod dsr;
 mod fib;
 mod flow;
 mod frag;

@@ -9,9 +9,9 @@ use crate::access::{L4Csum, Packet};
 pub use crate::hdr::ETH_HLEN;
 use crate::hdr::{
     self, ETH_TYPE_IPV4_RAW, ETH_TYPE_IPV6_RAW, ICMP_HLEN, IP6_HLEN as IPV6_HLEN, IPPROTO_ICMP,
-    IPPROTO_ICMPV6 as NEXTHDR_ICMPV6, IP_HLEN as IPV4_MIN_HLEN, NEXTHDR_AUTH, NEXTHDR_DEST,
-    NEXTHDR_ESP, NEXTHDR_FRAGMENT, NEXTHDR_HOP, NEXTHDR_ROUTING, TCP_HLEN as TCP_MIN_HLEN,
-    UDP_HLEN,
+    IPPROTO_ICMPV6 as NEXTHDR_ICMPV6, IPPROTO_IPIP, IPPROTO_IPV6, IP_HLEN as IPV4_MIN_HLEN,
+    NEXTHDR_AUTH, NEXTHDR_DEST, NEXTHDR_ESP, NEXTHDR_FRAGMENT, NEXTHDR_HOP, NEXTHDR_ROUTING,
+    TCP_HLEN as TCP_MIN_HLEN, UDP_HLEN,
 };
 
 /// Offsets of the IPv6 hop limit and addresses in the frame.
@@ -142,6 +142,10 @@ pub enum Parsed {
     /// IPv6 whose extension headers were not followed to TCP/UDP: passed on
     /// untouched, and counted.
     Unhandled,
+    /// IPv4 in IPv4 or IPv6 in IPv6 right behind a fixed outer header, not
+    /// fragmented: maybe a DSR packet for this node (`dsr`), else not ours. No
+    /// payload, as for `Icmp6Error`: the family is the frame's EtherType.
+    Encapsulated,
     Flow(Flow),
 }
 
@@ -176,12 +180,15 @@ fn try_parse<P: Packet>(ctx: &P) -> Result<Parsed, ()> {
         return Err(());
     }
     let proto = byte(&ip, hdr::IP_PROTO);
+    let frag_off = be16(&ip, hdr::IP_FRAG_OFF);
+    if proto == IPPROTO_IPIP && ihl == IPV4_MIN_HLEN && frag_off & IP_MF_OFFSET_MASK == 0 {
+        return Ok(Parsed::Encapsulated);
+    }
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP && proto != IPPROTO_ICMP {
         return Ok(Parsed::Ignored);
     }
     let saddr = IpAddrBe::from_v4(word(&ip, hdr::IP_SRC));
     let daddr = IpAddrBe::from_v4(word(&ip, hdr::IP_DST));
-    let frag_off = be16(&ip, hdr::IP_FRAG_OFF);
     let id = u16::from_ne_bytes([byte(&ip, hdr::IP_ID), byte(&ip, hdr::IP_ID + 1)]) as u32;
     let fragmented = frag_off & IP_MF_OFFSET_MASK != 0;
     if fragmented && frag_off & IP_OFFSET_MASK != 0 {
@@ -278,6 +285,9 @@ fn try_parse6<P: Packet>(ctx: &P, packet_len: usize) -> Result<Parsed, ()> {
                 v6: true,
             }));
         }
+    }
+    if next == IPPROTO_IPV6 && off == ETH_HLEN + IPV6_HLEN {
+        return Ok(Parsed::Encapsulated);
     }
     if next == NEXTHDR_ICMPV6 {
         // Errors come without extension headers (a router's own message); one

@@ -9,7 +9,7 @@ use aya_ebpf::programs::TcContext;
 use lb_common::{stat, IPPROTO_TCP, SCOPE_EXTERNAL};
 
 use crate::{
-    ct, fib,
+    ct, dsr, fib,
     flow::{self, Refusal},
     frag, icmp, icmp6, mark,
     nat::{self, Tuple},
@@ -29,6 +29,14 @@ pub fn handle(ctx: &TcContext, scope: u8) -> i32 {
     let flow = match packet::parse(ctx) {
         Parsed::Flow(flow) => flow,
         Parsed::Ignored => return TC_ACT_OK,
+        Parsed::Encapsulated => {
+            if scope == SCOPE_EXTERNAL {
+                if let Some(verdict) = dsr::tc::arrive(ctx, true) {
+                    return verdict;
+                }
+            }
+            return TC_ACT_OK;
+        }
         Parsed::IcmpError(error) => return icmp::handle(ctx, &error),
         Parsed::Icmp6Error => return icmp6::handle(ctx),
         Parsed::Fragment(fragment) => return frag::follow(ctx, &fragment),
@@ -41,10 +49,22 @@ pub fn handle(ctx: &TcContext, scope: u8) -> i32 {
             return TC_ACT_OK;
         }
     };
+    // A DSR packet from an entry node, for a pod here: its option is one.
+    if scope == SCOPE_EXTERNAL && !flow.has_plain_ip_header() {
+        if let Some(verdict) = dsr::tc::arrive(ctx, false) {
+            return verdict;
+        }
+    }
     frag::forget(&flow);
-    if let Some(to) = ct::follow(&flow) {
+    if let Some(known) = ct::follow(&flow) {
         stats::bump(stat::TC_CT_HIT);
-        return apply(ctx, &flow, &to);
+        if known.is_dsr() {
+            if !known.reply {
+                return dsr::tc::forward(ctx, &flow, &known);
+            }
+            dsr::tc::reply(ctx, &flow, &known);
+        }
+        return apply(ctx, &flow, &known.to);
     }
     new_flow(ctx, &flow, scope)
 }
@@ -73,8 +93,13 @@ fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
         Ok(chosen) => chosen,
         Err(refusal) => return refused(ctx, flow, refusal),
     };
+    if scope == SCOPE_EXTERNAL && dsr::wanted(flow, &chosen) {
+        if let dsr::tc::Decision::Sent(verdict) = dsr::tc::new_flow(ctx, flow, &chosen) {
+            return verdict;
+        }
+    }
     let node = flow::snat_source(ctx, flow, &chosen);
-    let Ok(forward) = flow::commit(flow, &chosen, node) else {
+    let Ok(forward) = flow::commit(flow, &chosen, node, 0) else {
         return TC_ACT_SHOT;
     };
     stats::bump(stat::TC_NEW_FLOW);

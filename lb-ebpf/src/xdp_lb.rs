@@ -24,7 +24,7 @@ use lb_common::{stat, IpAddrBe, SCOPE_EXTERNAL};
 
 use crate::{
     access::Packet,
-    ct, fib,
+    ct, dsr, fib,
     flow::{self, Refusal},
     maps::LB_XDP_DEVMAP,
     mark,
@@ -45,7 +45,8 @@ struct NextHop {
 pub fn handle(ctx: &XdpContext) -> u32 {
     let flow = match packet::parse(ctx) {
         Parsed::Flow(flow) => flow,
-        Parsed::Ignored => return XDP_PASS,
+        // An outer header: perhaps a DSR packet for a pod here, which TC takes.
+        Parsed::Ignored | Parsed::Encapsulated => return XDP_PASS,
         Parsed::IcmpError(_) | Parsed::Icmp6Error => return pass(stat::XDP_PASS_ICMP_ERROR),
         Parsed::Fragment(_) => return pass(stat::XDP_PASS_FRAGMENT),
         Parsed::Malformed => return pass(stat::XDP_PASS_MALFORMED),
@@ -56,8 +57,11 @@ pub fn handle(ctx: &XdpContext) -> u32 {
     }
     // A hit refreshes the entry's time and state bits: what TC does again, to the
     // same values, should the packet still go there.
-    if let Some(to) = ct::follow(&flow) {
-        return known_flow(ctx, &flow, &to);
+    if let Some(known) = ct::follow(&flow) {
+        if known.is_dsr() {
+            return dsr_verdict(ctx, dsr::xdp::known(ctx, &flow, &known));
+        }
+        return known_flow(ctx, &flow, &known.to);
     }
     new_flow(ctx, &flow)
 }
@@ -106,6 +110,9 @@ fn new_flow(ctx: &XdpContext, flow: &Flow) -> u32 {
             return pass(stat::XDP_PASS_NO_BACKEND)
         }
     };
+    if dsr::wanted(flow, &chosen) {
+        return dsr_verdict(ctx, dsr::xdp::new_flow(ctx, flow, &chosen));
+    }
     let node = flow::snat_source(ctx, flow, &chosen);
     // Where the packet goes is settled before any entry is written: a flow XDP
     // cannot send on is TC's from its first packet.
@@ -118,7 +125,7 @@ fn new_flow(ctx: &XdpContext, flow: &Flow) -> u32 {
         }
         _ => None,
     };
-    let Ok(forward) = flow::commit(flow, &chosen, node) else {
+    let Ok(forward) = flow::commit(flow, &chosen, node, 0) else {
         return drop(stat::XDP_DROP_CONNTRACK);
     };
     stats::bump(stat::XDP_NEW_FLOW);
@@ -177,13 +184,30 @@ fn send(ctx: &XdpContext, flow: &Flow, to: &Tuple, hop: Option<NextHop>) -> u32 
         // Half-rewritten: its checksums no longer hold.
         return drop(stat::XDP_DROP_FAILED);
     }
-    if hop.ifindex == ctx.ingress_device() {
+    transmit(ctx, hop.ifindex)
+}
+
+/// The verdict for a frame of a DSR flow (`dsr::xdp`).
+#[inline(always)]
+fn dsr_verdict(ctx: &XdpContext, outcome: dsr::xdp::Outcome) -> u32 {
+    match outcome {
+        dsr::xdp::Outcome::Transmit(ifindex) => transmit(ctx, ifindex),
+        dsr::xdp::Outcome::Pass(reason) => pass(reason),
+        dsr::xdp::Outcome::Drop(reason) => drop(reason),
+    }
+}
+
+/// Sends a frame addressed to its next hop out of `ifindex`: back out of the
+/// device it came in on (`XDP_TX`), else redirected there.
+#[inline(always)]
+fn transmit(ctx: &XdpContext, ifindex: u32) -> u32 {
+    if ifindex == ctx.ingress_device() {
         stats::bump(stat::XDP_TX);
         return XDP_TX;
     }
     // The device was in the map a moment ago; should it have left since, the frame
     // is dropped (the fallback verdict), not passed rewritten.
-    match LB_XDP_DEVMAP.redirect(hop.ifindex, XDP_DROP as u64) {
+    match LB_XDP_DEVMAP.redirect(ifindex, XDP_DROP as u64) {
         Ok(verdict) => {
             stats::bump(stat::XDP_REDIRECT);
             verdict

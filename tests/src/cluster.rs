@@ -209,6 +209,14 @@ impl ClusterBuilder {
         self
     }
 
+    /// `n` nodes instead of two (at most 9), each routing every other node's pod
+    /// CIDRs.
+    pub fn nodes(mut self, n: usize) -> Self {
+        assert!((1..=9).contains(&n), "1 to 9 nodes, not {n}");
+        self.nodes = n;
+        self
+    }
+
     /// A second external client at [`CLIENT2_IP`], with the same routes as the
     /// first (e.g. to tell two sources apart).
     pub fn second_client(mut self) -> Self {
@@ -325,7 +333,8 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    /// Two nodes; add pods and routes, then [`ClusterBuilder::build`].
+    /// Two nodes (or [`ClusterBuilder::nodes`]); add pods and routes, then
+    /// [`ClusterBuilder::build`].
     pub fn builder() -> ClusterBuilder {
         ClusterBuilder {
             nodes: 2,
@@ -671,6 +680,13 @@ impl Cluster {
         self.client2
             .as_ref()
             .expect("built with ClusterBuilder::second_client")
+    }
+
+    /// The switch's namespace: its bridge `br0` and one port per host, `sw-node1`,
+    /// `sw-node2`, ..., `sw-ext` (the client), whose counters say what crossed
+    /// the switch to whom.
+    pub fn switch(&self) -> &NetNs {
+        &self.switch
     }
 
     /// Unique prefix of this cluster's namespace names.

@@ -20,6 +20,7 @@ use std::time::Duration;
 use crate::control::NodePortRange;
 use crate::datapath::conntrack;
 use crate::datapath::device_links::DeviceLinksError;
+use crate::datapath::forwarding::Forwarding;
 use crate::datapath::loader::{LoadError, TcAttach, XdpAttach};
 use crate::datapath::maps::MapsError;
 use crate::datapath::pins::{self, MapSizes, PinLayout, PinLockError};
@@ -66,6 +67,9 @@ pub struct AgentConfig {
     pub tc_mode: TcAttach,
     /// Whether `lb_xdp` goes in front of the TC program on node-facing devices.
     pub xdp_mode: XdpAttach,
+    /// `--lb-mode` and `--dsr-dispatch`: how the per-packet programs reach
+    /// backends on other nodes (SNAT, or direct server return).
+    pub forwarding: Forwarding,
     /// Devices whose role the operator fixed (`--iface`, `--pod-iface`).
     pub tc_overrides: Overrides,
     /// Conntrack idle timeouts of the per-packet path.

@@ -128,16 +128,19 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
     let loading = Instant::now();
     pins::check_map_sizes(&config.pin, config.sizes)?;
     let created_pins = CreatedPins::before_load(&config.pin);
-    let mut ebpf = loader::load(
+    let mut ebpf = loader::load_with(
         &object,
         &config.pin,
         config.sizes,
         &config.node_ips,
         config.maglev_seed,
+        config.forwarding,
     )?;
     loader::verify(&mut ebpf, config.tc_mode, config.xdp_mode)?;
     info!(
         load_ms = loading.elapsed().as_millis() as u64,
+        lb_mode = ?config.forwarding.mode,
+        dsr_dispatch = ?config.forwarding.dispatch,
         "datapath programs loaded"
     );
     let mut maps = PinnedMaps::open(&config.pin)?;

@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use lb_userspace::agent::{self, AgentConfig, ObjectSource};
 use lb_userspace::control::NodePortRange;
+use lb_userspace::datapath::forwarding::{DsrDispatch, Forwarding, LbMode};
 use lb_userspace::datapath::loader::{TcAttach, XdpAttach};
 use lb_userspace::datapath::maps::{ConntrackMap, PinnedMaps};
 use lb_userspace::datapath::pins::{self, MapSizes, PinLayout};
@@ -185,6 +186,19 @@ struct AgentArgs {
     /// `generic` is for testing only.
     #[arg(long, value_enum, default_value_t = XdpAttach::Off)]
     xdp: XdpAttach,
+    /// How flows entering a node-facing device (NodePort, LoadBalancer IPs,
+    /// externalIPs) reach a backend on another node: `snat` (to this node; replies
+    /// come back through it), `dsr` (direct server return: the backend sees the
+    /// client's address and its node answers the client directly; every node must
+    /// run lb, any mode), `hybrid` (DSR for TCP, SNAT for UDP).
+    #[arg(long, value_enum, default_value_t = LbMode::Snat)]
+    lb_mode: LbMode,
+    /// How DSR tells the backend's node the frontend: `opt` (an IPv4 option /
+    /// IPv6 destination option on a connection's SYN and on every UDP datagram; the
+    /// network must forward IP options) or `ipip` (every packet inside an outer
+    /// IPv4 / IPv6 header to the backend's node, for networks that drop options).
+    #[arg(long, value_enum, default_value_t = DsrDispatch::Opt)]
+    dsr_dispatch: DsrDispatch,
     /// Load this kernel object instead of the one built into `lb`.
     #[arg(long)]
     bpf_object: Option<PathBuf>,
@@ -591,6 +605,10 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
         },
         tc_mode: args.tc_attach,
         xdp_mode: args.xdp,
+        forwarding: Forwarding {
+            mode: args.lb_mode,
+            dispatch: args.dsr_dispatch,
+        },
         tc_overrides: Overrides {
             node_facing: args.ifaces,
             pod_facing: args.pod_ifaces,

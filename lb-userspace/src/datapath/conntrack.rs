@@ -50,6 +50,10 @@ pub struct Flow {
     pub snat: Option<SocketAddr>,
     /// `SYN`, `ESTABLISHED` or `CLOSING`.
     pub state: &'static str,
+    /// The flow goes by direct server return: on the entry node the backend sees
+    /// the client and answers it directly; on the backend's node (a flow known by
+    /// its reply entry alone) the backend's replies leave from the frontend.
+    pub dsr: bool,
     pub idle_ms: u64,
     pub backend_id: u32,
     #[serde(skip)]
@@ -162,6 +166,7 @@ pub fn flows(entries: &[(CtKey, CtValue)], now_ns: u64) -> Vec<Flow> {
                     backend: socket_addr(value.nat_dst_addr, value.nat_dst_port),
                     snat: (source_seen != client).then_some(source_seen),
                     state: state_name(key.proto, state),
+                    dsr: value.is_dsr(),
                     idle_ms,
                     backend_id: value.backend_id,
                     keys: [Some(*key), reply.map(|(k, _)| k)],
@@ -175,6 +180,7 @@ pub fn flows(entries: &[(CtKey, CtValue)], now_ns: u64) -> Vec<Flow> {
                 backend: socket_addr(key.src_addr, key.src_port),
                 snat: None,
                 state: state_name(key.proto, state),
+                dsr: value.is_dsr(),
                 idle_ms,
                 backend_id: value.backend_id,
                 keys: [None, Some(*key)],
@@ -235,7 +241,11 @@ pub fn render_text(flows: &[Flow]) -> String {
                 f.client.to_string(),
                 f.frontend.to_string(),
                 f.backend.to_string(),
-                f.snat.map_or("-".to_string(), |s| s.to_string()),
+                // A DSR flow has no SNAT: the backend sees the client.
+                f.snat.map_or_else(
+                    || if f.dsr { "dsr" } else { "-" }.to_string(),
+                    |s| s.to_string(),
+                ),
             ]
         })
         .collect();
@@ -301,6 +311,7 @@ mod tests {
             rev_nat_id: 1,
             state,
             dir,
+            dsr: 0,
             _pad2: 0,
         };
         vec![
@@ -369,6 +380,7 @@ mod tests {
             rev_nat_id: 1,
             state: CT_STATE_SYN,
             dir,
+            dsr: 0,
             _pad2: 0,
         };
         let entries = [

@@ -1,12 +1,14 @@
 //! The service table in the kernel's layout, and everything that touches the kernel
 //! for it: the map encoding ([`codec`]), what the maps hold ([`snapshot`], read back
 //! for `lb services` by [`table`]), the pinned maps ([`maps`]), conntrack and source
-//! ranges, the per-packet links on devices ([`device_links`]), loading and attaching
-//! ([`loader`]) and the pin directory ([`pins`]).
+//! ranges, the per-packet links on devices ([`device_links`]), how remote backends
+//! are reached ([`forwarding`]: SNAT or DSR), loading and attaching ([`loader`]) and
+//! the pin directory ([`pins`]).
 
 pub mod codec;
 pub mod conntrack;
 pub mod device_links;
+pub mod forwarding;
 pub mod loader;
 pub mod maps;
 pub mod pins;

@@ -10,6 +10,7 @@ use aya::{Ebpf, EbpfLoader};
 use lb_common::{map_names, program_names};
 
 use super::{program_error, LoadError, TcAttach, XdpAttach};
+use crate::datapath::forwarding::Forwarding;
 use crate::datapath::pins::{MapSizes, PinLayout};
 use lb_common::IpAddrBe;
 
@@ -127,13 +128,34 @@ pub(super) fn xdp_program(ebpf: &mut Ebpf) -> Result<&mut Xdp, LoadError> {
 /// prepares the programs without loading them into the kernel or attaching them;
 /// `node_ips` name the SNAT sources of the per-packet path, `maglev_seed` the seed
 /// its Maglev frontends hash flows with. Tests use this to run programs through
-/// BPF_PROG_TEST_RUN.
+/// BPF_PROG_TEST_RUN. Remote backends are reached by SNAT; see [`load_with`] for
+/// DSR.
 pub fn load(
     object: &[u8],
     layout: &PinLayout,
     sizes: MapSizes,
     node_ips: &[IpAddr],
     maglev_seed: u64,
+) -> Result<Ebpf, LoadError> {
+    load_with(
+        object,
+        layout,
+        sizes,
+        node_ips,
+        maglev_seed,
+        Forwarding::default(),
+    )
+}
+
+/// [`load`], with the programs reaching remote backends as `forwarding` says
+/// (`--lb-mode`, `--dsr-dispatch`).
+pub fn load_with(
+    object: &[u8],
+    layout: &PinLayout,
+    sizes: MapSizes,
+    node_ips: &[IpAddr],
+    maglev_seed: u64,
+    forwarding: Forwarding,
 ) -> Result<Ebpf, LoadError> {
     for dir in [layout.maps_dir(), layout.links_dir()] {
         fs::create_dir_all(&dir).map_err(|source| LoadError::PinDir { path: dir, source })?;
@@ -167,6 +189,8 @@ pub fn load(
     let node_ipv6 = first(true);
     loader.override_global("LB_NODE_IPV6", &node_ipv6, true);
     loader.override_global("LB_MAGLEV_SEED", &maglev_seed, true);
+    let dsr = forwarding.kernel_config();
+    loader.override_global("LB_DSR", &dsr, true);
     loader.load(object).map_err(|source| {
         let maps_dir = layout.maps_dir();
         match errno_in(&source) {
