@@ -40,8 +40,14 @@ pub mod map_names {
     /// The Maglev tables of the frontends flagged `SVC_FLAG_MAGLEV` (an ARRAY of
     /// [`crate::MaglevSlots`]).
     pub const MAGLEV: &str = "LB_MAGLEV";
+    /// Egress masquerading's translations (a HASH of [`crate::CtKey`] ->
+    /// [`crate::CtValue`], both directions of each flow).
+    pub const MASQ: &str = "LB_MASQ";
+    /// Egress masquerading's address sets: this node's pod CIDRs and the exempt
+    /// destinations (an LPM trie of [`crate::MasqCidrKey`]).
+    pub const MASQ_CIDRS: &str = "LB_MASQ_CIDRS";
     /// Every map the agent pins.
-    pub const ALL: [&str; 12] = [
+    pub const ALL: [&str; 14] = [
         SERVICES,
         BACKENDS,
         SOCK_REVNAT,
@@ -54,6 +60,8 @@ pub mod map_names {
         FRAG,
         XDP_DEVMAP,
         MAGLEV,
+        MASQ,
+        MASQ_CIDRS,
     ];
 }
 
@@ -93,6 +101,9 @@ pub mod program_names {
     pub const XDP_GEN: &str = "lb_xdp_gen";
     /// Drops every frame: the benchmark's sink (not attached by the agent).
     pub const XDP_DROP: &str = "lb_xdp_drop";
+    /// TC egress on node-facing devices with `--masquerade bpf`: local pods' traffic
+    /// to destinations outside the cluster leaves with the node's address.
+    pub const TC_EGRESS: &str = "lb_tc_egress";
 }
 
 /// The benchmark generator's frame (`lb_xdp_gen`): Ethernet, a 20-byte IPv4 header
@@ -105,6 +116,9 @@ pub const GEN_FRAME_WORDS: usize = GEN_FRAME_LEN / 2;
 /// IANA protocol numbers as `bpf_sock_addr.protocol` reports them.
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
+/// ICMP and ICMPv6: masqueraded echo flows (the identifier as the port).
+pub const IPPROTO_ICMP: u8 = 1;
+pub const IPPROTO_ICMPV6: u8 = 58;
 
 /// `ServiceValue::flags`: the Service has `sessionAffinity: ClientIP`.
 pub const SVC_FLAG_AFFINITY: u16 = 1 << 0;
@@ -586,6 +600,74 @@ const _: () = assert!(core::mem::size_of::<SourceRangeKey>() == 20);
 /// Bits of `SourceRangeKey::rev_nat_id`, before the address in the prefix length.
 pub const SOURCE_RANGE_PREFIX_BASE: u32 = 32;
 
+/// Data part of an `LB_MASQ_CIDRS` key (an LPM trie; the kernel prepends a `u32`
+/// prefix length, host byte order, counted in bits from the start of this struct).
+/// An entry for `addr/n` of set `kind` has prefix length `MASQ_CIDR_PREFIX_BASE +
+/// n` (an IPv4 `a.b.c.d/n` stored IPv4-mapped with `n + 96`), so the set always
+/// matches whole; a lookup uses the full 160 bits.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct MasqCidrKey {
+    /// `MASQ_CIDR_*`: which set the entry belongs to, host byte order (matched
+    /// whole, so its byte order does not matter to the trie).
+    pub kind: u32,
+    /// The range's address (a lookup: the packet's), network byte order, so the
+    /// trie's most-significant-bit-first matching is a prefix match.
+    pub address: IpAddrBe,
+}
+const _: () = assert!(core::mem::size_of::<MasqCidrKey>() == 20);
+
+/// `MasqCidrKey::kind`: this node's pod CIDRs; only packets from them are
+/// masqueraded.
+pub const MASQ_CIDR_POD_SOURCE: u32 = 1;
+/// `MasqCidrKey::kind`: destinations never masqueraded (ip-masq-agent's
+/// `nonMasqueradeCIDRs`, link-local, the cluster's pod CIDRs).
+pub const MASQ_CIDR_EXEMPT: u32 = 2;
+/// Bits of `MasqCidrKey::kind`, before the address in the prefix length.
+pub const MASQ_CIDR_PREFIX_BASE: u32 = 32;
+/// `LB_MASQ_CIDRS` entries: a few per pod CIDR and exempt range.
+pub const MASQ_CIDRS_MAX: u32 = 4096;
+/// Default capacity of `LB_MASQ` (`--masquerade-map-size`): entries, two per
+/// masqueraded flow. Not preallocated: memory follows the flows.
+pub const DEFAULT_MASQ_MAX: u32 = 131_072;
+
+/// What the per-packet programs are told about egress masquerading (`--masquerade`,
+/// `--nodeport-range`), a read-only global of the kernel object set at load time.
+/// Read through its predicates.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct MasqSettings {
+    /// 1: `--masquerade bpf`; 0: off (no program looks at `LB_MASQ`).
+    pub enabled: u8,
+    /// Explicit padding.
+    pub _pad: u8,
+    /// First port of the NodePort range, host byte order: masquerading never
+    /// takes a port in it (a new flow from outside to that NodePort would meet
+    /// the translation).
+    pub nodeport_first_host: u16,
+    /// Last port of the NodePort range, host byte order.
+    pub nodeport_last_host: u16,
+    /// Explicit padding.
+    pub _pad2: u16,
+}
+const _: () = assert!(core::mem::size_of::<MasqSettings>() == 8);
+
+impl MasqSettings {
+    /// `--masquerade bpf`.
+    #[inline(always)]
+    pub const fn is_enabled(&self) -> bool {
+        self.enabled != 0
+    }
+
+    /// `port` (host byte order) lies in the NodePort range.
+    #[inline(always)]
+    pub const fn is_node_port(&self, port: u16) -> bool {
+        port >= self.nodeport_first_host && port <= self.nodeport_last_host
+    }
+}
+
 /// Entries of `LB_XDP_DEVMAP`: the node-facing devices with `lb_xdp` attached, the
 /// only ones it redirects to. The key is the ifindex; the value is the kernel's
 /// `struct bpf_devmap_val` with `ifindex` equal to the key and no program.
@@ -872,8 +954,32 @@ pub mod stat {
     /// XDP, passed untouched to TC: a packet matching the reply entry of a DSR
     /// flow on the backend's node (TC rewrites it, counts it, clamps its MSS).
     pub const XDP_PASS_DSR_REPLY: u32 = 41;
+    /// Masquerade, egress: a new flow of a local pod to a destination outside the
+    /// exempt set got the node's address and a port (both entries written).
+    pub const MASQ_NEW_FLOW: u32 = 42;
+    /// Masquerade, egress: a packet of a masqueraded flow left with the node's
+    /// address (its first packet included).
+    pub const MASQ_EGRESS: u32 = 43;
+    /// Masquerade, ingress: a reply to a masqueraded flow was given back its pod's
+    /// address and port.
+    pub const MASQ_INGRESS: u32 = 44;
+    /// Masquerade, ingress: an ICMP or ICMPv6 error about a masqueraded flow was
+    /// rewritten for its pod (PMTU discovery through the masquerade).
+    pub const MASQ_ICMP_ERROR: u32 = 45;
+    /// Masquerade, egress: a new flow of a local pod to an exempt destination
+    /// (another pod, a `nonMasqueradeCIDRs` range), passed with the pod's address.
+    pub const MASQ_EXEMPT: u32 = 46;
+    /// Masquerade, egress: no port was free for a new flow towards its
+    /// destination (bounded tries); the packet was dropped. Never a shared port.
+    pub const MASQ_PORT_EXHAUSTED: u32 = 47;
+    /// Masquerade, egress: `LB_MASQ` refused the entries of a new flow (full,
+    /// see `--masquerade-map-size`); the packet was dropped.
+    pub const MASQ_MAP_FULL: u32 = 48;
+    /// Masquerade, egress: no node address for the flow (no route's source, no
+    /// `--node-ip` of the family); passed untranslated.
+    pub const MASQ_NO_SOURCE: u32 = 49;
     /// Number of counters.
-    pub const COUNT: u32 = 42;
+    pub const COUNT: u32 = 50;
     /// Human names, indexed like the constants.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -918,6 +1024,14 @@ pub mod stat {
         "dsr_snat_fallback",
         "dsr_plain",
         "xdp_pass_dsr_reply",
+        "masq_new_flow",
+        "masq_egress",
+        "masq_ingress",
+        "masq_icmp_error",
+        "masq_exempt",
+        "masq_port_exhausted",
+        "masq_map_full",
+        "masq_no_source",
     ];
 }
 
@@ -943,4 +1057,6 @@ mod user {
     unsafe impl aya::Pod for XdpMark {}
     unsafe impl aya::Pod for MaglevSlots {}
     unsafe impl aya::Pod for DsrConfig {}
+    unsafe impl aya::Pod for MasqCidrKey {}
+    unsafe impl aya::Pod for MasqSettings {}
 }

@@ -11,6 +11,7 @@ pub mod interpret;
 pub mod known;
 pub mod maglev;
 pub mod maglev_tables;
+pub mod masquerade;
 pub mod options;
 pub mod plan;
 pub mod topology;

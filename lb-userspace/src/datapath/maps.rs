@@ -792,7 +792,7 @@ fn lookup_batched<K: bytemuck::Pod, V: bytemuck::Pod>(
 /// batches: two syscalls per entry over the full `LB_SOCK_REVNAT` on every
 /// endpoint change took 53% of the CPU samples under churn. Entry by entry where
 /// the kernel has no batch lookup (before 5.6).
-fn read_in_batches<K: bytemuck::Pod + aya::Pod, V: bytemuck::Pod + aya::Pod>(
+pub(crate) fn read_in_batches<K: bytemuck::Pod + aya::Pod, V: bytemuck::Pod + aya::Pod>(
     map: &HashMap<MapData, K, V>,
     fd: BorrowedFd<'_>,
     name: &'static str,
@@ -826,7 +826,10 @@ fn read_in_batches<K: bytemuck::Pod + aya::Pod, V: bytemuck::Pod + aya::Pod>(
 }
 
 /// A lookup's value, `None` when the key is not there.
-fn found<V>(result: Result<V, MapError>, map: &'static str) -> Result<Option<V>, MapsError> {
+pub(crate) fn found<V>(
+    result: Result<V, MapError>,
+    map: &'static str,
+) -> Result<Option<V>, MapsError> {
     match result {
         Ok(value) => Ok(Some(value)),
         Err(MapError::KeyNotFound) => Ok(None),
@@ -835,7 +838,7 @@ fn found<V>(result: Result<V, MapError>, map: &'static str) -> Result<Option<V>,
 }
 
 /// Deleting what is already gone is success: the end state is what the plan wants.
-fn ignore_missing(result: Result<(), MapError>) -> Result<(), MapError> {
+pub(crate) fn ignore_missing(result: Result<(), MapError>) -> Result<(), MapError> {
     match result {
         Err(MapError::KeyNotFound) => Ok(()),
         other => other,

@@ -11,6 +11,7 @@ pub mod device_links;
 pub mod forwarding;
 pub mod loader;
 pub mod maps;
+pub mod masquerade;
 pub mod pins;
 pub mod snapshot;
 pub mod source_ranges;

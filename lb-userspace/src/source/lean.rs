@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use k8s_openapi::api::core::v1::{Node, NodeStatus};
+use k8s_openapi::api::core::v1::{Node, NodeSpec, NodeStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
@@ -507,7 +507,7 @@ api_resource!(
 
 /// Drops what this agent never reads of a Node (decoded whole, as k8s-openapi's):
 /// name and resource version stay (the cache keys and resumes by them); of the
-/// labels, only the zone; of the status, the addresses.
+/// labels, only the zone; of the spec, the pod CIDRs; of the status, the addresses.
 pub fn trim_node(node: &mut Node) {
     let meta = &mut node.metadata;
     meta.managed_fields = None;
@@ -517,7 +517,12 @@ pub fn trim_node(node: &mut Node) {
     if let Some(labels) = meta.labels.as_mut() {
         labels.retain(|k, _| k == LABEL_ZONE);
     }
-    node.spec = None;
+    // The pod CIDRs: what egress masquerading exempts, and its sources.
+    node.spec = node.spec.take().map(|spec| NodeSpec {
+        pod_cidr: spec.pod_cidr,
+        pod_cidrs: spec.pod_cidrs,
+        ..NodeSpec::default()
+    });
     node.status = node.status.take().map(|status| NodeStatus {
         addresses: status.addresses,
         ..NodeStatus::default()
@@ -659,10 +664,10 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn nodes_keep_their_addresses_and_zone() {
+    fn nodes_keep_their_addresses_zone_and_pod_cidrs() {
         let mut node: Node = serde_json::from_value(serde_json::json!({
             "metadata": {"name": "node-a", "labels": {LABEL_ZONE: "a", "kubernetes.io/os": "linux"}},
-            "spec": {"podCIDR": "10.244.1.0/24"},
+            "spec": {"podCIDR": "10.244.1.0/24", "podCIDRs": ["10.244.1.0/24"], "providerID": "x"},
             "status": {
                 "addresses": [{"type": "InternalIP", "address": "192.168.50.2"}],
                 "images": [{"names": ["registry/image:tag"], "sizeBytes": 1}],
@@ -676,6 +681,9 @@ pub(crate) mod tests {
         let status = node.status.as_ref().unwrap();
         assert!(status.images.is_none() && status.conditions.is_none());
         assert_eq!(status.addresses.as_ref().unwrap().len(), 1);
-        assert!(node.spec.is_none());
+        let spec = node.spec.as_ref().unwrap();
+        assert_eq!(spec.pod_cidr.as_deref(), Some("10.244.1.0/24"));
+        assert_eq!(spec.pod_cidrs.as_ref().unwrap().len(), 1);
+        assert!(spec.provider_id.is_none());
     }
 }

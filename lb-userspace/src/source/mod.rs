@@ -17,6 +17,7 @@ pub mod intern;
 pub mod kube;
 pub mod labels;
 pub mod lean;
+pub mod masq_config;
 pub mod problem;
 mod store;
 pub mod yaml;
