@@ -8,7 +8,8 @@
 
 use aya_ebpf::{
     bindings::{
-        bpf_fib_lookup, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SRC,
+        bpf_fib_lookup, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_OUTPUT,
+        BPF_FIB_LOOKUP_SRC,
     },
     helpers::generated::{bpf_fib_lookup as fib_lookup, bpf_redirect_neigh},
     programs::TcContext,
@@ -121,6 +122,34 @@ pub fn source_towards<P: Packet>(
     v6: bool,
 ) -> Option<IpAddrBe> {
     let route = lookup(ctx, saddr, daddr, v6, BPF_FIB_LOOKUP_SRC)?;
+    source_of(&route, v6)
+}
+
+/// At TC egress: the source address the node's routing gives a packet to `daddr`
+/// leaving through this device (what MASQUERADE picks: the route's preferred
+/// source, else the device's address). An output lookup on the device the packet
+/// leaves by, so the route is the one it is taking. `None` as for
+/// [`source_towards`].
+#[inline(always)]
+pub fn source_on_egress<P: Packet>(
+    ctx: &P,
+    saddr: &IpAddrBe,
+    daddr: &IpAddrBe,
+    v6: bool,
+) -> Option<IpAddrBe> {
+    let route = lookup(
+        ctx,
+        saddr,
+        daddr,
+        v6,
+        BPF_FIB_LOOKUP_SRC | BPF_FIB_LOOKUP_OUTPUT,
+    )?;
+    source_of(&route, v6)
+}
+
+/// The source address a `BPF_FIB_LOOKUP_SRC` lookup filled in, if any.
+#[inline(always)]
+fn source_of(route: &bpf_fib_lookup, v6: bool) -> Option<IpAddrBe> {
     if v6 {
         // SAFETY: the kernel filled the member of the union it was asked about.
         let source = IpAddrBe::from_v6(unsafe { route.__bindgen_anon_3.ipv6_src });

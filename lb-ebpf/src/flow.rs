@@ -16,7 +16,7 @@ use lb_common::{
 };
 
 use crate::{
-    access::Packet, ct, fib, maglev, nat::Tuple, packet::Flow, select, source_ranges, stats,
+    access::Packet, ct, fib, maglev, masq, nat::Tuple, packet::Flow, select, source_ranges, stats,
 };
 
 /// Source ports for SNAT when the client's own port is taken on the backend side.
@@ -216,6 +216,10 @@ fn claim_reply(
         }
         forward.sport = port;
         let reply_key = ct::key_of_tuple(&reply_tuple(forward), flow.proto);
+        // A port egress masquerading holds with the same peer is not free either.
+        if masq::holds(&reply_key) {
+            continue;
+        }
         if ct::claim(&reply_key, reply).is_ok() {
             return Ok(());
         }

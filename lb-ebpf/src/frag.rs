@@ -56,17 +56,24 @@ pub fn remember(flow: &Flow, to: &Tuple) {
     }
 }
 
+/// The (source, destination) a later fragment's first fragment was rewritten to,
+/// while it applies.
+#[inline(always)]
+pub fn translation(frag: &Fragment) -> Option<(IpAddrBe, IpAddrBe)> {
+    LB_FRAG
+        .get_ptr(key(frag.saddr, frag.daddr, frag.id, frag.proto))
+        // SAFETY: valid for this program run; the value is copied out at once.
+        .map(|entry| unsafe { *entry })
+        .filter(|entry| ct::now().wrapping_sub(entry.created_ns) < FRAG_TIMEOUT_NS)
+        .map(|entry| (entry.nat_src_addr, entry.nat_dst_addr))
+}
+
 /// A later fragment: rewritten and routed like its first fragment, or passed on
 /// untouched (and counted) when no first fragment of it was translated.
 #[inline(always)]
 pub fn follow(ctx: &TcContext, frag: &Fragment) -> i32 {
-    let found = LB_FRAG
-        .get_ptr(key(frag.saddr, frag.daddr, frag.id, frag.proto))
-        // SAFETY: valid for this program run; the value is copied out at once.
-        .map(|entry| unsafe { *entry })
-        .filter(|entry| ct::now().wrapping_sub(entry.created_ns) < FRAG_TIMEOUT_NS);
-    let (to_saddr, to_daddr) = match found {
-        Some(entry) => (entry.nat_src_addr, entry.nat_dst_addr),
+    let (to_saddr, to_daddr) = match translation(frag) {
+        Some(to) => to,
         None => {
             stats::bump(stat::TC_FRAGMENT);
             return TC_ACT_OK;

@@ -10,6 +10,7 @@ use lb_common::{stat, CtKey, IpAddrBe, CT_DIR_REPLY};
 use crate::{
     csum, fib,
     maps::LB_CT,
+    masq,
     packet::{IcmpError, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF},
     stats,
     verdict::{TC_ACT_OK, TC_ACT_SHOT},
@@ -62,8 +63,10 @@ fn translate(ctx: &TcContext, e: &IcmpError) -> Result<Option<(u32, u32)>, i64> 
         proto: e.inner.proto,
         _pad: [0; 3],
     };
+    // A Service flow's, else a masqueraded flow's (`masq`).
     // SAFETY: copied out at once.
-    let Some(entry) = (unsafe { LB_CT.get(key) }).copied() else {
+    let found = unsafe { LB_CT.get(key) }.or_else(|| masq::error_entry(&key));
+    let Some(entry) = found.copied() else {
         return Ok(None);
     };
     if entry.dir != CT_DIR_REPLY {

@@ -23,6 +23,7 @@ use lb_common::{CtKey, IpAddrBe, CT_DIR_REPLY, IPPROTO_TCP, IPPROTO_UDP};
 use crate::{
     csum, fib,
     maps::LB_CT,
+    masq,
     packet::{ICMP6_OFF, IP6_DST_OFF, IP6_PAYLOAD_LEN_OFF, IP6_SRC_OFF},
     stats,
     verdict::{TC_ACT_OK, TC_ACT_SHOT},
@@ -115,9 +116,11 @@ fn translate(ctx: &TcContext) -> Result<i32, i64> {
     s.key.proto = proto;
     s.key._pad = [0; 3];
     // By reference on purpose: the key stays in the scratch entry, off the stack.
+    // A Service flow's entry, else a masqueraded flow's (`masq`).
     // SAFETY: a pointer into the map's value, read before the program ends.
     #[allow(clippy::needless_borrows_for_generic_args)]
-    let Some(entry) = (unsafe { LB_CT.get(&s.key) }) else {
+    let found = unsafe { LB_CT.get(&s.key) }.or_else(|| masq::error_entry(&s.key));
+    let Some(entry) = found else {
         return Ok(pass);
     };
     if entry.dir != CT_DIR_REPLY {

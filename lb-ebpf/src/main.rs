@@ -15,6 +15,8 @@
 //! TC's own: `tc_lb` (its entry flow), `frag` (later
 //! fragments follow their first), `icmp`/`icmp6` (errors about flows), `reject`;
 //! XDP's own: `xdp_lb` (its entry flow and sending), `mark` (the hand-over to TC).
+//! Egress masquerading: `masq` (TC egress on node-facing devices, and the replies
+//! and ICMP errors the ingress path hands it).
 //! Shared with the hooks: `select` (frontend lookup, backend choice, affinity),
 //! `stats`. Direct server return, both programs: `dsr`.
 #![no_std]
@@ -33,6 +35,7 @@ mod icmp6;
 mod maglev;
 mod maps;
 mod mark;
+mod masq;
 mod nat;
 mod packet;
 mod reject;
@@ -117,6 +120,13 @@ pub fn lb_tc_external(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn lb_tc_internal(ctx: TcContext) -> i32 {
     tc_lb::handle(&ctx, SCOPE_INTERNAL)
+}
+
+/// TC egress on node-facing devices (`--masquerade bpf` only): local pods' traffic
+/// to destinations outside the cluster leaves with the node's address.
+#[classifier]
+pub fn lb_tc_egress(ctx: TcContext) -> i32 {
+    masq::egress(&ctx)
 }
 
 /// XDP on node-facing devices, in front of `lb_tc_external`: the external scope's

@@ -7,10 +7,11 @@ use aya_ebpf::{
 };
 use lb_common::{
     AffinityKey, AffinityValue, Attachment, Backend, CtKey, CtValue, FragKey, FragValue,
-    MaglevSlots, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
-    SvcStats, DEFAULT_AFFINITY_MAX, DEFAULT_BACKENDS_MAX, DEFAULT_CT_MAX, DEFAULT_FRAG_MAX,
-    DEFAULT_MAGLEV_SLOTS, DEFAULT_SERVICES_MAX, DEFAULT_SOCK_REVNAT_MAX, DEFAULT_SOURCE_RANGES_MAX,
-    MAGLEV_SLOTS_PER_ENTRY, XDP_DEVMAP_MAX,
+    MaglevSlots, MasqCidrKey, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
+    SourceRangeKey, SvcStats, DEFAULT_AFFINITY_MAX, DEFAULT_BACKENDS_MAX, DEFAULT_CT_MAX,
+    DEFAULT_FRAG_MAX, DEFAULT_MAGLEV_SLOTS, DEFAULT_MASQ_MAX, DEFAULT_SERVICES_MAX,
+    DEFAULT_SOCK_REVNAT_MAX, DEFAULT_SOURCE_RANGES_MAX, MAGLEV_SLOTS_PER_ENTRY, MASQ_CIDRS_MAX,
+    XDP_DEVMAP_MAX,
 };
 
 /// Not preallocated: sized for 100k frontends x 10 endpoints, memory follows the
@@ -96,3 +97,22 @@ pub static LB_MAGLEV: Array<
     MaglevSlots,
     { (DEFAULT_MAGLEV_SLOTS / MAGLEV_SLOTS_PER_ENTRY) as usize },
 > = Array::new();
+
+/// Egress masquerading's translations, both directions of each flow (see
+/// `masq.rs`), in conntrack's types. A plain hash, not LRU: an evicted half of a
+/// flow would free its port for another pod while the other half still names it
+/// (a shared mapping); a full map refuses new flows instead (counted), and the
+/// agent's collector expires entries with their flows. Not preallocated: memory
+/// follows the flows.
+#[btf_map]
+pub static LB_MASQ: HashMap<
+    CtKey,
+    CtValue,
+    { DEFAULT_MASQ_MAX as usize },
+    { aya_ebpf::bindings::BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+
+/// Egress masquerading's address sets (see `lb_common::MasqCidrKey`): this node's
+/// pod CIDRs and the exempt destinations; the value is unused (1).
+#[btf_map]
+pub static LB_MASQ_CIDRS: LpmTrie<MasqCidrKey, u8, { MASQ_CIDRS_MAX as usize }> = LpmTrie::new();

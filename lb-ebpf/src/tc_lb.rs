@@ -11,7 +11,7 @@ use lb_common::{stat, IPPROTO_TCP, SCOPE_EXTERNAL};
 use crate::{
     ct, dsr, fib,
     flow::{self, Refusal},
-    frag, icmp, icmp6, mark,
+    frag, icmp, icmp6, mark, masq,
     nat::{self, Tuple},
     packet::{self, Flow, Parsed},
     reject, stats,
@@ -28,6 +28,7 @@ pub fn handle(ctx: &TcContext, scope: u8) -> i32 {
     }
     let flow = match packet::parse(ctx) {
         Parsed::Flow(flow) => flow,
+        Parsed::Ignored if scope == SCOPE_EXTERNAL => return masq::ingress_other(ctx),
         Parsed::Ignored => return TC_ACT_OK,
         Parsed::Encapsulated => {
             if scope == SCOPE_EXTERNAL {
@@ -65,6 +66,12 @@ pub fn handle(ctx: &TcContext, scope: u8) -> i32 {
             dsr::tc::reply(ctx, &flow, &known);
         }
         return apply(ctx, &flow, &known.to);
+    }
+    // Replies to pods' masqueraded flows enter where the flows left.
+    if scope == SCOPE_EXTERNAL {
+        if let Some(to) = masq::reply(&flow) {
+            return apply(ctx, &flow, &to);
+        }
     }
     new_flow(ctx, &flow, scope)
 }

@@ -28,7 +28,7 @@ use lb_common::{program_names, stat, CtKey, CtValue, CT_DIR_FORWARD, CT_DIR_REPL
 use lb_common::{IpAddrBe, CT_DSR_IPIP};
 use lb_userspace::control::plan as reconcile;
 use lb_userspace::datapath::forwarding::{DsrDispatch, Forwarding, LbMode};
-use lb_userspace::datapath::loader;
+use lb_userspace::datapath::loader::{self, ProgramSettings};
 use lb_userspace::datapath::maps::{ConntrackMap, PinnedMaps};
 use lb_userspace::datapath::pins::{self, MapSizes, PinLayout};
 use lb_userspace::model::{BackendAddr, DesiredState, Frontend, FrontendSpec, Protocol};
@@ -143,7 +143,11 @@ impl Fixture {
             ..MapSizes::default()
         };
         let node_ips = [NODE.into(), NODE6.into()];
-        let mut ebpf = loader::load_with(&object, &layout, sizes, &node_ips, 0, forwarding)
+        let settings = ProgramSettings {
+            forwarding,
+            ..ProgramSettings::default()
+        };
+        let mut ebpf = loader::load_with(&object, &layout, sizes, &node_ips, &settings)
             .expect("load kernel object");
         let xdp: &mut Xdp = ebpf
             .program_mut(program_names::XDP)

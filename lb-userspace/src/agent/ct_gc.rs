@@ -2,16 +2,21 @@
 //! past their timeout. It used to run on the agent's loop, where reading `LB_CT`
 //! held every change behind it: on a kernel without preemption even an empty
 //! 512k-entry map takes one syscall of about 6 ms to walk (measured here), every
-//! few seconds.
+//! few seconds. With `--masquerade bpf` it also expires egress masquerading's
+//! translations (`LB_MASQ`) with their flows, by the same timeouts, and reports
+//! that map's pressure.
 
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use tracing::{debug, warn};
 
 use crate::datapath::conntrack;
 use crate::datapath::maps::{ConntrackMap, MapsError};
+use crate::datapath::masquerade::MasqMaps;
 use crate::datapath::pins::PinLayout;
+use crate::ops::AgentStatus;
+use lb_common::map_names;
 
 /// Why the collector could not start.
 #[derive(Debug, thiserror::Error)]
@@ -29,13 +34,17 @@ pub(super) struct Collector {
 }
 
 impl Collector {
-    /// Collects every `every`, with its own handle on the pinned map.
+    /// Collects every `every`, with its own handles on the pinned maps; with
+    /// `masquerade`, `LB_MASQ` too (its pressure goes to `status`).
     pub(super) fn spawn(
         pin: &PinLayout,
         timeouts: conntrack::Timeouts,
         every: Duration,
+        masquerade: bool,
+        status: Arc<AgentStatus>,
     ) -> Result<Self, CollectorError> {
         let mut map = ConntrackMap::open(pin)?;
+        let mut masq = masquerade.then(|| MasqMaps::open(pin)).transpose()?;
         let (stop, stopped) = mpsc::channel::<()>();
         std::thread::Builder::new()
             .name("lb-ct-gc".into())
@@ -43,6 +52,9 @@ impl Collector {
                 // Normal priority: expired flows must go as fast as they come.
                 while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(every) {
                     collect(&mut map, &timeouts);
+                    if let Some(masq) = &mut masq {
+                        collect_translations(masq, &timeouts, &status);
+                    }
                 }
             })
             .map_err(CollectorError::Thread)?;
@@ -81,4 +93,33 @@ fn collect_idle_flows(
         removed += 1;
     }
     Ok(removed)
+}
+
+/// Deletes the masquerade translations of flows idle past their timeout, as
+/// [`collect_idle_flows`] does (an entry touched since the scan stays); the map's
+/// pressure (entries / capacity) goes to `/metrics` on the way.
+fn collect_translations(maps: &mut MasqMaps, timeouts: &conntrack::Timeouts, status: &AgentStatus) {
+    let result = (|| {
+        let entries = maps.translations()?;
+        status.set_map_usage(map_names::MASQ, entries.len(), maps.capacity());
+        let idle = conntrack::expired(&entries, conntrack::monotonic_now_ns(), timeouts);
+        drop(entries);
+        let mut removed = 0;
+        for (key, seen) in idle {
+            let Some(current) = maps.translation(&key)? else {
+                continue;
+            };
+            if current.last_seen_ns != seen {
+                continue;
+            }
+            maps.remove_translation(&key)?;
+            removed += 1;
+        }
+        Ok::<_, MapsError>(removed)
+    })();
+    match result {
+        Ok(0) => {}
+        Ok(n) => debug!(entries = n, "masquerade translations expired"),
+        Err(e) => warn!("masquerade garbage collection failed: {e}"),
+    }
 }

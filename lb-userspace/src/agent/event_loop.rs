@@ -1,11 +1,12 @@
 //! The loop: every event becomes at most one change. Objects from the source,
-//! the node's devices and addresses, the consistency check and the retry of a
-//! refused write each wait in one `select!`. (The conntrack collector runs on a
-//! thread of its own: `ct_gc`.)
+//! the node's devices and addresses, the ip-masq-agent file, the consistency check
+//! and the retry of a refused write each wait in one `select!`. (The conntrack
+//! collector, masquerade translations included, runs on a thread of its own:
+//! `ct_gc`.)
 
 use std::time::Duration;
 
-use tokio::time::{interval_at, Instant, MissedTickBehavior};
+use tokio::time::{interval, interval_at, Instant, MissedTickBehavior};
 use tracing::{debug, info, warn};
 
 use super::change::Cause;
@@ -38,6 +39,14 @@ pub(super) async fn follow(
     let every = agent.config.consistency_interval;
     let mut check_every = interval_at(Instant::now() + every, every);
     check_every.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    // The ip-masq-agent file is looked at once a second (a stat; read only when
+    // it changed): a ConfigMap update swaps symlinks, which inotify on the path
+    // does not follow reliably.
+    let mut masq_file = interval(Duration::from_secs(1));
+    masq_file.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    if let Some(masquerade) = &mut agent.masquerade {
+        masquerade.sync(&agent.nodes);
+    }
     let mut net_followed = true;
     // Deadlines, not fresh sleeps: a `sleep` made in the `select!` starts again on
     // every turn of the loop, so under a steady stream of changes it never ends.
@@ -55,6 +64,14 @@ pub(super) async fn follow(
             (true, None) => Some(Instant::now() + RETRY_INTERVAL),
         };
         let wake = tokio::select! {
+            _ = masq_file.tick(), if agent.masquerade.is_some() => {
+                if let Some(masquerade) = &mut agent.masquerade {
+                    if masquerade.reload() {
+                        masquerade.sync(&agent.nodes);
+                    }
+                }
+                continue;
+            }
             _ = check_every.tick(), if agent.attached && batches.is_none() => {
                 batches = agent.start_check();
                 continue;

@@ -9,6 +9,7 @@ mod change;
 mod consistency;
 mod ct_gc;
 mod event_loop;
+mod masquerade;
 mod names;
 mod node_objects;
 mod start;
@@ -95,6 +96,13 @@ pub struct AgentConfig {
     /// `--maglev-seed`: the Maglev tables' and flow hash's seed, the same on every
     /// node.
     pub maglev_seed: u64,
+    /// `--masquerade`: egress masquerading of local pods' traffic in BPF.
+    pub masquerade: crate::control::masquerade::MasqueradeMode,
+    /// `--ip-masq-agent-config`: ip-masq-agent's file, followed for changes.
+    pub ip_masq_agent_config: Option<PathBuf>,
+    /// `--cluster-cidr` (kube-proxy's flag): the cluster's pod ranges, where the
+    /// Nodes' `spec.podCIDRs` do not say.
+    pub cluster_cidrs: Vec<ipnet::IpNet>,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -14,9 +14,10 @@ use super::names::FrontendNames;
 use super::{AgentConfig, AgentError, ObjectSource};
 use crate::control::index::DesiredIndex;
 use crate::control::known::KnownTable;
+use crate::control::masquerade::MasqueradeMode;
 use crate::control::SourceOptions;
 use crate::datapath::device_links::DeviceLinks;
-use crate::datapath::loader::{self, LoadError, TcAttach};
+use crate::datapath::loader::{self, LoadError, ProgramSettings, TcAttach};
 use crate::datapath::maps::PinnedMaps;
 use crate::datapath::pins::{self, CreatedPins, PinLock, PinLockError, Wait};
 use crate::node::host;
@@ -27,6 +28,7 @@ use crate::source::changes::ChangeReceiver;
 use crate::source::{files, kube, FileError, ObjectError};
 use crate::stale_sockets;
 use k8s_openapi::api::core::v1::Node;
+use lb_common::MasqSettings;
 
 /// A running agent: what it holds between changes.
 pub(super) struct Agent {
@@ -64,6 +66,8 @@ pub(super) struct Agent {
     pub(super) created_pins: CreatedPins,
     /// Map directories of other layout versions, unpinned once the hooks attached.
     pub(super) retired: Vec<PathBuf>,
+    /// Egress masquerading (`--masquerade bpf`).
+    pub(super) masquerade: Option<super::masquerade::Masquerade>,
     /// Held until the listeners are closed (see [`Agent::stop`]).
     pin_lock: Option<PinLock>,
     listeners: Vec<tokio::task::JoinHandle<()>>,
@@ -106,7 +110,10 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
             kube::watch(
                 client,
                 kube::KubeWatchOptions {
-                    node_name: Some(config.node_name.clone()),
+                    // Masquerading needs every Node's pod CIDRs; otherwise this
+                    // node's object is all the agent reads.
+                    node_name: (config.masquerade == MasqueradeMode::Off)
+                        .then(|| config.node_name.clone()),
                     ..Default::default()
                 },
             )
@@ -128,15 +135,25 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
     let loading = Instant::now();
     pins::check_map_sizes(&config.pin, config.sizes)?;
     let created_pins = CreatedPins::before_load(&config.pin);
+    let masquerading = config.masquerade == MasqueradeMode::Bpf;
+    let settings = ProgramSettings {
+        maglev_seed: config.maglev_seed,
+        forwarding: config.forwarding,
+        masquerade: MasqSettings {
+            enabled: u8::from(masquerading),
+            nodeport_first_host: config.node_port_range.first,
+            nodeport_last_host: config.node_port_range.last,
+            ..MasqSettings::default()
+        },
+    };
     let mut ebpf = loader::load_with(
         &object,
         &config.pin,
         config.sizes,
         &config.node_ips,
-        config.maglev_seed,
-        config.forwarding,
+        &settings,
     )?;
-    loader::verify(&mut ebpf, config.tc_mode, config.xdp_mode)?;
+    loader::verify(&mut ebpf, config.tc_mode, config.xdp_mode, masquerading)?;
     info!(
         load_ms = loading.elapsed().as_millis() as u64,
         lb_mode = ?config.forwarding.mode,
@@ -153,8 +170,13 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
         },
         status.clone(),
     )?;
-    let collector =
-        super::ct_gc::Collector::spawn(&config.pin, config.ct_timeouts, config.ct_gc_interval)?;
+    let collector = super::ct_gc::Collector::spawn(
+        &config.pin,
+        config.ct_timeouts,
+        config.ct_gc_interval,
+        masquerading,
+        status.clone(),
+    )?;
     let names = FrontendNames::default();
     // A second handle for scrapes, so /metrics reads fresh datapath counters.
     names.serve_scrapes(&status, PinnedMaps::open(&config.pin)?);
@@ -162,7 +184,14 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
         off: config.tc_mode == TcAttach::Off,
         ..config.tc_overrides.clone()
     };
-    let links = DeviceLinks::new(&config.pin, config.tc_mode, config.xdp_mode)?;
+    let links = DeviceLinks::new(&config.pin, config.tc_mode, config.xdp_mode, masquerading)?;
+    let masquerade = super::masquerade::Masquerade::start(
+        config.masquerade,
+        &config.pin,
+        config.ip_masq_agent_config.clone(),
+        config.cluster_cidrs.clone(),
+        config.node_name.clone(),
+    )?;
     let index = DesiredIndex::new(SourceOptions {
         node_name: config.node_name.clone(),
         node_ips: config.node_ips.clone(),
@@ -192,6 +221,7 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
         _collector: collector,
         created_pins,
         retired,
+        masquerade,
         pin_lock: Some(pin_lock),
         listeners,
     };

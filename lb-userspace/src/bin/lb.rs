@@ -7,10 +7,12 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use lb_userspace::agent::{self, AgentConfig, ObjectSource};
+use lb_userspace::control::masquerade::MasqueradeMode;
 use lb_userspace::control::NodePortRange;
 use lb_userspace::datapath::forwarding::{DsrDispatch, Forwarding, LbMode};
 use lb_userspace::datapath::loader::{TcAttach, XdpAttach};
 use lb_userspace::datapath::maps::{ConntrackMap, PinnedMaps};
+use lb_userspace::datapath::masquerade::{self, MasqMaps};
 use lb_userspace::datapath::pins::{self, MapSizes, PinLayout};
 use lb_userspace::datapath::{conntrack, device_links, table};
 use lb_userspace::model::{Algorithm, Frontend, Protocol, Scope};
@@ -84,6 +86,13 @@ enum Command {
     Agent(Box<AgentArgs>),
     /// Print the service table as the kernel programs see it.
     Services {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print egress masquerading's translations (`lb agent --masquerade bpf`): each
+    /// pod flow, its destination and the node address and port it left with, and
+    /// how full the map is.
+    Masquerade {
         #[arg(long)]
         json: bool,
     },
@@ -269,6 +278,27 @@ struct AgentArgs {
     /// no room picks at random, and the agent says so.
     #[arg(long, default_value_t = lb_common::DEFAULT_MAGLEV_SLOTS, value_parser = maglev_slots)]
     maglev_table_slots: u32,
+    /// Egress masquerading: `bpf` gives local pods' traffic to destinations outside
+    /// the cluster the node's address on every node-facing device (as iptables
+    /// MASQUERADE does), replies translated back; `off` (the default) leaves it to
+    /// the CNI or ip-masq-agent. Turn theirs off when turning this on.
+    #[arg(long, value_enum, default_value_t = MasqueradeMode::Off)]
+    masquerade: MasqueradeMode,
+    /// ip-masq-agent's config file (YAML or JSON: nonMasqueradeCIDRs, masqLinkLocal,
+    /// masqLinkLocalIPv6), followed for changes; a bad file is reported and the last
+    /// good one kept. Without it: ip-masq-agent's defaults (the private and
+    /// reserved ranges, link-local). The cluster's pod CIDRs are never masqueraded.
+    #[arg(long)]
+    ip_masq_agent_config: Option<PathBuf>,
+    /// The cluster's pod ranges (kube-proxy's --cluster-cidr), comma-separated,
+    /// one per family: exempt from masquerading, and its sources on a node whose
+    /// Node object gives no spec.podCIDRs.
+    #[arg(long, value_delimiter = ',')]
+    cluster_cidr: Vec<ipnet::IpNet>,
+    /// Capacity of LB_MASQ, egress masquerading's translations: two entries per
+    /// flow; a full map drops new flows (counted as masq_map_full).
+    #[arg(long, default_value_t = lb_common::DEFAULT_MASQ_MAX, value_parser = map_size())]
+    masquerade_map_size: u32,
 }
 
 /// `--maglev-seed`: a u64, decimal or `0x`-hex.
@@ -414,6 +444,25 @@ fn main() -> Result<()> {
                 emit(&table::render_text(&frontends))
             }
         }
+        Command::Masquerade { json } => {
+            let maps = MasqMaps::open(&layout)?;
+            let entries = maps.translations()?;
+            let flows = masquerade::translations(&entries, conntrack::monotonic_now_ns());
+            if json {
+                let report = serde_json::json!({
+                    "entries": entries.len(),
+                    "capacity": maps.capacity(),
+                    "flows": flows,
+                });
+                emit(&(serde_json::to_string_pretty(&report)? + "\n"))
+            } else {
+                emit(&masquerade::render_text(
+                    &flows,
+                    entries.len(),
+                    maps.capacity(),
+                ))
+            }
+        }
         Command::Conntrack { json } => {
             let map = ConntrackMap::open(&layout)?;
             let flows = conntrack::flows(&map.entries()?, conntrack::monotonic_now_ns());
@@ -437,7 +486,13 @@ fn main() -> Result<()> {
         }
         Command::Stats { json, .. } => {
             let maps = PinnedMaps::open(&layout)?;
-            let stats = maps.stats()?;
+            let mut stats: Vec<(&str, u64)> = maps.stats()?;
+            // Egress masquerading's pressure (its map is there whatever the mode).
+            if let Ok(masq) = MasqMaps::open(&layout) {
+                let entries = masq.translations().map_or(0, |e| e.len());
+                stats.push(("masq_map_entries", entries as u64));
+                stats.push(("masq_map_capacity", u64::from(masq.capacity())));
+            }
             if json {
                 let object: serde_json::Map<String, serde_json::Value> = stats
                     .into_iter()
@@ -602,6 +657,7 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
             affinity: args.affinity_map_size,
             conntrack: args.conntrack_map_size,
             maglev_slots: args.maglev_table_slots,
+            masquerade: args.masquerade_map_size,
         },
         tc_mode: args.tc_attach,
         xdp_mode: args.xdp,
@@ -632,6 +688,9 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
         terminate_tcp: args.terminate_tcp_to_removed_endpoints,
         lb_algorithm: args.lb_algorithm,
         maglev_seed: args.maglev_seed,
+        masquerade: args.masquerade,
+        ip_masq_agent_config: args.ip_masq_agent_config,
+        cluster_cidrs: args.cluster_cidr,
         consistency_interval: Duration::from_secs(args.consistency_check_interval_secs),
     };
     let runtime = tokio::runtime::Builder::new_current_thread()

@@ -207,7 +207,12 @@ pub fn expired(
         let (key, value) = match &pair {
             Pair::Forward { key, value, .. } | Pair::Orphan { key, value } => (*key, *value),
         };
-        let protocol = Protocol::from_number(key.proto).unwrap_or(Protocol::Tcp);
+        // Everything but TCP (UDP, and masqueraded ICMP echo) by UDP's timeout.
+        let protocol = if key.proto == IPPROTO_TCP {
+            Protocol::Tcp
+        } else {
+            Protocol::Udp
+        };
         let idle = Duration::from_millis(now_ns.saturating_sub(last_seen) / 1_000_000);
         if idle <= timeout_for(protocol, state_name(key.proto, state), timeouts) {
             return;

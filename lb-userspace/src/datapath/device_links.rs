@@ -230,6 +230,18 @@ struct Attached {
     /// The TCX link's pin, if TCX.
     pin: Option<PathBuf>,
     xdp: XdpState,
+    /// `lb_tc_egress` (masquerading), on node-facing devices.
+    egress: Egress,
+}
+
+/// `lb_tc_egress` on one device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Egress {
+    None,
+    /// A TCX link, pinned here.
+    Tcx(PathBuf),
+    /// lb's netlink filter slot on the egress side.
+    Netlink,
 }
 
 /// One device's `lb_xdp` as `lb status` and the agent's log report it.
@@ -254,6 +266,8 @@ pub struct DeviceLinks {
     devmap: Option<DevMapHash<MapData>>,
     current: BTreeMap<u32, Attached>,
     netns: u64,
+    /// `--masquerade bpf`: `lb_tc_egress` on node-facing devices too.
+    masquerade: bool,
 }
 
 impl DeviceLinks {
@@ -261,6 +275,7 @@ impl DeviceLinks {
         layout: &PinLayout,
         mode: TcAttach,
         xdp: XdpAttach,
+        masquerade: bool,
     ) -> Result<Self, DeviceLinksError> {
         let xdp = if mode == TcAttach::Off {
             XdpAttach::Off
@@ -288,6 +303,7 @@ impl DeviceLinks {
             devmap,
             current: BTreeMap::new(),
             netns: current_netns(),
+            masquerade: masquerade && mode != TcAttach::Off,
         })
     }
 
@@ -300,7 +316,11 @@ impl DeviceLinks {
                     XdpState::Attached { pin, .. } => Some(pin.clone()),
                     _ => None,
                 };
-                a.pin.clone().into_iter().chain(xdp)
+                let egress = match &a.egress {
+                    Egress::Tcx(pin) => Some(pin.clone()),
+                    _ => None,
+                };
+                a.pin.clone().into_iter().chain(xdp).chain(egress)
             })
             .collect()
     }
@@ -357,12 +377,16 @@ impl DeviceLinks {
             if let Some(pin) = &old.pin {
                 let _ = std::fs::remove_file(pin);
             }
+            if let Egress::Tcx(pin) = &old.egress {
+                let _ = std::fs::remove_file(pin);
+            }
             self.drop_xdp(index, &old.xdp);
             self.record.remove(index);
             info!(device = %old.want.name, ifindex = index, "device gone; detached");
         }
         for (&index, want) in wanted {
             if self.current.get(&index).is_some_and(|a| a.want == *want) {
+                all &= self.sync_egress(ebpf, index);
                 continue;
             }
             match self.attach(ebpf, want) {
@@ -377,6 +401,7 @@ impl DeviceLinks {
                     }
                     if let Some(old) = &old {
                         self.drop_xdp(index, &old.xdp);
+                        self.drop_egress(&old.want.name, &old.egress);
                     }
                     let xdp = self.attach_xdp(ebpf, index, want, net);
                     self.record
@@ -394,8 +419,10 @@ impl DeviceLinks {
                             want: want.clone(),
                             pin,
                             xdp,
+                            egress: Egress::None,
                         },
                     );
+                    all &= self.sync_egress(ebpf, index);
                 }
                 Err(e) => {
                     all = false;
@@ -408,12 +435,74 @@ impl DeviceLinks {
 
     fn attach(&self, ebpf: &mut Ebpf, want: &Attachment) -> Result<Option<PathBuf>, LoadError> {
         let program = program_of(want.role);
-        match loader::attach_tc_device(ebpf, program, &want.name, self.mode)? {
+        match loader::attach_tc_device(ebpf, program, &want.name, self.mode, TcAttachType::Ingress)?
+        {
             TcLink::Tcx(link) => {
                 let name = loader::tc_pin_name(program, &want.name);
                 loader::pin_link(link, program, &self.links_dir, &name).map(Some)
             }
             TcLink::Netlink => Ok(None),
+        }
+    }
+
+    /// Puts `lb_tc_egress` on the device `index` when masquerading wants it there
+    /// (node-facing devices) and takes it off otherwise; false when it could not
+    /// be attached (tried again with the device's next sync).
+    fn sync_egress(&mut self, ebpf: &mut Ebpf, index: u32) -> bool {
+        let masquerade = self.masquerade;
+        let (mode, links_dir) = (self.mode, self.links_dir.clone());
+        let Some(attached) = self.current.get_mut(&index) else {
+            return true;
+        };
+        let wanted = masquerade && attached.want.role == Role::NodeFacing;
+        let name = attached.want.name.clone();
+        match (&attached.egress, wanted) {
+            (Egress::None, false) => true,
+            (Egress::Tcx(_) | Egress::Netlink, true) => true,
+            (Egress::Tcx(_) | Egress::Netlink, false) => {
+                let old = std::mem::replace(&mut attached.egress, Egress::None);
+                self.drop_egress(&name, &old);
+                true
+            }
+            (Egress::None, true) => {
+                let program = program_names::TC_EGRESS;
+                let attached_now =
+                    loader::attach_tc_device(ebpf, program, &name, mode, TcAttachType::Egress)
+                        .and_then(|link| match link {
+                            TcLink::Tcx(link) => {
+                                let pin_name = loader::tc_pin_name(program, &name);
+                                loader::pin_link(link, program, &links_dir, &pin_name)
+                                    .map(Egress::Tcx)
+                            }
+                            TcLink::Netlink => Ok(Egress::Netlink),
+                        });
+                match attached_now {
+                    Ok(egress) => {
+                        info!(device = %name, ifindex = index, "lb_tc_egress attached (masquerading)");
+                        if let Some(a) = self.current.get_mut(&index) {
+                            a.egress = egress;
+                        }
+                        true
+                    }
+                    Err(e) => {
+                        warn!(device = %name, "masquerading not attached (tried again in a second): {e}");
+                        false
+                    }
+                }
+            }
+        }
+    }
+
+    /// Lets go of `lb_tc_egress` on a device.
+    fn drop_egress(&self, device: &str, egress: &Egress) {
+        match egress {
+            Egress::None => {}
+            Egress::Tcx(pin) => {
+                let _ = std::fs::remove_file(pin);
+            }
+            Egress::Netlink => {
+                detach_netlink_side(device, TcAttachType::Egress);
+            }
         }
     }
 
@@ -506,12 +595,18 @@ fn driver_of(device: &str) -> String {
         .map_or_else(|| "the device".to_owned(), |d| format!("the {d} driver"))
 }
 
-/// Removes lb's filter slot on `device` if the device still exists; a missing
-/// device or filter is fine.
+/// Removes lb's filter slots on `device` (ingress, and egress where masquerading
+/// put one) if the device still exists; a missing device or filter is fine.
+/// True when the ingress one was there.
 fn detach_netlink_slot(device: &str) -> bool {
+    detach_netlink_side(device, TcAttachType::Egress);
+    detach_netlink_side(device, TcAttachType::Ingress)
+}
+
+fn detach_netlink_side(device: &str, side: TcAttachType) -> bool {
     match SchedClassifierLink::attached(
         device,
-        TcAttachType::Ingress,
+        side,
         loader::NETLINK_PRIORITY,
         loader::NETLINK_HANDLE,
         None,

@@ -50,15 +50,17 @@ pub(crate) fn tc_pin_name(program: &str, device: &str) -> String {
     format!("{program}_{}", device.replace('.', "_"))
 }
 
-/// Attaches `program` (loading it if needed) to `device`'s ingress.
+/// Attaches `program` (loading it if needed) to `device`'s ingress, or with
+/// `TcAttachType::Egress` its egress (masquerading).
 pub(crate) fn attach_tc_device(
     ebpf: &mut Ebpf,
     program: &'static str,
     device: &str,
     mode: TcAttach,
+    direction: TcAttachType,
 ) -> Result<TcLink, LoadError> {
     let prog = tc_program(ebpf, program)?;
-    attach_tc(prog, program, device, mode)
+    attach_tc(prog, program, device, mode, direction)
 }
 
 fn attach_cgroup(
@@ -211,6 +213,7 @@ fn attach_tc(
     program: &'static str,
     iface: &str,
     mode: TcAttach,
+    direction: TcAttachType,
 ) -> Result<TcLink, LoadError> {
     let tc_error = |message: String| LoadError::TcAttach {
         program,
@@ -220,7 +223,7 @@ fn attach_tc(
     if uses_tcx(mode) {
         let options = TcAttachOptions::TcxOrder(LinkOrder::default());
         let link_id = prog
-            .attach_with_options(iface, TcAttachType::Ingress, options)
+            .attach_with_options(iface, direction, options)
             .map_err(|e| tc_error(error_chain(&e)))?;
         let link = prog
             .take_link(link_id)
@@ -248,14 +251,14 @@ fn attach_tc(
         handle: NETLINK_HANDLE,
         ..NlOptions::default()
     });
-    let link_id = match prog.attach_with_options(iface, TcAttachType::Ingress, options) {
+    let link_id = match prog.attach_with_options(iface, direction, options) {
         Ok(id) => id,
         // Our slot is taken by a previous agent's filter: replace its program in
         // place, so no packet meets an empty slot.
         Err(e) if program_errno(&e) == Some(libc::EEXIST) => {
             let existing = SchedClassifierLink::attached(
                 iface,
-                TcAttachType::Ingress,
+                direction,
                 NETLINK_PRIORITY,
                 NETLINK_HANDLE,
                 None,

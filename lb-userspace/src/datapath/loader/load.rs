@@ -12,7 +12,7 @@ use lb_common::{map_names, program_names};
 use super::{program_error, LoadError, TcAttach, XdpAttach};
 use crate::datapath::forwarding::Forwarding;
 use crate::datapath::pins::{MapSizes, PinLayout};
-use lb_common::IpAddrBe;
+use lb_common::{IpAddrBe, MasqSettings};
 
 /// The kernel object embedded at build time (empty when it was not built).
 static EMBEDDED_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf.o"));
@@ -33,13 +33,21 @@ pub fn kernel_object(path: Option<&Path>) -> Result<Vec<u8>, LoadError> {
 /// any: the agent does this while the first sync is still being read, so the
 /// verifier's time is off the path to serving, and a rejection stops the start
 /// before a single map write. `attach` loads whatever this did not.
-pub fn verify(ebpf: &mut Ebpf, tc: TcAttach, xdp: XdpAttach) -> Result<(), LoadError> {
+pub fn verify(
+    ebpf: &mut Ebpf,
+    tc: TcAttach,
+    xdp: XdpAttach,
+    masquerade: bool,
+) -> Result<(), LoadError> {
     for program in program_names::ALL {
         cgroup_program(ebpf, program)?;
     }
     if tc != TcAttach::Off {
         for program in [program_names::TC_EXTERNAL, program_names::TC_INTERNAL] {
             tc_program(ebpf, program)?;
+        }
+        if masquerade {
+            tc_program(ebpf, program_names::TC_EGRESS)?;
         }
         if xdp != XdpAttach::Off {
             xdp_program(ebpf)?;
@@ -124,12 +132,27 @@ pub(super) fn xdp_program(ebpf: &mut Ebpf) -> Result<&mut Xdp, LoadError> {
     loaded_program(ebpf, program_names::XDP)
 }
 
+/// What the per-packet programs are told at load time, beyond the map sizes: each
+/// field becomes a read-only global of the kernel object, so a new agent's programs
+/// carry new settings and the verifier walks only the branches they enable.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProgramSettings {
+    /// `--maglev-seed`: the seed Maglev frontends hash flows with.
+    pub maglev_seed: u64,
+    /// `--lb-mode`, `--dsr-dispatch`: how remote backends are reached (SNAT by
+    /// default).
+    pub forwarding: Forwarding,
+    /// `--masquerade` and the NodePort range its ports stay out of (off by
+    /// default).
+    pub masquerade: MasqSettings,
+}
+
 /// Creates (or reopens, keeping their contents across restarts) the pinned maps and
 /// prepares the programs without loading them into the kernel or attaching them;
 /// `node_ips` name the SNAT sources of the per-packet path, `maglev_seed` the seed
 /// its Maglev frontends hash flows with. Tests use this to run programs through
-/// BPF_PROG_TEST_RUN. Remote backends are reached by SNAT; see [`load_with`] for
-/// DSR.
+/// BPF_PROG_TEST_RUN. Remote backends are reached by SNAT and nothing is
+/// masqueraded; see [`load_with`] for the other settings.
 pub fn load(
     object: &[u8],
     layout: &PinLayout,
@@ -137,25 +160,20 @@ pub fn load(
     node_ips: &[IpAddr],
     maglev_seed: u64,
 ) -> Result<Ebpf, LoadError> {
-    load_with(
-        object,
-        layout,
-        sizes,
-        node_ips,
+    let settings = ProgramSettings {
         maglev_seed,
-        Forwarding::default(),
-    )
+        ..ProgramSettings::default()
+    };
+    load_with(object, layout, sizes, node_ips, &settings)
 }
 
-/// [`load`], with the programs reaching remote backends as `forwarding` says
-/// (`--lb-mode`, `--dsr-dispatch`).
+/// [`load`], with every load-time setting of the programs (`settings`).
 pub fn load_with(
     object: &[u8],
     layout: &PinLayout,
     sizes: MapSizes,
     node_ips: &[IpAddr],
-    maglev_seed: u64,
-    forwarding: Forwarding,
+    settings: &ProgramSettings,
 ) -> Result<Ebpf, LoadError> {
     for dir in [layout.maps_dir(), layout.links_dir()] {
         fs::create_dir_all(&dir).map_err(|source| LoadError::PinDir { path: dir, source })?;
@@ -175,6 +193,7 @@ pub fn load_with(
         .map_max_entries(map_names::AFFINITY, sizes.affinity)
         .map_max_entries(map_names::CT, sizes.conntrack)
         .map_max_entries(map_names::MAGLEV, sizes.maglev_entries())
+        .map_max_entries(map_names::MASQ, sizes.masquerade)
         // One counter entry per frontend at most.
         .map_max_entries(map_names::SVC_STATS, sizes.services);
     // The first address of each family; none (zero): the kernel's FIB picks one.
@@ -188,9 +207,10 @@ pub fn load_with(
     loader.override_global("LB_NODE_IPV4", &node_ipv4, true);
     let node_ipv6 = first(true);
     loader.override_global("LB_NODE_IPV6", &node_ipv6, true);
-    loader.override_global("LB_MAGLEV_SEED", &maglev_seed, true);
-    let dsr = forwarding.kernel_config();
+    loader.override_global("LB_MAGLEV_SEED", &settings.maglev_seed, true);
+    let dsr = settings.forwarding.kernel_config();
     loader.override_global("LB_DSR", &dsr, true);
+    loader.override_global("LB_MASQ_SETTINGS", &settings.masquerade, true);
     loader.load(object).map_err(|source| {
         let maps_dir = layout.maps_dir();
         match errno_in(&source) {

@@ -16,7 +16,7 @@ pub(crate) use attach::{
     attach_tc_device, attach_xdp_device, pin_link, tc_pin_name, uses_tcx, TcLink, NETLINK_HANDLE,
     NETLINK_PRIORITY,
 };
-pub use load::{kernel_object, load, load_with, verify};
+pub use load::{kernel_object, load, load_with, verify, ProgramSettings};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {

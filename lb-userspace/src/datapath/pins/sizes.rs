@@ -22,6 +22,9 @@ pub struct MapSizes {
     /// `LB_MAGLEV`'s capacity in table slots (`--maglev-table-slots`), a multiple of
     /// four: the map has a quarter as many entries.
     pub maglev_slots: u32,
+    /// `LB_MASQ`'s capacity (`--masquerade-map-size`): two entries per
+    /// masqueraded flow.
+    pub masquerade: u32,
 }
 
 impl MapSizes {
@@ -40,6 +43,7 @@ impl Default for MapSizes {
             affinity: lb_common::DEFAULT_AFFINITY_MAX,
             conntrack: lb_common::DEFAULT_CT_MAX,
             maglev_slots: lb_common::DEFAULT_MAGLEV_SLOTS,
+            masquerade: lb_common::DEFAULT_MASQ_MAX,
         }
     }
 }
@@ -72,7 +76,7 @@ pub enum PinsError {
 
 /// The maps sized by a flag, with the flag, the size it asks for, and how many of
 /// the flag's units one map entry holds.
-fn sized_maps(sizes: MapSizes) -> [(&'static str, &'static str, u32, u32); 6] {
+fn sized_maps(sizes: MapSizes) -> [(&'static str, &'static str, u32, u32); 7] {
     [
         (
             map_names::SERVICES,
@@ -104,6 +108,12 @@ fn sized_maps(sizes: MapSizes) -> [(&'static str, &'static str, u32, u32); 6] {
             "--maglev-table-slots",
             sizes.maglev_slots,
             lb_common::MAGLEV_SLOTS_PER_ENTRY,
+        ),
+        (
+            map_names::MASQ,
+            "--masquerade-map-size",
+            sizes.masquerade,
+            1,
         ),
     ]
 }
