@@ -168,6 +168,19 @@ pub fn pod_gateway(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 244, 1 + u8::try_from(i).expect("at most 9 nodes"), 1)
 }
 
+/// The host outside the cluster ([`ClusterBuilder::outside_host`]): reached only
+/// through node1's second uplink `up1` (node1 there: [`OUTSIDE_GATEWAY`]), and
+/// routing only to the node network, as the internet routes only to a cloud
+/// node's address: a packet from a pod address that reaches it cannot be answered.
+/// Outside every range ip-masq-agent leaves alone by default.
+pub const OUTSIDE_IP: Ipv4Addr = Ipv4Addr::new(11, 0, 0, 2);
+/// node1's address on `up1`, the link to the outside host: the source the node's
+/// routing gives traffic leaving there (what MASQUERADE picks).
+pub const OUTSIDE_GATEWAY: Ipv4Addr = Ipv4Addr::new(11, 0, 0, 1);
+/// The outside host's and node1's `up1` IPv6 addresses.
+pub const OUTSIDE_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x11, 0, 0, 0, 0, 2);
+pub const OUTSIDE_GATEWAY6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x11, 0, 0, 0, 0, 1);
+
 /// Connect timeout of probes that expect to be dropped: short, and explicit.
 pub const DROP_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -196,9 +209,18 @@ pub struct ClusterBuilder {
     accept_local: bool,
     second_client: bool,
     xdp_ready: bool,
+    outside_host: bool,
 }
 
 impl ClusterBuilder {
+    /// The host outside the cluster at [`OUTSIDE_IP`] / [`OUTSIDE_IP6`], running
+    /// lb-echo (whoami, echo ports), beyond node1's second uplink; node2 routes
+    /// there via node1.
+    pub fn outside_host(mut self) -> Self {
+        self.outside_host = true;
+        self
+    }
+
     /// Make the network fit for `lb_xdp` on the nodes' uplinks, as a network of
     /// NICs would be: the switch's ports to the nodes run a pass program (a veth
     /// delivers what XDP transmits into it only then), and the clients and pods
@@ -323,6 +345,8 @@ pub struct Cluster {
     xdp_peers: Vec<crate::xdp::XdpPass>,
     /// Pods get complete checksums ([`ClusterBuilder::xdp_ready`]).
     xdp_ready: bool,
+    /// The host outside the cluster ([`ClusterBuilder::outside_host`]).
+    outside: Option<Pod>,
     client: NetNs,
     client2: Option<NetNs>,
     switch: NetNs,
@@ -343,6 +367,7 @@ impl Cluster {
             accept_local: std::env::var("LB_TEST_ACCEPT_LOCAL").is_ok_and(|v| v == "1"),
             second_client: false,
             xdp_ready: false,
+            outside_host: false,
         }
     }
 
@@ -363,6 +388,7 @@ impl Cluster {
             nodes: Vec::new(),
             xdp_peers: Vec::new(),
             xdp_ready: spec.xdp_ready,
+            outside: None,
             client,
             client2,
             switch,
@@ -417,7 +443,99 @@ impl Cluster {
                 ])?;
             }
         }
+        if spec.outside_host {
+            cluster.outside = Some(cluster.add_outside()?);
+        }
         Ok(cluster)
+    }
+
+    /// The outside host: a namespace behind node1's `up1`, routing only to the
+    /// node network; node2 reaches it via node1.
+    fn add_outside(&self) -> Result<Pod> {
+        let ns = NetNs::create(&format!("{}-out", self.base))?;
+        let node1 = &self.nodes[0].ns;
+        node1.ip(&[
+            "link",
+            "add",
+            "up1",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            ns.name(),
+        ])?;
+        node1.ip(&[
+            "addr",
+            "add",
+            &format!("{OUTSIDE_GATEWAY}/24"),
+            "dev",
+            "up1",
+        ])?;
+        node1.ip(&[
+            "addr",
+            "add",
+            &format!("{OUTSIDE_GATEWAY6}/64"),
+            "dev",
+            "up1",
+            "nodad",
+        ])?;
+        node1.ip(&["link", "set", "up1", "up"])?;
+        node1.sysctls(&[("net/ipv4/conf/up1/rp_filter", "0")])?;
+        ns.ip(&["addr", "add", &format!("{OUTSIDE_IP}/24"), "dev", "eth0"])?;
+        ns.ip(&[
+            "addr",
+            "add",
+            &format!("{OUTSIDE_IP6}/64"),
+            "dev",
+            "eth0",
+            "nodad",
+        ])?;
+        ns.ip(&["link", "set", "eth0", "up"])?;
+        // Only the node network: pod addresses stay unknown out here.
+        ns.ip(&[
+            "route",
+            "add",
+            "192.168.50.0/24",
+            "via",
+            &OUTSIDE_GATEWAY.to_string(),
+        ])?;
+        ns.ip(&[
+            "route",
+            "add",
+            "fd00:50::/64",
+            "via",
+            &OUTSIDE_GATEWAY6.to_string(),
+        ])?;
+        for node in self.nodes.iter().skip(1) {
+            node.ns.ip(&[
+                "route",
+                "add",
+                "11.0.0.0/24",
+                "via",
+                &node_ip(0).to_string(),
+            ])?;
+            node.ns.ip(&[
+                "route",
+                "add",
+                "2001:db8:11::/64",
+                "via",
+                &node_ip6(0).to_string(),
+            ])?;
+        }
+        let mut host = Pod::standalone("outside", ns, OUTSIDE_IP, Some(OUTSIDE_IP6));
+        host.start_echo_with(
+            &self.tools.echo,
+            &[ECHO_TCP_PORT, ECHO_UDP_PORT],
+            &["--whoami-port".into(), WHOAMI_PORT.to_string()],
+        )?;
+        Ok(host)
+    }
+
+    /// The host outside the cluster ([`ClusterBuilder::outside_host`]).
+    pub fn outside(&self) -> &Pod {
+        self.outside.as_ref().expect("built with outside_host()")
     }
 
     /// Connect `ns` to the switch: `eth0` = `ip`/24 and `ip6`/64 in `ns`, `sw_if`

@@ -467,6 +467,22 @@ pub fn node_yaml(name: &str, zone: &str) -> String {
     y
 }
 
+/// A Node object `name` whose `spec.podCIDRs` (and `podCIDR`, the first) are
+/// `cidrs`, as the node IPAM controller writes them.
+pub fn node_yaml_with_pod_cidrs(name: &str, cidrs: &[&str]) -> String {
+    let mut y = String::from("apiVersion: v1\nkind: Node\n");
+    y += &metadata(name, &[]).replace(&format!("  namespace: {NAMESPACE}\n"), "");
+    y += "spec:\n";
+    if let Some(first) = cidrs.first() {
+        let _ = writeln!(y, "  podCIDR: {first}");
+    }
+    y += "  podCIDRs:\n";
+    for cidr in cidrs {
+        let _ = writeln!(y, "  - {cidr}");
+    }
+    y
+}
+
 /// `metadata:` as the API server returns it.
 fn metadata(name: &str, labels: &[(&str, &str)]) -> String {
     static VERSION: AtomicU32 = AtomicU32::new(1000);

@@ -130,6 +130,18 @@ impl Pod {
         Ok(())
     }
 
+    /// A host in namespace `ns` (set up by the caller) at `ip` (and `ip6`), which
+    /// can run lb-echo like a pod: e.g. a host outside the cluster.
+    pub fn standalone(name: &str, ns: NetNs, ip: Ipv4Addr, ip6: Option<Ipv6Addr>) -> Pod {
+        Pod {
+            server: None,
+            name: name.to_string(),
+            ip,
+            ip6,
+            ns,
+        }
+    }
+
     /// Create namespace `ns_name` holding pod `name`: its eth0 (`ip`/24, default
     /// route via `gateway`) is a veth whose other end, `host_if`, is put in
     /// `host` as a port of `bridge`.
