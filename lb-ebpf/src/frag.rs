@@ -56,24 +56,29 @@ pub fn remember(flow: &Flow, to: &Tuple) {
     }
 }
 
-/// The (source, destination) a later fragment's first fragment was rewritten to,
-/// while it applies.
+/// The entry of a later fragment's datagram, while it applies.
 #[inline(always)]
-pub fn translation(frag: &Fragment) -> Option<(IpAddrBe, IpAddrBe)> {
+fn live_entry(frag: &Fragment) -> Option<FragValue> {
     LB_FRAG
         .get_ptr(key(frag.saddr, frag.daddr, frag.id, frag.proto))
         // SAFETY: valid for this program run; the value is copied out at once.
         .map(|entry| unsafe { *entry })
         .filter(|entry| ct::now().wrapping_sub(entry.created_ns) < FRAG_TIMEOUT_NS)
-        .map(|entry| (entry.nat_src_addr, entry.nat_dst_addr))
+}
+
+/// The (source, destination) a later fragment's first fragment was rewritten to,
+/// while it applies.
+#[inline(always)]
+pub fn translation(frag: &Fragment) -> Option<(IpAddrBe, IpAddrBe)> {
+    live_entry(frag).map(|entry| (entry.nat_src_addr, entry.nat_dst_addr))
 }
 
 /// A later fragment: rewritten and routed like its first fragment, or passed on
 /// untouched (and counted) when no first fragment of it was translated.
 #[inline(always)]
 pub fn follow(ctx: &TcContext, frag: &Fragment) -> i32 {
-    let (to_saddr, to_daddr) = match translation(frag) {
-        Some(to) => to,
+    let (to_saddr, to_daddr) = match live_entry(frag) {
+        Some(entry) => (entry.nat_src_addr, entry.nat_dst_addr),
         None => {
             stats::bump(stat::TC_FRAGMENT);
             return TC_ACT_OK;

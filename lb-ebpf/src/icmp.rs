@@ -63,9 +63,12 @@ fn translate(ctx: &TcContext, e: &IcmpError) -> Result<Option<(u32, u32)>, i64> 
         proto: e.inner.proto,
         _pad: [0; 3],
     };
-    // A Service flow's, else a masqueraded flow's (`masq`).
+    // A Service flow's, else a masqueraded flow's (`masq`). By reference on
+    // purpose: passed by value, the key was copied for the first lookup and kept
+    // for the second, 40 more bytes of a frame at the kernel's limit.
     // SAFETY: copied out at once.
-    let found = unsafe { LB_CT.get(key) }.or_else(|| masq::error_entry(&key));
+    #[allow(clippy::needless_borrows_for_generic_args)]
+    let found = unsafe { LB_CT.get(&key) }.or_else(|| masq::error_entry(&key));
     let Some(entry) = found.copied() else {
         return Ok(None);
     };

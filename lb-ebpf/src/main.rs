@@ -15,8 +15,9 @@
 //! TC's own: `tc_lb` (its entry flow), `frag` (later
 //! fragments follow their first), `icmp`/`icmp6` (errors about flows), `reject`;
 //! XDP's own: `xdp_lb` (its entry flow and sending), `mark` (the hand-over to TC).
-//! Egress masquerading: `masq` (TC egress on node-facing devices, and the replies
-//! and ICMP errors the ingress path hands it).
+//! Egress masquerading: `masq` (TC egress on node-facing devices; at TC ingress
+//! there, the replies, ahead of the Service path, and the ICMP errors
+//! `icmp`/`icmp6` hand it).
 //! Shared with the hooks: `select` (frontend lookup, backend choice, affinity),
 //! `stats`. Direct server return, both programs: `dsr`.
 #![no_std]
@@ -53,7 +54,7 @@ use aya_ebpf::{
     macros::{cgroup_sock_addr, classifier, xdp},
     programs::{SockAddrContext, TcContext, XdpContext},
 };
-use lb_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
+use lb_common::SCOPE_INTERNAL;
 
 /// cgroup hooks: 1 lets the call proceed, 0 rejects it with the errno set via
 /// `bpf_set_retval` (EPERM if none was set).
@@ -112,7 +113,7 @@ pub fn lb_getpeername6(ctx: SockAddrContext) -> i32 {
 /// ClusterIP traffic from other nodes.
 #[classifier]
 pub fn lb_tc_external(ctx: TcContext) -> i32 {
-    tc_lb::handle(&ctx, SCOPE_EXTERNAL)
+    tc_lb::handle_external(&ctx)
 }
 
 /// TC ingress on pod-facing devices: pods whose sockets the cgroup hooks do not see,

@@ -41,6 +41,7 @@ use crate::{
     ct, fib, flow, frag,
     hdr::{self, ETH_TYPE_IPV4_RAW, ETH_TYPE_IPV6_RAW},
     maps::{LB_CT, LB_MASQ, LB_MASQ_CIDRS},
+    mark,
     nat::{self, Tuple},
     packet::{
         self, Flow, Fragment, Parsed, ETH_HLEN, IP6_DST_OFF, IP6_SRC_OFF, IP_CSUM_OFF, IP_DST_OFF,
@@ -119,10 +120,17 @@ fn settings() -> MasqSettings {
     }
 }
 
-/// `--masquerade bpf`.
+/// `--masquerade bpf`. Only the flag is read: the Service path asks on every
+/// packet, and its frame has no room to spare.
 #[inline(always)]
 pub fn enabled() -> bool {
-    settings().is_enabled()
+    // SAFETY: as in `settings`.
+    let enabled = unsafe { core::ptr::read_volatile(&LB_MASQ_SETTINGS.enabled) };
+    MasqSettings {
+        enabled,
+        ..MasqSettings::default()
+    }
+    .is_enabled()
 }
 
 /// Whether `addr` lies in the set `kind` of `LB_MASQ_CIDRS`.
@@ -271,37 +279,59 @@ fn egress_fragment(ctx: &TcContext, fragment: &Fragment) -> i32 {
     TC_ACT_OK
 }
 
-/// A reply to a masqueraded flow, arriving on a node-facing device: what it must
-/// become (the pod's address and port). `None` when masquerading is off or the
-/// packet is no such reply.
+/// `lb_tc_external`, before the Service path: a reply to a masqueraded flow (TCP,
+/// UDP, echo), arriving where the flow left, given back its pod's address and
+/// port. The verdict, or `None` when masquerading is off or the packet is no such
+/// reply (the Service path goes on with it). The pod is routed to by the stack, as
+/// the reply's source stays the peer's. A Service flow's packet never matches
+/// here: a masquerade port is never one `LB_CT` holds with that peer, nor the
+/// other way round.
+///
+/// A subprogram with a parse of its own, which a thin `lb_tc_external` calls
+/// before the Service path's subprogram (`tc_lb::handle_external`): inlined into
+/// the Service path, as it was before DSR grew that path, it pushed the frame past
+/// the kernel's 512 bytes; called from inside the path, its frame would add to
+/// the path's.
 #[inline(always)]
-pub fn reply(flow: &Flow) -> Option<Tuple> {
+pub fn ingress(ctx: &TcContext) -> Option<i32> {
     if !enabled() {
         return None;
     }
-    let to = follow(flow, CT_DIR_REPLY)?;
-    stats::bump(stat::MASQ_INGRESS);
-    Some(to)
+    match ingress_reply(ctx.skb.skb) {
+        NOT_A_REPLY => None,
+        verdict => Some(verdict),
+    }
 }
 
-/// What the ingress path does with a packet the parser ignored: an echo reply to
-/// a masqueraded ping gets its pod's address and identifier back; anything else
-/// passes.
-#[inline(always)]
-pub fn ingress_other(ctx: &TcContext) -> i32 {
-    if !enabled() {
-        return TC_ACT_OK;
+/// [`ingress_reply`]'s answer for a packet that is no reply to a masqueraded flow
+/// (any other answer is the verdict).
+const NOT_A_REPLY: i32 = -1;
+
+#[inline(never)]
+fn ingress_reply(skb: *mut __sk_buff) -> i32 {
+    let ctx = TcContext::new(skb);
+    // What XDP translated is a Service flow's: for the Service path to count.
+    if mark::is_marked(&ctx) {
+        return NOT_A_REPLY;
     }
-    let Some(flow) = parse_echo(ctx) else {
-        return TC_ACT_OK;
+    let flow = match packet::parse(&ctx) {
+        Parsed::Flow(flow) => flow,
+        Parsed::Ignored => match parse_echo(&ctx) {
+            Some(flow) => flow,
+            None => return NOT_A_REPLY,
+        },
+        _ => return NOT_A_REPLY,
     };
-    let Some(to) = reply(&flow) else {
-        return TC_ACT_OK;
+    let Some(to) = follow(&flow, CT_DIR_REPLY) else {
+        return NOT_A_REPLY;
     };
-    if rewrite(ctx, &flow, &to).is_err() {
+    stats::bump(stat::MASQ_INGRESS);
+    if rewrite(&ctx, &flow, &to).is_err() {
+        // A half-rewritten packet would carry a wrong checksum.
         stats::bump(stat::TC_MALFORMED);
         return TC_ACT_SHOT;
     }
+    frag::remember(&flow, &to);
     TC_ACT_OK
 }
 

@@ -5,7 +5,7 @@
 //! flow logic is `flow.rs`, shared with XDP; what is TC's own is here: fragments,
 //! ICMP errors, the rejects, and routing with `bpf_redirect_neigh`.
 
-use aya_ebpf::programs::TcContext;
+use aya_ebpf::{bindings::__sk_buff, programs::TcContext};
 use lb_common::{stat, IPPROTO_TCP, SCOPE_EXTERNAL};
 
 use crate::{
@@ -18,6 +18,27 @@ use crate::{
     verdict::{TC_ACT_OK, TC_ACT_SHOT},
 };
 
+/// `lb_tc_external`: replies to pods' masqueraded flows (`masq`), then the
+/// Service path, each a subprogram called from here. The verifier adds up the
+/// frames of a chain of calls (512 bytes in all): with the Service path (DSR
+/// included) inlined here, any subprogram it called would push the chain past
+/// that; side by side, each has the 512 bytes to itself.
+/// The entry itself must keep no stack (not even a counter's key): the kernel
+/// rounds each frame up to 16 bytes, and the Service path's takes 512 so rounded.
+#[inline(always)]
+pub fn handle_external(ctx: &TcContext) -> i32 {
+    if let Some(verdict) = masq::ingress(ctx) {
+        return verdict;
+    }
+    external(ctx.skb.skb)
+}
+
+#[inline(never)]
+fn external(skb: *mut __sk_buff) -> i32 {
+    handle(&TcContext::new(skb), SCOPE_EXTERNAL)
+}
+
+/// The Service path of both scopes (`lb_tc_internal` inlines it).
 #[inline(always)]
 pub fn handle(ctx: &TcContext, scope: u8) -> i32 {
     // XDP runs on node-facing devices only, before us: what it translated and
@@ -28,7 +49,6 @@ pub fn handle(ctx: &TcContext, scope: u8) -> i32 {
     }
     let flow = match packet::parse(ctx) {
         Parsed::Flow(flow) => flow,
-        Parsed::Ignored if scope == SCOPE_EXTERNAL => return masq::ingress_other(ctx),
         Parsed::Ignored => return TC_ACT_OK,
         Parsed::Encapsulated => {
             if scope == SCOPE_EXTERNAL {
@@ -66,12 +86,6 @@ pub fn handle(ctx: &TcContext, scope: u8) -> i32 {
             dsr::tc::reply(ctx, &flow, &known);
         }
         return apply(ctx, &flow, &known.to);
-    }
-    // Replies to pods' masqueraded flows enter where the flows left.
-    if scope == SCOPE_EXTERNAL {
-        if let Some(to) = masq::reply(&flow) {
-            return apply(ctx, &flow, &to);
-        }
     }
     new_flow(ctx, &flow, scope)
 }
