@@ -18,6 +18,10 @@
 //! the destination to that NodePort would meet the translation). No free port:
 //! the packet is dropped and counted, never sent with a shared mapping.
 
+// Map keys and values go by reference on purpose: most live in the per-CPU
+// scratch, and by value each would be copied onto a stack the verifier bounds.
+#![allow(clippy::needless_borrows_for_generic_args)]
+
 use core::ffi::c_void;
 
 use aya_ebpf::{
