@@ -93,6 +93,7 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
     host::ensure_bpffs(config.pin.root())?;
     let pin_lock = lock_pin_dir(&config).await?;
     let status = Arc::new(AgentStatus::new());
+    status.set_modes(modes(&config));
     // Bound before anything is loaded: a taken port fails the start, not later.
     let mut listeners = Vec::new();
     for server in ops_servers(&config, &status).await? {
@@ -332,4 +333,21 @@ async fn ops_servers(
         servers.push(OpsServer::bind(addr, status.clone(), serve.clone().routes(routes)).await?);
     }
     Ok(servers)
+}
+
+/// The datapath modes of `config`, each spelled as its flag's value.
+fn modes(config: &AgentConfig) -> ops::Modes {
+    fn flag<T: clap::ValueEnum>(value: T) -> String {
+        value
+            .to_possible_value()
+            .map(|v| v.get_name().to_string())
+            .unwrap_or_default()
+    }
+    ops::Modes {
+        xdp: flag(config.xdp_mode),
+        lb_mode: flag(config.forwarding.mode),
+        dsr_dispatch: flag(config.forwarding.dispatch),
+        lb_algorithm: flag(config.lb_algorithm),
+        masquerade: flag(config.masquerade),
+    }
 }

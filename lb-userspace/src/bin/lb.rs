@@ -520,6 +520,8 @@ fn main() -> Result<()> {
                         "reachable": true,
                         "initialSyncDone": report.initial_sync_done,
                         "unreadableFiles": report.unreadable_files,
+                        "modes": report.modes,
+                        "xdp": report.xdp,
                     }),
                     Err(e) => serde_json::json!({
                         "address": metrics_address,
@@ -625,6 +627,18 @@ fn render_agent_status(
         }
         out
     };
+    let modes = &report.modes;
+    if !modes.lb_mode.is_empty() {
+        let dispatch = if modes.lb_mode == "snat" {
+            String::new()
+        } else {
+            format!(" (dispatch {})", modes.dsr_dispatch)
+        };
+        out += &format!(
+            "modes: xdp {}, lb-mode {}{dispatch}, lb-algorithm {}, masquerade {}\n",
+            modes.xdp, modes.lb_mode, modes.lb_algorithm, modes.masquerade
+        );
+    }
     for device in &report.xdp {
         out += &match &device.reason {
             Some(reason) => format!("xdp {}: {} ({reason})\n", device.device, device.state),

@@ -25,7 +25,8 @@ pub use health_check::{stop_all, HealthCheckServers};
 pub use http::{GetError, MAX_REQUEST_BYTES};
 pub use metrics::SYNC_DURATION_BUCKETS;
 pub use status::{
-    rfc3339, AgentStatus, Clock, Health, ManualClock, StatusReport, SystemClock, UnreadableFile,
+    rfc3339, AgentStatus, Clock, Health, ManualClock, Modes, StatusReport, SystemClock,
+    UnreadableFile,
 };
 
 use http::{Limits, Reply};

@@ -87,6 +87,7 @@ struct State {
     /// Manifest files that could not be read: (path, why), in file name order.
     unreadable_files: Vec<(PathBuf, String)>,
     xdp: Vec<XdpReport>,
+    modes: Modes,
     programming: ProgrammingLatency,
 }
 
@@ -223,6 +224,11 @@ impl AgentStatus {
         self.state().unreadable_files.clone()
     }
 
+    /// The datapath modes the agent was started with, as their flags spell them.
+    pub fn set_modes(&self, modes: Modes) {
+        self.state().modes = modes;
+    }
+
     /// `lb_xdp` on each node-facing device: attached, or refused and why.
     pub fn set_xdp(&self, devices: Vec<XdpReport>) {
         self.state().xdp = devices;
@@ -281,14 +287,22 @@ impl AgentStatus {
 
     /// What `/status` answers: what an operator asks `lb status` about the agent.
     pub fn report(&self) -> StatusReport {
+        let initial_sync_done = self.initial_sync_done();
+        // One guard: a second `state()` in the same expression would wait for the
+        // first, held until the expression ends.
+        let state = self.state();
         StatusReport {
-            initial_sync_done: self.initial_sync_done(),
-            unreadable_files: self
-                .unreadable_files()
-                .into_iter()
-                .map(|(path, reason)| UnreadableFile { path, reason })
+            initial_sync_done,
+            unreadable_files: state
+                .unreadable_files
+                .iter()
+                .map(|(path, reason)| UnreadableFile {
+                    path: path.clone(),
+                    reason: reason.clone(),
+                })
                 .collect(),
-            xdp: self.state().xdp.clone(),
+            modes: state.modes.clone(),
+            xdp: state.xdp.clone(),
         }
     }
 
@@ -322,9 +336,29 @@ pub struct StatusReport {
     pub initial_sync_done: bool,
     /// Manifest files the agent cannot read, in file name order.
     pub unreadable_files: Vec<UnreadableFile>,
+    /// The datapath modes in force (empty strings from an agent that predates them).
+    #[serde(default)]
+    pub modes: Modes,
     /// `lb_xdp` on each node-facing device (none with `--xdp off`).
     #[serde(default)]
     pub xdp: Vec<XdpReport>,
+}
+
+/// The datapath modes an agent runs with, each the value of its flag: what an
+/// operator checks first when a Service behaves unlike its neighbour node's.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct Modes {
+    /// `--xdp`: off, native or generic.
+    pub xdp: String,
+    /// `--lb-mode`: snat, dsr or hybrid.
+    pub lb_mode: String,
+    /// `--dsr-dispatch`: opt or ipip (used by dsr and hybrid only).
+    pub dsr_dispatch: String,
+    /// `--lb-algorithm`: the default of Services without the annotation.
+    pub lb_algorithm: String,
+    /// `--masquerade`: off or bpf.
+    pub masquerade: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -684,5 +718,27 @@ mod tests {
             json(&status)["unreadableFiles"],
             serde_json::json!([{"path": "/m/a.yaml", "reason": "a FIFO"}])
         );
+    }
+
+    #[test]
+    fn status_json_names_the_modes() {
+        let status = AgentStatus::new();
+        status.set_modes(Modes {
+            xdp: "native".into(),
+            lb_mode: "dsr".into(),
+            dsr_dispatch: "ipip".into(),
+            lb_algorithm: "maglev".into(),
+            masquerade: "off".into(),
+        });
+        let json: serde_json::Value = serde_json::from_str(&status.status_json()).unwrap();
+        assert_eq!(
+            json["modes"],
+            serde_json::json!({"xdp": "native", "lbMode": "dsr", "dsrDispatch": "ipip",
+                "lbAlgorithm": "maglev", "masquerade": "off"})
+        );
+        // An older agent's answer, without modes, still reads.
+        let old: StatusReport =
+            serde_json::from_str(r#"{"initialSyncDone": true, "unreadableFiles": []}"#).unwrap();
+        assert_eq!(old.modes, Modes::default());
     }
 }
