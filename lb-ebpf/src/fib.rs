@@ -149,7 +149,7 @@ pub fn source_on_egress<P: Packet>(
 
 /// The source address a `BPF_FIB_LOOKUP_SRC` lookup filled in, if any.
 #[inline(always)]
-fn source_of(route: &bpf_fib_lookup, v6: bool) -> Option<IpAddrBe> {
+pub fn source_of(route: &bpf_fib_lookup, v6: bool) -> Option<IpAddrBe> {
     if v6 {
         // SAFETY: the kernel filled the member of the union it was asked about.
         let source = IpAddrBe::from_v6(unsafe { route.__bindgen_anon_3.ipv6_src });
