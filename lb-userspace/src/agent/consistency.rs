@@ -1,7 +1,8 @@
 //! The periodic check that the kernel's service table is what this agent wrote.
 //!
 //! The table is read on a thread of its own, and compared on the agent's loop a
-//! step of [`STEP`] entries at a time, the loop yielding to changes after each:
+//! step of [`STEP`] entries at a time, the loop free for changes for [`PACE`]
+//! after each:
 //! the agent runs on one thread, and reading and comparing 210k entries in one go
 //! (10k Services x 10 endpoints) held every change behind it for 250 ms once a
 //! minute (2.2 s at 100k: the p99.9 of the change latency under churn).
@@ -13,6 +14,7 @@
 //! table planned or read back) leaves it inconclusive; the next one judges.
 
 use std::collections::HashSet;
+use std::time::Duration;
 
 use lb_common::ServiceKey;
 use tokio::sync::mpsc;
@@ -23,6 +25,12 @@ use crate::datapath::snapshot::{MapOp, MapSnapshot};
 /// Entries compared in one step of the loop, between which it yields to changes
 /// (about a millisecond of lookups in the agent's table).
 const STEP: usize = 1024;
+/// The pause after each step: the check then takes a fraction of the CPUs,
+/// not all the loop and its reader can get. Steps taken back to back (yielding
+/// only to changes already waiting) still held changes 10-45 ms once a minute
+/// under churn on 2 CPUs (issue 22's bench): the sources' own work and the
+/// reader's system calls share those CPUs with the loop.
+pub(super) const PACE: Duration = Duration::from_millis(2);
 /// Steps read ahead of the comparison: enough to keep the reader busy while the
 /// loop compares, little enough to hold no second copy of the table.
 const READ_AHEAD: usize = 16;

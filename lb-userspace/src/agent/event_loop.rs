@@ -55,6 +55,8 @@ pub(super) async fn follow(
     // The batches of the consistency check under way (its state is the agent's,
     // which notes the writes made meanwhile).
     let mut batches: Option<consistency::Batches> = None;
+    // The check's next step waits until then (see `consistency::PACE`).
+    let mut check_paused: Option<Instant> = None;
     loop {
         // A device left without its program (set by any sync) is tried again a
         // second after, and not before: whatever else wakes the loop meanwhile.
@@ -76,12 +78,14 @@ pub(super) async fn follow(
                 batches = agent.start_check();
                 continue;
             }
-            batch = next_batch(&mut batches), if batches.is_some() => {
+            _ = sleep_until(check_paused), if check_paused.is_some() => {
+                check_paused = None;
+                continue;
+            }
+            batch = next_batch(&mut batches), if batches.is_some() && check_paused.is_none() => {
                 match agent.check_step(batch) {
                     Step::Going => {
-                        // The next step may be ready at once: let the sources'
-                        // tasks run first, so a change waits one step at most.
-                        tokio::task::yield_now().await;
+                        check_paused = Some(Instant::now() + consistency::PACE);
                         continue;
                     }
                     Step::Done => {

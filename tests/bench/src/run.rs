@@ -1108,12 +1108,17 @@ impl Env {
         let size = (s * (ENDPOINTS_PER_SERVICE + 2) + 4096)
             .max(65_536)
             .to_string();
-        let args: Vec<String> = vec![
+        let mut args: Vec<String> = vec![
             "--services-map-size".into(),
             size.clone(),
             "--backends-map-size".into(),
             size,
         ];
+        // LB_BENCH_AGENT_ARGS adds agent flags (space-separated), to look at one
+        // cause by hand, e.g. `--consistency-check-interval-secs 5`.
+        if let Ok(extra) = std::env::var("LB_BENCH_AGENT_ARGS") {
+            args.extend(extra.split_whitespace().map(String::from));
+        }
         let cg = if tc { &self.tc_cgroup } else { &self.cgroup };
         let mut spec = AgentSpec::new(self.manifests.path(), cg, NODE_NAME);
         if tc {
