@@ -9,6 +9,11 @@
 //!
 //! Bulk (port `BULK_PORT`): the client writes for a fixed time, shuts down its side;
 //! the server counts the bytes and answers with the count (8 bytes, big endian).
+//! The client writes [`pattern`] over and over; on `BULK_VERIFY_PORT` the server
+//! also compares every byte with it and counts only the bytes before the first
+//! that differs, so a transfer whose data arrived changed or out of place fails
+//! the client's count check. (The comparison costs the server some CPU: only the
+//! rows that claim verified data use that port, and both sides of their pairs.)
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -19,6 +24,9 @@ use serde::{Deserialize, Serialize};
 
 pub const RR_PORT: u16 = 9000;
 pub const BULK_PORT: u16 = 9001;
+pub const BULK_VERIFY_PORT: u16 = 9002;
+/// Length of the bulk client's write, and period of the pattern it writes.
+const PATTERN_LEN: usize = 128 * 1024;
 pub const REQ_LEN: usize = 64;
 pub const RESP_LEN: usize = 64;
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
@@ -40,15 +48,19 @@ pub fn serve(name: &str) -> Result<()> {
     // `::` with the default bindv6only=0: one socket per port for both families.
     let rr = TcpListener::bind(("::", RR_PORT)).context("bind rr port")?;
     let bulk = TcpListener::bind(("::", BULK_PORT)).context("bind bulk port")?;
+    let verify =
+        TcpListener::bind(("::", BULK_VERIFY_PORT)).context("bind the verified bulk port")?;
     let mut resp = name.as_bytes().to_vec();
     resp.resize(RESP_LEN, b' ');
-    std::thread::spawn(move || {
-        for stream in bulk.incoming().flatten() {
-            std::thread::spawn(move || {
-                let _ = serve_bulk(stream);
-            });
-        }
-    });
+    for (listener, verified) in [(bulk, false), (verify, true)] {
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                std::thread::spawn(move || {
+                    let _ = serve_bulk(stream, verified);
+                });
+            }
+        });
+    }
     println!("listening");
     let mut req = [0u8; REQ_LEN];
     // Sequential on purpose: the client is sequential too.
@@ -62,18 +74,57 @@ pub fn serve(name: &str) -> Result<()> {
     Ok(())
 }
 
-fn serve_bulk(mut stream: TcpStream) -> std::io::Result<()> {
+/// Counts a bulk stream's bytes (with `verified`, those before the first byte
+/// that is not [`pattern`]'s) and answers with the count.
+fn serve_bulk(mut stream: TcpStream, verified: bool) -> std::io::Result<()> {
     stream.set_read_timeout(Some(Duration::from_secs(30)))?;
     let mut buf = vec![0u8; 256 * 1024];
+    let expected = pattern();
     let mut total: u64 = 0;
+    let mut intact = true;
     loop {
         let n = stream.read(&mut buf)?;
         if n == 0 {
             break;
         }
-        total += n as u64;
+        if verified && intact {
+            let good = matching_prefix(&expected, total, &buf[..n]);
+            intact = good == n;
+            total += good as u64;
+        } else if !verified {
+            total += n as u64;
+        }
     }
     stream.write_all(&total.to_be_bytes())
+}
+
+/// What the bulk client writes: `PATTERN_LEN` bytes of a linear congruential
+/// sequence, so a segment delivered in the wrong place differs from what the
+/// server expects there.
+pub fn pattern() -> Vec<u8> {
+    let mut x: u32 = 0x6c62_2026;
+    (0..PATTERN_LEN)
+        .map(|_| {
+            x = x.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+            (x >> 16) as u8
+        })
+        .collect()
+}
+
+/// How many leading bytes of `got`, the stream's bytes from offset `at` on,
+/// equal the repeated `pattern`.
+fn matching_prefix(pattern: &[u8], at: u64, got: &[u8]) -> usize {
+    let mut done = 0;
+    while done < got.len() {
+        let offset = ((at + done as u64) % pattern.len() as u64) as usize;
+        let n = (pattern.len() - offset).min(got.len() - done);
+        let (want, have) = (&pattern[offset..offset + n], &got[done..done + n]);
+        if want != have {
+            return done + want.iter().zip(have).take_while(|(a, b)| a == b).count();
+        }
+        done += n;
+    }
+    done
 }
 
 /// What the client measured (one JSON line on stdout).
@@ -420,7 +471,7 @@ fn bulk_window(to: SocketAddr, secs: f64) -> Result<f64> {
     let mut s = TcpStream::connect_timeout(&to, IO_TIMEOUT)?;
     s.set_write_timeout(Some(Duration::from_secs(10)))?;
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
-    let buf = vec![0x5au8; 128 * 1024];
+    let buf = pattern();
     let dur = Duration::from_secs_f64(secs);
     let start = Instant::now();
     let mut sent: u64 = 0;
@@ -434,7 +485,7 @@ fn bulk_window(to: SocketAddr, secs: f64) -> Result<f64> {
     let elapsed = start.elapsed().as_secs_f64();
     let got = u64::from_be_bytes(count);
     if got != sent {
-        bail!("bulk to {to}: sent {sent} bytes, server counted {got}");
+        bail!("bulk to {to}: sent {sent} bytes, the server counted {got} (on the verified port: intact)");
     }
     Ok(sent as f64 / elapsed / 1e6)
 }
@@ -455,4 +506,26 @@ fn warm_up(to: SocketAddr, req: &[u8; REQ_LEN], resp: &mut [u8; RESP_LEN]) -> Re
 pub fn percentile(sorted: &[f64], q: f64) -> f64 {
     let idx = ((sorted.len() as f64 * q).ceil() as usize).clamp(1, sorted.len()) - 1;
     sorted[idx]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_verified_stream_counts_up_to_the_first_wrong_byte_across_the_pattern_edge() {
+        let p = pattern();
+        assert_eq!(p.len(), PATTERN_LEN);
+        // Not a constant: a shifted segment must not match.
+        assert_ne!(p[..64], p[1..65]);
+        // A read that wraps around the pattern's end.
+        let at = PATTERN_LEN as u64 * 3 - 10;
+        let mut got: Vec<u8> = p[PATTERN_LEN - 10..].to_vec();
+        got.extend_from_slice(&p[..30]);
+        assert_eq!(matching_prefix(&p, at, &got), 40);
+        got[25] ^= 1;
+        assert_eq!(matching_prefix(&p, at, &got), 25);
+        // The right bytes at the wrong offset.
+        assert_eq!(matching_prefix(&p, 1, &p[..100]), 0);
+    }
 }
