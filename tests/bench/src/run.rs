@@ -397,6 +397,57 @@ impl Drop for TempDir {
     }
 }
 
+/// `lb-bench client --to TO --cpu CPU ARGS...` (`exe` is lb-bench) in `ns`, in
+/// `cgroup` when given (else in none the agents hook); its report.
+pub fn run_client(
+    exe: &Path,
+    cpu: usize,
+    ns: &NetNs,
+    cgroup: Option<&Cgroup>,
+    to: SocketAddr,
+    args: &[String],
+) -> Result<ClientReport> {
+    let mut sp = Spawner::new(exe).netns(ns)?;
+    if let Some(cgroup) = cgroup {
+        sp = sp.cgroup(cgroup)?;
+    }
+    let out = sp
+        .args(["client", "--to", &to.to_string(), "--cpu", &cpu.to_string()])
+        .args(args)
+        .output(Duration::from_secs(120))?
+        .checked_stdout()?;
+    let line = out.lines().last().unwrap_or_default();
+    serde_json::from_str(line).with_context(|| format!("client printed {out}"))
+}
+
+/// The client's arguments for one paired-cpu run against `baseline` (sized by
+/// `cfg.cpu_block` and `cfg.cpu_rounds`), the CPU time of the processes `servers`
+/// counted with the client's, the agent's `agent_pid` reported beside.
+pub fn paired_cpu_args(
+    cfg: &Config,
+    baseline: SocketAddr,
+    servers: &[u32],
+    agent_pid: Option<u64>,
+) -> Vec<String> {
+    let servers: Vec<String> = servers.iter().map(u32::to_string).collect();
+    let mut args = vec![
+        "--mode".to_string(),
+        "paired-cpu".into(),
+        "--count".into(),
+        cfg.cpu_block.max(1).to_string(),
+        "--rounds".into(),
+        cfg.cpu_rounds.max(1).to_string(),
+        "--baseline".into(),
+        baseline.to_string(),
+        "--server-pids".into(),
+        servers.join(","),
+    ];
+    if let Some(pid) = agent_pid.filter(|p| *p > 0) {
+        args.extend(["--agent-pid".into(), pid.to_string()]);
+    }
+    args
+}
+
 fn ns_exec(
     ns: &NetNs,
     program: &str,
@@ -700,23 +751,8 @@ impl Env {
         to: SocketAddr,
         args: &[String],
     ) -> Result<ClientReport> {
-        let mut sp = Spawner::new(&self.exe).netns(ns)?;
-        if in_cgroup {
-            sp = sp.cgroup(&self.cgroup)?;
-        }
-        let out = sp
-            .args([
-                "client",
-                "--to",
-                &to.to_string(),
-                "--cpu",
-                &self.cfg.cpu.to_string(),
-            ])
-            .args(args)
-            .output(Duration::from_secs(120))?
-            .checked_stdout()?;
-        let line = out.lines().last().unwrap_or_default();
-        serde_json::from_str(line).with_context(|| format!("client printed {out}"))
+        let cgroup = in_cgroup.then_some(&self.cgroup);
+        run_client(&self.exe, self.cfg.cpu, ns, cgroup, to, args)
     }
 
     /// Latency, rate and (optionally) bulk, `reps` times; with a baseline, also
@@ -881,22 +917,8 @@ impl Env {
         baseline: SocketAddr,
         agent_pid: Option<u64>,
     ) -> Result<ClientReport> {
-        let servers: Vec<String> = self.servers.iter().map(|c| c.pid().to_string()).collect();
-        let mut args = vec![
-            "--mode".to_string(),
-            "paired-cpu".into(),
-            "--count".into(),
-            self.cfg.cpu_block.max(1).to_string(),
-            "--rounds".into(),
-            self.cfg.cpu_rounds.max(1).to_string(),
-            "--baseline".into(),
-            baseline.to_string(),
-            "--server-pids".into(),
-            servers.join(","),
-        ];
-        if let Some(pid) = agent_pid.filter(|p| *p > 0) {
-            args.extend(["--agent-pid".into(), pid.to_string()]);
-        }
+        let servers: Vec<u32> = self.servers.iter().map(Child::pid).collect();
+        let args = paired_cpu_args(&self.cfg, baseline, &servers, agent_pid);
         let r = self.client(ns, cg, to, &args)?;
         if r.cpu.is_none() {
             bail!("paired-cpu client to {to} reported no CPU figures");
@@ -1570,6 +1592,16 @@ fn loadavg() -> String {
         .to_string()
 }
 
+/// A row's result; its error, if any, recorded in `errors` and shown.
+fn recorded<T>(errors: &mut Vec<String>, row: &str, result: Result<T>) -> Option<T> {
+    result
+        .map_err(|e| {
+            errors.push(format!("{row}: {e:#}"));
+            eprintln!("{row} failed: {e:#}");
+        })
+        .ok()
+}
+
 /// The whole run. Errors of one datapath are recorded and the run goes on.
 pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
     let start = Instant::now();
@@ -1645,15 +1677,12 @@ pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
         }
         lb_tests::interrupt::check()?;
     }
+    // The rows built on the TC path that hold no S Services: once each, after the
+    // scales; a failed one is recorded and the run goes on.
     if cfg.tc_path && cfg.wants("pps") {
         println!("packet rate");
-        match crate::pps::run(&env.lb, &cfg) {
-            Ok(rows) => res.pps = rows,
-            Err(e) => {
-                res.errors.push(format!("pps: {e:#}"));
-                eprintln!("pps failed: {e:#}");
-            }
-        }
+        res.pps =
+            recorded(&mut res.errors, "pps", crate::pps::run(&env.lb, &cfg)).unwrap_or_default();
     }
     println!("direct (end)");
     res.direct_end = Some(env.direct()?);
