@@ -13,6 +13,8 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 mod api;
 mod cpu;
+mod dsr;
+mod entry;
 mod kubeproxy;
 mod netio;
 mod pps;
@@ -42,14 +44,15 @@ enum Cmd {
         /// S = 1 and 1000, one repetition.
         #[arg(long)]
         quick: bool,
-        /// Skip the TC (NodePort) datapath.
+        /// Skip the TC (NodePort) datapath and the rows built on it (pps, dsr).
         #[arg(long)]
         no_tc: bool,
         /// Only these scales (comma-separated), e.g. `1,1000`.
         #[arg(long, value_delimiter = ',')]
         scales: Vec<usize>,
         /// Only these datapaths (comma-separated: iptables, nftables, socket-lb, socket-lb6,
-        /// tc-nodeport, tc-nodeport6, socket-lb-api, pps).
+        /// tc-nodeport, tc-nodeport6, socket-lb-api, pps, dsr). pps and dsr
+        /// run once, after the scales (they hold no S Services).
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
         /// Time endpoint changes under churn at every scale (200, 1000 from 10k up; on in full runs).

@@ -180,7 +180,7 @@ impl Row {
 }
 
 /// How much each of the agent's counters grew.
-fn counter_deltas(
+pub(crate) fn counter_deltas(
     before: &BTreeMap<String, u64>,
     after: &BTreeMap<String, u64>,
 ) -> BTreeMap<String, u64> {
@@ -494,7 +494,7 @@ fn link(
     Ok(())
 }
 
-fn link_json(ns: &NetNs, dev: &str, stats: bool) -> Result<serde_json::Value> {
+pub(crate) fn link_json(ns: &NetNs, dev: &str, stats: bool) -> Result<serde_json::Value> {
     let mut args = vec!["-j"];
     if stats {
         args.push("-s");

@@ -259,6 +259,7 @@ one real endpoint (pod-a) so that every connection reaches the same server.\n\n"
     }
 
     o += &pps_table(res);
+    o += &entry_tables(res);
     o += &targets(res);
     o += "### Caveats\n\n\
 - One sequential client and single-threaded servers on one vCPU: every figure includes \
@@ -829,6 +830,84 @@ fn pps_target(res: &Results) -> String {
         show(est),
         verdict(new.zip(est).map(|(a, b)| a >= 2.0 && b >= 2.0))
     )
+}
+
+/// The rows of two entry nodes in front of a backend on another node (entry.rs):
+/// DSR against SNAT.
+fn entry_tables(res: &Results) -> String {
+    let mut o = String::new();
+    if res.dsr.is_none() {
+        return o;
+    }
+    o += "## Entering a node for a backend on another node
+
+\
+          Three nodes on a switch: the backends (eight `lb-bench serve` pods) on node2, and two entry \
+          nodes configured alike but for the compared setting (node3 measured, node1 the \
+          control); one client interleaves its connections to the two NodePorts, so both \
+          sides see the same machine (tests/bench/src/entry.rs).\n\n";
+    if let Some(d) = &res.dsr {
+        let _ = writeln!(
+            o,
+            "**DSR** (`--lb-mode dsr --dsr-dispatch {}`) against **SNAT** \
+             (`--lb-mode snat`); per repetition, median [min–max]:\n\n\
+             | figure | DSR | SNAT | DSR / SNAT |\n|---|---|---|---|",
+            d.dispatch
+        );
+        for (what, dsr, snat, ratio) in [
+            (
+                "connect + request + response + close p50, µs",
+                &d.dsr_p50_us,
+                &d.snat_p50_us,
+                &d.p50_ratio,
+            ),
+            (
+                "the same, p99, µs",
+                &d.dsr_p99_us,
+                &d.snat_p99_us,
+                &d.p99_ratio,
+            ),
+            (
+                "packets received + sent by the entry node per connection",
+                &d.dsr_entry_packets,
+                &d.snat_entry_packets,
+                &d.entry_packets_ratio,
+            ),
+        ] {
+            let _ = writeln!(
+                o,
+                "| {what} | {} | {} | {} |",
+                fmt_stat(dsr, None, 1),
+                fmt_stat(snat, None, 1),
+                fmt_ratio(ratio)
+            );
+        }
+        if let Some(c) = &d.path_cpu {
+            let _ = writeln!(
+                o,
+                "| CPU per connection of the whole path (client, both nodes, servers on one \
+                 CPU), µs | {:.1} | {:.1} | {:.3}x (ticks {:.3}x) |",
+                c.kernel_us, c.baseline_kernel_us, c.ratio, c.ticks_ratio
+            );
+        }
+        let _ = writeln!(
+            o,
+            "\n{} failed connections. Latency: one paired run per repetition, connections \
+             to the two entry nodes interleaved one by one. Packets: {} connections (warm-up \
+             included) through each entry node alone (its devices' counters); the DSR entry node \
+             received no frame the client did not send (checked), the SNAT one also the \
+             replies. CPU: the task clocks of client, servers and ksoftirqd over alternating \
+             blocks (as in the CPU table), which on veths include every node's softirq \
+             work: it is the path's cost, not the entry node's alone (DSR moves the \
+             replies' translation to the backend's node and spares them two hops). Checked \
+             by the counters: `dsr_encapsulated` on the DSR entry node and \
+             `dsr_decapsulated`, `dsr_reply_rewritten` on the backend's node grew with \
+             the DSR connections; no `dsr_*` counter grew on the SNAT entry node, and neither entry node dropped a \
+             packet for want of a conntrack entry or SNAT port.\n",
+            d.errors, d.counted_connections
+        );
+    }
+    o
 }
 
 const SERIES: &[(&str, RGBColor)] = &[

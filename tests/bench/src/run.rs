@@ -374,6 +374,9 @@ pub struct Results {
     /// NodePort packet rate on one CPU (pps.rs).
     #[serde(default)]
     pub pps: Vec<crate::pps::PpsResult>,
+    /// DSR against SNAT for a backend on another node (dsr.rs).
+    #[serde(default)]
+    pub dsr: Option<crate::dsr::DsrResult>,
 }
 
 /// The bench environment. Field order is teardown order.
@@ -1605,7 +1608,7 @@ fn recorded<T>(errors: &mut Vec<String>, row: &str, result: Result<T>) -> Option
 /// The whole run. Errors of one datapath are recorded and the run goes on.
 pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
     let start = Instant::now();
-    let env = Env::new(exe, lb, cfg.clone())?;
+    let env = Env::new(exe.clone(), lb.clone(), cfg.clone())?;
     let mut res = Results {
         config: cfg.clone(),
         machine: machine(),
@@ -1617,6 +1620,7 @@ pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
         errors: vec![],
         wall_secs: 0.0,
         pps: vec![],
+        dsr: None,
     };
     println!("direct (start)");
     res.direct_start = Some(env.direct()?);
@@ -1683,6 +1687,10 @@ pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
         println!("packet rate");
         res.pps =
             recorded(&mut res.errors, "pps", crate::pps::run(&env.lb, &cfg)).unwrap_or_default();
+    }
+    if cfg.tc_path && cfg.wants("dsr") {
+        println!("DSR against SNAT (backend on another node)");
+        res.dsr = recorded(&mut res.errors, "dsr", crate::dsr::run(&exe, &lb, &cfg));
     }
     println!("direct (end)");
     res.direct_end = Some(env.direct()?);
