@@ -1,5 +1,5 @@
 //! The bed of the rows that compare two ways of entering a node for a backend on
-//! another node (`dsr`: DSR against SNAT): two entry
+//! another node (`dsr`: DSR against SNAT; `xdp-bulk`: XDP against TC): two entry
 //! nodes configured alike but for the compared setting, in front of one backend on
 //! a third node, so that one client process can interleave its connections to
 //! both (as every paired row does), with no agent restarted in between.
@@ -28,11 +28,13 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
+use lb_tests::agent::READY_TIMEOUT;
 use lb_tests::cluster::{node_ip, Cluster};
 use lb_tests::manifests::{Service, ServicePort};
 use lb_tests::netns::NetNs;
 use lb_tests::process::{Child, Spawner};
 use lb_tests::testbed::Tools;
+use lb_tests::util::poll;
 
 use crate::netio::{ClientReport, BULK_VERIFY_PORT, RR_PORT};
 use crate::run::Config;
@@ -142,6 +144,11 @@ impl EntryBed {
         SocketAddrV4::new(node_ip(node), RR_NODE_PORT).into()
     }
 
+    /// The verified bulk NodePort at entry node `node`.
+    pub fn bulk(node: usize) -> SocketAddr {
+        SocketAddrV4::new(node_ip(node), BULK_NODE_PORT).into()
+    }
+
     /// The servers' pids (their CPU time is part of a connection's).
     pub fn server_pids(&self) -> Vec<u32> {
         self.servers.iter().map(Child::pid).collect()
@@ -181,6 +188,23 @@ impl EntryBed {
             .zip(before)
             .map(|(after, before)| crate::pps::counter_deltas(before, after))
             .collect())
+    }
+
+    /// Waits until `lb status` of node `node` says `lb_xdp` runs natively on its
+    /// uplink (`eth0`), or, with `want` false, that nothing does.
+    pub fn ensure_xdp(&self, node: usize, want: bool) -> Result<()> {
+        let agent = self.cluster.node(node).agent();
+        poll(
+            &format!("node{}'s uplink XDP to be native: {want}", node + 1),
+            READY_TIMEOUT,
+            || {
+                let links = agent.status_links()?;
+                let eth0 = links.iter().find(|l| l.name == "eth0");
+                Ok(eth0
+                    .is_some_and(|l| (l.xdp == "native") == want)
+                    .then_some(()))
+            },
+        )
     }
 
     /// Failure context: every node's non-zero counters.

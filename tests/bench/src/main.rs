@@ -20,6 +20,7 @@ mod netio;
 mod pps;
 mod report;
 mod run;
+mod xdp_bulk;
 
 #[derive(Parser)]
 #[command(
@@ -44,15 +45,15 @@ enum Cmd {
         /// S = 1 and 1000, one repetition.
         #[arg(long)]
         quick: bool,
-        /// Skip the TC (NodePort) datapath and the rows built on it (pps, dsr).
+        /// Skip the TC (NodePort) datapath and the rows built on it (pps, dsr, xdp-bulk).
         #[arg(long)]
         no_tc: bool,
         /// Only these scales (comma-separated), e.g. `1,1000`.
         #[arg(long, value_delimiter = ',')]
         scales: Vec<usize>,
         /// Only these datapaths (comma-separated: iptables, nftables, socket-lb, socket-lb6,
-        /// tc-nodeport, tc-nodeport6, socket-lb-api, pps, dsr). pps and dsr
-        /// run once, after the scales (they hold no S Services).
+        /// tc-nodeport, tc-nodeport6, socket-lb-api, pps, dsr, xdp-bulk). pps, dsr and
+        /// xdp-bulk run once, after the scales (they hold no S Services).
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
         /// Time endpoint changes under churn at every scale (200, 1000 from 10k up; on in full runs).

@@ -377,6 +377,9 @@ pub struct Results {
     /// DSR against SNAT for a backend on another node (dsr.rs).
     #[serde(default)]
     pub dsr: Option<crate::dsr::DsrResult>,
+    /// Bulk TCP through XDP against TC (xdp_bulk.rs).
+    #[serde(default)]
+    pub xdp_bulk: Option<crate::xdp_bulk::XdpBulkResult>,
 }
 
 /// The bench environment. Field order is teardown order.
@@ -1621,6 +1624,7 @@ pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
         wall_secs: 0.0,
         pps: vec![],
         dsr: None,
+        xdp_bulk: None,
     };
     println!("direct (start)");
     res.direct_start = Some(env.direct()?);
@@ -1691,6 +1695,11 @@ pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
     if cfg.tc_path && cfg.wants("dsr") {
         println!("DSR against SNAT (backend on another node)");
         res.dsr = recorded(&mut res.errors, "dsr", crate::dsr::run(&exe, &lb, &cfg));
+    }
+    if cfg.tc_path && cfg.wants("xdp-bulk") {
+        println!("bulk TCP through XDP against TC (backend on another node)");
+        let row = crate::xdp_bulk::run(&exe, &lb, &cfg);
+        res.xdp_bulk = recorded(&mut res.errors, "xdp-bulk", row);
     }
     println!("direct (end)");
     res.direct_end = Some(env.direct()?);
