@@ -10,10 +10,12 @@
 //! the source the programs give a flow is `--node-ip`'s (the route's source is
 //! what the end-to-end test sees).
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
-use std::sync::atomic::{AtomicU32, Ordering};
+/// What every packet-fixture binary shares (namespace, pins, loading, runs).
+#[allow(dead_code)]
+mod fixture;
 
-use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
+
 use aya::Ebpf;
 use etherparse::{
     icmpv4::DestUnreachableHeader, Icmpv4Type, Icmpv6Type, PacketBuilder, PacketBuilderStep,
@@ -24,8 +26,7 @@ use lb_userspace::control::masquerade::{self as rules};
 use lb_userspace::datapath::loader::{self, ProgramSettings};
 use lb_userspace::datapath::maps::PinnedMaps;
 use lb_userspace::datapath::masquerade::{self, MasqMaps};
-use lb_userspace::datapath::pins::{self, MapSizes, PinLayout};
-use lb_userspace::node::host as sys;
+use lb_userspace::datapath::pins::MapSizes;
 use lb_userspace::source::masq_config::MasqConfig;
 
 const TC_ACT_OK: u32 = 0;
@@ -43,21 +44,11 @@ const POD6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x244, 1, 0, 0, 0, 0, 0x11);
 const OUTSIDE6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 0x44);
 const ROUTER6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1);
 
-struct PinGuard(PinLayout);
-
-impl Drop for PinGuard {
-    fn drop(&mut self) {
-        if let Ok(Some(lock)) = pins::lock_for_cleanup(&self.0) {
-            let _ = pins::cleanup(&self.0, &lock);
-        }
-    }
-}
-
 struct Fixture {
     ebpf: Ebpf,
     maps: PinnedMaps,
     masq: MasqMaps,
-    _pins: PinGuard,
+    _pins: fixture::PinGuard,
 }
 
 impl Fixture {
@@ -66,26 +57,7 @@ impl Fixture {
     }
 
     fn with_map_size(masq_entries: u32) -> Self {
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        assert!(
-            unsafe { libc::geteuid() } == 0,
-            "packet fixtures load BPF programs: run as root (cargo xtask test)"
-        );
-        // SAFETY: plain syscall; affects only this test's thread.
-        assert_eq!(
-            unsafe { libc::unshare(libc::CLONE_NEWNET) },
-            0,
-            "unshare(CLONE_NEWNET): {}",
-            std::io::Error::last_os_error()
-        );
-        let name = format!(
-            "lb-masq-fixture-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        );
-        let layout = PinLayout::new(std::path::Path::new(sys::BPFFS_ROOT).join(name));
-        sys::ensure_bpffs(layout.root()).expect("bpffs");
-        let pins = PinGuard(layout.clone());
+        let (layout, pins) = fixture::private_pins("masq");
         let object = loader::kernel_object(None).expect("kernel object embedded");
         let sizes = MapSizes {
             conntrack: 1024,
@@ -104,10 +76,10 @@ impl Fixture {
         let node_ips = [IpAddr::from(NODE), IpAddr::from(NODE6)];
         let mut ebpf = loader::load_with(&object, &layout, sizes, &node_ips, &settings)
             .expect("load kernel object");
-        for program in [program_names::TC_EXTERNAL, program_names::TC_EGRESS] {
-            let prog: &mut SchedClassifier = ebpf.program_mut(program).unwrap().try_into().unwrap();
-            prog.load().expect("verifier accepts the TC program");
-        }
+        fixture::load_tc(
+            &mut ebpf,
+            &[program_names::TC_EXTERNAL, program_names::TC_EGRESS],
+        );
         let maps = PinnedMaps::open(&layout).expect("open pinned maps");
         let mut masq = MasqMaps::open(&layout).expect("open masquerade maps");
         // As the agent derives them: ip-masq-agent's defaults, both nodes' pods.
@@ -134,17 +106,7 @@ impl Fixture {
     }
 
     fn run(&self, program: &str, frame: &[u8]) -> (u32, Vec<u8>) {
-        let prog: &SchedClassifier = self.ebpf.program(program).unwrap().try_into().unwrap();
-        let mut out = vec![0u8; frame.len() + 256];
-        let result = prog
-            .test_run(TestRunOptions {
-                data_in: Some(frame),
-                data_out: Some(&mut out),
-                ..TestRunOptions::default()
-            })
-            .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN: {e:?}"));
-        out.truncate(result.data_size_out as usize);
-        (result.return_value, out)
+        fixture::tc_run(&self.ebpf, program, frame)
     }
 
     /// A packet leaving through a node-facing device.

@@ -3,20 +3,21 @@
 //! reconciler, fed hand-built frames. Needs root and the embedded kernel object
 //! (`cargo xtask test` provides both).
 
+/// What every packet-fixture binary shares (namespace, pins, loading, runs).
+#[allow(dead_code)]
+mod fixture;
+
 use std::collections::BTreeSet;
 use std::net::Ipv4Addr;
-use std::sync::atomic::{AtomicU32, Ordering};
 
-use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
 use aya::Ebpf;
 use lb_common::{program_names, stat};
 use lb_userspace::control::plan as reconcile;
 use lb_userspace::datapath::loader;
 use lb_userspace::datapath::maps::{ConntrackMap, PinnedMaps};
-use lb_userspace::datapath::pins::{self, MapSizes, PinLayout};
+use lb_userspace::datapath::pins::MapSizes;
 use lb_userspace::datapath::source_ranges;
 use lb_userspace::model::{BackendAddr, DesiredState, Frontend, FrontendSpec, Protocol, Scope};
-use lb_userspace::node::host as sys;
 
 /// The IPv6 fixtures, on the same fixture, programs and maps.
 #[path = "tc_fixtures/ipv6.rs"]
@@ -53,44 +54,12 @@ struct Fixture {
     maps: PinnedMaps,
     conntrack: ConntrackMap,
     /// Last: the pins go once the program and map handles are closed.
-    _pins: PinGuard,
-}
-
-/// Removes a fixture's pin directory however the test ends, also when building
-/// the fixture failed half-way (a program the verifier refuses is loaded after
-/// the maps are pinned).
-struct PinGuard(PinLayout);
-
-impl Drop for PinGuard {
-    fn drop(&mut self) {
-        if let Ok(Some(lock)) = pins::lock_for_cleanup(&self.0) {
-            let _ = pins::cleanup(&self.0, &lock);
-        }
-    }
+    _pins: fixture::PinGuard,
 }
 
 impl Fixture {
     fn new() -> Self {
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        assert!(
-            unsafe { libc::geteuid() } == 0,
-            "packet fixtures load BPF programs: run as root (cargo xtask test)"
-        );
-        // SAFETY: plain syscall; affects only this test's thread.
-        assert_eq!(
-            unsafe { libc::unshare(libc::CLONE_NEWNET) },
-            0,
-            "unshare(CLONE_NEWNET): {}",
-            std::io::Error::last_os_error()
-        );
-        let name = format!(
-            "lb-fixture-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        );
-        let layout = PinLayout::new(std::path::Path::new(sys::BPFFS_ROOT).join(name));
-        sys::ensure_bpffs(layout.root()).expect("bpffs");
-        let pins = PinGuard(layout.clone());
+        let (layout, pins) = fixture::private_pins("tc");
         let object = loader::kernel_object(None).expect("kernel object embedded");
         let sizes = MapSizes {
             conntrack: 1024,
@@ -99,10 +68,10 @@ impl Fixture {
         let node_ips = [Ipv4Addr::from(NODE).into(), ipv6::NODE6.into()];
         let mut ebpf = loader::load(&object, &layout, sizes, &node_ips, MAGLEV_SEED)
             .expect("load kernel object");
-        for program in [program_names::TC_EXTERNAL, program_names::TC_INTERNAL] {
-            let prog: &mut SchedClassifier = ebpf.program_mut(program).unwrap().try_into().unwrap();
-            prog.load().expect("verifier accepts the TC program");
-        }
+        fixture::load_tc(
+            &mut ebpf,
+            &[program_names::TC_EXTERNAL, program_names::TC_INTERNAL],
+        );
         let mut maps = PinnedMaps::open(&layout).expect("open pinned maps");
         maps.set_maglev_seed(MAGLEV_SEED);
         let conntrack = ConntrackMap::open(&layout).expect("open the pinned conntrack");
@@ -115,28 +84,12 @@ impl Fixture {
     }
 
     fn program(&mut self, desired: &DesiredState) {
-        let plan = reconcile::plan(
-            desired,
-            &self.maps.snapshot().unwrap(),
-            self.maps.capacity(),
-        );
-        assert!(plan.rejected.is_empty(), "{:?}", plan.rejected);
-        self.maps.apply(&plan.ops).unwrap();
+        fixture::program(&mut self.maps, desired);
     }
 
     /// Runs one frame through a program; returns the verdict and the frame after it.
     fn run(&self, program: &str, frame: &[u8]) -> (u32, Vec<u8>) {
-        let prog: &SchedClassifier = self.ebpf.program(program).unwrap().try_into().unwrap();
-        let mut out = vec![0u8; frame.len() + 256];
-        let result = prog
-            .test_run(TestRunOptions {
-                data_in: Some(frame),
-                data_out: Some(&mut out),
-                ..TestRunOptions::default()
-            })
-            .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN of a {}-byte frame: {e:?}", frame.len()));
-        out.truncate(result.data_size_out as usize);
-        (result.return_value, out)
+        fixture::tc_run(&self.ebpf, program, frame)
     }
 
     fn external(&self, frame: &[u8]) -> (u32, Vec<u8>) {

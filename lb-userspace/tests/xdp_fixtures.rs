@@ -11,23 +11,22 @@
 //! conntrack entries (the same as TC writes for the same packet), and a counter
 //! for every packet left to TC untouched.
 
+/// What every packet-fixture binary shares (namespace, pins, loading, runs).
+#[allow(dead_code)]
+mod fixture;
+
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr};
-use std::sync::atomic::{AtomicU32, Ordering};
 
 use aya::maps::DevMapHash;
-use aya::programs::{
-    ProgramError, SchedClassifier, TcAttachType, TestRun, TestRunAttrs, TestRunOptions, Xdp,
-};
+use aya::programs::{SchedClassifier, TcAttachType, TestRun, TestRunAttrs, TestRunOptions, Xdp};
 use aya::Ebpf;
 use lb_common::{map_names, program_names, stat, CtKey, CtValue, XdpMark, XDP_MARK_MAGIC};
-use lb_userspace::control::plan as reconcile;
 use lb_userspace::datapath::loader;
 use lb_userspace::datapath::maps::{ConntrackMap, PinnedMaps};
-use lb_userspace::datapath::pins::{self, MapSizes, PinLayout};
+use lb_userspace::datapath::pins::MapSizes;
 use lb_userspace::datapath::source_ranges;
 use lb_userspace::model::{BackendAddr, DesiredState, Frontend, FrontendSpec, Protocol};
-use lb_userspace::node::host as sys;
 
 #[path = "xdp_fixtures/frames.rs"]
 mod frames;
@@ -69,36 +68,7 @@ struct Fixture {
     conntrack: ConntrackMap,
     net: net::Net,
     /// Last: the pins go once the program and map handles are closed.
-    _pins: PinGuard,
-}
-
-/// Removes a fixture's pin directory however the test ends.
-struct PinGuard(PinLayout);
-
-impl Drop for PinGuard {
-    fn drop(&mut self) {
-        if let Ok(Some(lock)) = pins::lock_for_cleanup(&self.0) {
-            let _ = pins::cleanup(&self.0, &lock);
-        }
-    }
-}
-
-/// Loads a program, again when the verifier gave up because a signal arrived
-/// meanwhile (EAGAIN, at its first instructions: seen here with several tests'
-/// threads spawning `ip` and verifying at once), as libbpf retries; at most five
-/// attempts.
-fn load_retrying(mut load: impl FnMut() -> Result<(), ProgramError>) -> Result<(), ProgramError> {
-    let mut attempts = 5;
-    loop {
-        match load() {
-            Err(ProgramError::LoadError { io_error, .. })
-                if io_error.raw_os_error() == Some(libc::EAGAIN) && attempts > 1 =>
-            {
-                attempts -= 1;
-            }
-            result => return result,
-        }
-    }
+    _pins: fixture::PinGuard,
 }
 
 /// `struct xdp_md` as BPF_PROG_TEST_RUN takes and returns it.
@@ -155,27 +125,8 @@ impl XdpRun {
 
 impl Fixture {
     fn new() -> Self {
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        assert!(
-            unsafe { libc::geteuid() } == 0,
-            "packet fixtures load BPF programs: run as root (cargo xtask test)"
-        );
-        // SAFETY: plain syscall; affects only this test's thread.
-        assert_eq!(
-            unsafe { libc::unshare(libc::CLONE_NEWNET) },
-            0,
-            "unshare(CLONE_NEWNET): {}",
-            std::io::Error::last_os_error()
-        );
+        let (layout, pins) = fixture::private_pins("xdp");
         let net = net::setup();
-        let name = format!(
-            "lb-xdp-fixture-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        );
-        let layout = PinLayout::new(std::path::Path::new(sys::BPFFS_ROOT).join(name));
-        sys::ensure_bpffs(layout.root()).expect("bpffs");
-        let pins = PinGuard(layout.clone());
         let object = loader::kernel_object(None).expect("kernel object embedded");
         let sizes = MapSizes {
             conntrack: 1024,
@@ -189,11 +140,11 @@ impl Fixture {
             .expect("lb_xdp in the object")
             .try_into()
             .unwrap();
-        load_retrying(|| xdp.load()).expect("verifier accepts lb_xdp");
-        for program in [program_names::TC_EXTERNAL, program_names::TC_INTERNAL] {
-            let prog: &mut SchedClassifier = ebpf.program_mut(program).unwrap().try_into().unwrap();
-            load_retrying(|| prog.load()).expect("verifier accepts the TC program");
-        }
+        fixture::load_retrying(|| xdp.load()).expect("verifier accepts lb_xdp");
+        fixture::load_tc(
+            &mut ebpf,
+            &[program_names::TC_EXTERNAL, program_names::TC_INTERNAL],
+        );
         let mut maps = PinnedMaps::open(&layout).expect("open pinned maps");
         maps.set_maglev_seed(MAGLEV_SEED);
         let conntrack = ConntrackMap::open(&layout).expect("open the pinned conntrack");
@@ -207,13 +158,7 @@ impl Fixture {
     }
 
     fn program(&mut self, desired: &DesiredState) {
-        let plan = reconcile::plan(
-            desired,
-            &self.maps.snapshot().unwrap(),
-            self.maps.capacity(),
-        );
-        assert!(plan.rejected.is_empty(), "{:?}", plan.rejected);
-        self.maps.apply(&plan.ops).unwrap();
+        fixture::program(&mut self.maps, desired);
         let wanted = source_ranges::wanted(&desired.frontends, &self.maps.snapshot().unwrap());
         self.maps.sync_source_ranges(&wanted, true).unwrap();
     }
@@ -262,22 +207,7 @@ impl Fixture {
 
     /// Runs one frame through `lb_tc_external`; the verdict and the frame after it.
     fn tc(&self, frame: &[u8]) -> (u32, Vec<u8>) {
-        let prog: &SchedClassifier = self
-            .ebpf
-            .program(program_names::TC_EXTERNAL)
-            .unwrap()
-            .try_into()
-            .unwrap();
-        let mut out = vec![0u8; frame.len() + 256];
-        let result = prog
-            .test_run(TestRunOptions {
-                data_in: Some(frame),
-                data_out: Some(&mut out),
-                ..TestRunOptions::default()
-            })
-            .unwrap_or_else(|e| panic!("TC test run of a {}-byte frame: {e:?}", frame.len()));
-        out.truncate(result.data_size_out as usize);
-        (result.return_value, out)
+        fixture::tc_run(&self.ebpf, program_names::TC_EXTERNAL, frame)
     }
 
     fn stat(&self, index: u32) -> u64 {

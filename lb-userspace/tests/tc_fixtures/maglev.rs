@@ -136,7 +136,7 @@ fn a_slot_past_the_backend_count_falls_back_to_random_and_is_counted() {
     // Damage the whole table: every slot names position 7 of a 3-backend frontend.
     let mut arena: Array<MapData, MaglevSlots> = Array::try_from(
         aya::maps::Map::from_map_data(
-            MapData::from_pin(f._pins.0.map_path(map_names::MAGLEV)).unwrap(),
+            MapData::from_pin(f._pins.layout().map_path(map_names::MAGLEV)).unwrap(),
         )
         .unwrap(),
     )
