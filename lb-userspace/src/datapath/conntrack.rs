@@ -72,7 +72,8 @@ fn reply_key_of(key: &CtKey, value: &CtValue) -> CtKey {
     }
 }
 
-fn state_name(proto: u8, state: u8) -> &'static str {
+/// A flow's state as `lb conntrack` and `lb masquerade` name it.
+pub(crate) fn state_name(proto: u8, state: u8) -> &'static str {
     if proto != IPPROTO_TCP {
         "ESTABLISHED"
     } else if state & (CT_STATE_FIN | CT_STATE_RST) != 0 {

@@ -12,9 +12,9 @@ use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{HashMap, Map, MapData, MapError};
 use ipnet::IpNet;
 use lb_common::{
-    map_names, CtKey, CtValue, MasqCidrKey, CT_DIR_FORWARD, CT_DIR_REPLY, CT_STATE_ESTABLISHED,
-    CT_STATE_FIN, CT_STATE_RST, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP,
-    MASQ_CIDR_EXEMPT, MASQ_CIDR_POD_SOURCE, MASQ_CIDR_PREFIX_BASE,
+    map_names, CtKey, CtValue, MasqCidrKey, CT_DIR_FORWARD, CT_DIR_REPLY, IPPROTO_ICMP,
+    IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, MASQ_CIDR_EXEMPT, MASQ_CIDR_POD_SOURCE,
+    MASQ_CIDR_PREFIX_BASE,
 };
 
 use crate::datapath::maps::{found, ignore_missing, read_in_batches, MapsError};
@@ -216,7 +216,7 @@ pub struct Translation {
     pub destination: SocketAddr,
     /// What the destination sees: the node's address and the port it got.
     pub node: SocketAddr,
-    /// `SYN`, `ESTABLISHED` or `CLOSING` (TCP); `ACTIVE` otherwise.
+    /// `SYN`, `ESTABLISHED` or `CLOSING` (TCP); `ESTABLISHED` otherwise, as `lb conntrack` says.
     pub state: &'static str,
     /// Since the last packet either way.
     pub idle_ms: u64,
@@ -256,16 +256,8 @@ pub fn translations(entries: &[(CtKey, CtValue)], now_ns: u64) -> Vec<Translatio
             };
             let reply = replies.get(&reply_key);
             let seen = value.last_seen_ns.max(reply.map_or(0, |r| r.last_seen_ns));
-            let state = value.state | reply.map_or(0, |r| r.state);
-            let state = if key.proto != IPPROTO_TCP {
-                "ACTIVE"
-            } else if state & (CT_STATE_FIN | CT_STATE_RST) != 0 {
-                "CLOSING"
-            } else if state & CT_STATE_ESTABLISHED != 0 {
-                "ESTABLISHED"
-            } else {
-                "SYN"
-            };
+            let state =
+                super::conntrack::state_name(key.proto, value.state | reply.map_or(0, |r| r.state));
             Translation {
                 protocol: protocol_name(key.proto),
                 pod: socket_addr(key.src_addr, key.src_port),
@@ -337,7 +329,7 @@ mod tests {
             nat_dst_addr: d,
             nat_src_port: sp.to_be(),
             nat_dst_port: dp.to_be(),
-            state: CT_STATE_ESTABLISHED,
+            state: lb_common::CT_STATE_ESTABLISHED,
             dir,
             ..CtValue::default()
         };
