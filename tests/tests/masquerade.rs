@@ -160,18 +160,16 @@ fn pods_reach_the_outside_as_their_node_and_in_cluster_traffic_keeps_their_addre
         &OUTSIDE_GATEWAY.to_string(),
     ])?;
     config.write("nonMasqueradeCIDRs:\n  - 11.0.0.0/24\n")?;
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
+    let mut last = None;
+    lb_tests::util::poll("the outside sees the pod", Duration::from_secs(10), || {
         let seen = seen_from(&cluster, "client", outside, false)?;
         if seen == one(client_ip) {
-            break;
+            return Ok(Some(()));
         }
-        ensure!(
-            std::time::Instant::now() < deadline,
-            "the outside still sees {seen:?} 10 s after the config change"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+        last = Some(seen);
+        Ok(None)
+    })
+    .with_context(|| format!("after the config change the outside still sees {last:?}"))?;
     // (4) A bad file is reported, naming the file and the field; the last good
     // one stays.
     config.write("nonMasqueradeCIDRs:\n  - 11.0.0.1/24\n")?;
