@@ -454,18 +454,7 @@ impl Cluster {
     fn add_outside(&self) -> Result<Pod> {
         let ns = NetNs::create(&format!("{}-out", self.base))?;
         let node1 = &self.nodes[0].ns;
-        node1.ip(&[
-            "link",
-            "add",
-            "up1",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            ns.name(),
-        ])?;
+        node1.veth_to("up1", &ns, "eth0")?;
         node1.ip(&[
             "addr",
             "add",
@@ -541,18 +530,7 @@ impl Cluster {
     /// Connect `ns` to the switch: `eth0` = `ip`/24 and `ip6`/64 in `ns`, `sw_if`
     /// on the switch bridge.
     fn uplink(&self, ns: &NetNs, sw_if: &str, ip: Ipv4Addr, ip6: Ipv6Addr) -> Result<()> {
-        self.switch.ip(&[
-            "link",
-            "add",
-            sw_if,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            ns.name(),
-        ])?;
+        self.switch.veth_to(sw_if, ns, "eth0")?;
         self.switch
             .ip(&["link", "set", sw_if, "master", "br0", "up"])?;
         ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;

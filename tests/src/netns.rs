@@ -72,6 +72,23 @@ impl NetNs {
         full.extend_from_slice(args);
         ip(&full)
     }
+
+    /// A veth pair: `local` here, its peer `peer_name` in `peer` (both down).
+    pub fn veth_to(&self, local: &str, peer: &NetNs, peer_name: &str) -> Result<()> {
+        self.ip(&[
+            "link",
+            "add",
+            local,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            peer_name,
+            "netns",
+            peer.name(),
+        ])
+        .map(drop)
+    }
 }
 
 /// Where a namespace's IPv4 interface settings live, relative to /proc/sys.

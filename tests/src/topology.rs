@@ -157,9 +157,7 @@ impl Pod {
         // IFNAMSIZ allows 15 characters.
         ensure!(host_if.len() <= 15, "interface name {host_if} too long");
         let ns = NetNs::create(ns_name)?;
-        host.ip(&[
-            "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", ns_name,
-        ])?;
+        host.veth_to(host_if, &ns, "eth0")?;
         host.ip(&["link", "set", host_if, "master", bridge, "up"])?;
         ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
         ns.ip(&["link", "set", "eth0", "up"])?;

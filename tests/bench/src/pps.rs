@@ -475,18 +475,7 @@ fn link(
     b_dev: &str,
     b_ip: Ipv4Addr,
 ) -> Result<()> {
-    a.ip(&[
-        "link",
-        "add",
-        a_dev,
-        "type",
-        "veth",
-        "peer",
-        "name",
-        b_dev,
-        "netns",
-        b.name(),
-    ])?;
+    a.veth_to(a_dev, b, b_dev)?;
     a.ip(&["addr", "add", &format!("{a_ip}/24"), "dev", a_dev])?;
     b.ip(&["addr", "add", &format!("{b_ip}/24"), "dev", b_dev])?;
     a.ip(&["link", "set", a_dev, "up"])?;

@@ -645,18 +645,7 @@ impl Env {
             ("net/ipv4/conf/all/rp_filter", "0"),
             ("net/ipv4/conf/default/rp_filter", "0"),
         ])?;
-        node.ip(&[
-            "link",
-            "add",
-            "ext0",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            env.ext.name(),
-        ])?;
+        node.veth_to("ext0", &env.ext, "eth0")?;
         node.ip(&["addr", "add", &format!("{NODE_IP}/24"), "dev", "ext0"])?;
         node.ip(&["link", "set", "ext0", "up"])?;
         env.ext
