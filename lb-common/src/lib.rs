@@ -17,10 +17,11 @@
 #![no_std]
 
 pub mod maglev;
+pub mod quarantine;
 
 /// Bumped whenever a map's key or value layout changes. Maps are pinned under
 /// `<pin-dir>/v<PIN_LAYOUT_VERSION>/` so an agent never reuses a map with another layout.
-pub const PIN_LAYOUT_VERSION: u32 = 6;
+pub const PIN_LAYOUT_VERSION: u32 = 7;
 
 /// Map names, as the kernel object defines them and as they are pinned.
 pub mod map_names {
@@ -46,8 +47,11 @@ pub mod map_names {
     /// Egress masquerading's address sets: this node's pod CIDRs and the exempt
     /// destinations (an LPM trie of [`crate::MasqCidrKey`]).
     pub const MASQ_CIDRS: &str = "LB_MASQ_CIDRS";
+    /// Passive health: backends that refused a new connection, per frontend (an
+    /// LRU hash of [`crate::QuarantineKey`] -> [`crate::QuarantineValue`]).
+    pub const QUARANTINE: &str = "LB_QUARANTINE";
     /// Every map the agent pins.
-    pub const ALL: [&str; 14] = [
+    pub const ALL: [&str; 15] = [
         SERVICES,
         BACKENDS,
         SOCK_REVNAT,
@@ -62,6 +66,7 @@ pub mod map_names {
         MAGLEV,
         MASQ,
         MASQ_CIDRS,
+        QUARANTINE,
     ];
 }
 
@@ -104,6 +109,9 @@ pub mod program_names {
     /// TC egress on node-facing devices with `--masquerade bpf`: local pods' traffic
     /// to destinations outside the cluster leaves with the node's address.
     pub const TC_EGRESS: &str = "lb_tc_egress";
+    /// `sockops` on the same cgroup as the socket hooks: the fate of the TCP
+    /// connects they translated (refused, or established), for passive health.
+    pub const SOCK_OPS: &str = "lb_sock_ops";
 }
 
 /// The benchmark generator's frame (`lb_xdp_gen`): Ethernet, a 20-byte IPv4 header
@@ -153,6 +161,11 @@ pub const DEFAULT_BACKENDS_MAX: u32 = 1 << 21;
 pub const DEFAULT_SOCK_REVNAT_MAX: u32 = 262_144;
 pub const DEFAULT_AFFINITY_MAX: u32 = 65_536;
 pub const DEFAULT_CT_MAX: u32 = 262_144;
+/// `LB_QUARANTINE` entries: backends (of one frontend each) that refused a new
+/// connection, remembered at once. An LRU hash is preallocated, so this is kept
+/// well below the backend map's size (65536 entries take about 6 MiB); the least
+/// recently touched entry is forgotten first, a backend that refused long ago.
+pub const DEFAULT_QUARANTINE_MAX: u32 = 65_536;
 /// `LB_SOURCE_RANGES` entries: one per (LoadBalancer frontend, source range).
 pub const DEFAULT_SOURCE_RANGES_MAX: u32 = 65_536;
 /// `LB_FRAG` entries: fragmented datagrams of translated flows in flight at once.
@@ -318,11 +331,11 @@ impl ServiceValue {
         if self.flags & SVC_FLAG_MAGLEV == 0 {
             return None;
         }
-        let rung = ((self.flags >> SVC_MAGLEV_RUNG_SHIFT) & SVC_MAGLEV_RUNG_MASK) as usize;
-        if rung >= maglev::TABLE_SIZES.len() {
+        let rung = ((self.flags >> SVC_MAGLEV_RUNG_SHIFT) & SVC_MAGLEV_RUNG_MASK) as u32;
+        if rung >= maglev::TABLE_SIZES.len() as u32 {
             return None;
         }
-        Some((self.backend_id, maglev::TABLE_SIZES[rung]))
+        Some((self.backend_id, maglev::table_size_of_rung(rung)))
     }
 }
 
@@ -423,8 +436,11 @@ pub struct SockRevNatValue {
     pub _pad: u16,
     /// `rev_nat_id` of the frontend at the time of the translation.
     pub rev_nat_id: u32,
+    /// The backend's id in `LB_BACKENDS` at the time of the translation: what
+    /// `lb_sock_ops` quarantines when the connect fails.
+    pub backend_id: u32,
 }
-const _: () = assert!(core::mem::size_of::<SockRevNatValue>() == 24);
+const _: () = assert!(core::mem::size_of::<SockRevNatValue>() == 28);
 
 /// Key of `LB_AFFINITY` (LRU). The client is identified by its network namespace
 /// cookie: before `connect` a socket has no source address yet, and two pods on one
@@ -562,6 +578,68 @@ pub struct FragValue {
     pub nat_dst_addr: IpAddrBe,
 }
 const _: () = assert!(core::mem::size_of::<FragValue>() == 40);
+
+/// Key of `LB_QUARANTINE` (LRU): one backend of one frontend. Per frontend, as
+/// the issue asks ("quarantined for new connections of that frontend"): backend
+/// ids already belong to one frontend, and the frontend id makes the key say so.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct QuarantineKey {
+    /// `rev_nat_id` of the master the backend was picked under (host byte order).
+    pub rev_nat_id: u32,
+    /// The backend's id in `LB_BACKENDS` (host byte order).
+    pub backend_id: u32,
+}
+const _: () = assert!(core::mem::size_of::<QuarantineKey>() == 8);
+
+/// Value of `LB_QUARANTINE`: whether new connections skip the backend, and its
+/// record. Created at the backend's first refusal and kept (cleared, not deleted,
+/// by a success) so its counts last; the LRU forgets the oldest when full. Read and
+/// changed through the functions of [`quarantine`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct QuarantineValue {
+    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) until which new connections skip the
+    /// backend; 0 (or past): they do not.
+    pub until_ns: u64,
+    /// Refusals since the last success, one per quarantine (the backoff level:
+    /// 1 -> 1 s, 2 -> 2 s, ... capped at [`quarantine::MAX_LEVEL`]).
+    pub strikes: u32,
+    /// `QUARANTINE_FLAG_*` of the last refusal.
+    pub flags: u32,
+    /// Quarantines begun since the entry was created (a counter; a lost race
+    /// between CPUs loses one).
+    pub quarantines: u64,
+    /// New connections that skipped the backend for another (a counter, as above).
+    pub skips: u64,
+}
+const _: () = assert!(core::mem::size_of::<QuarantineValue>() == 32);
+
+/// `QuarantineValue::flags`: the refusal was a failed `connect()` the socket hooks
+/// translated (seen by `lb_sock_ops`); without it, a RST or ICMP error the
+/// per-packet path saw.
+pub const QUARANTINE_FLAG_BY_SOCKET: u32 = 1 << 0;
+
+/// Whether the programs quarantine refusing backends (`--backend-quarantine`): a
+/// read-only global of the kernel object set at load time, as `--node-ip` is.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct QuarantineSettings {
+    /// 1: on; 0: off (no program reads or writes `LB_QUARANTINE`).
+    pub enabled: u32,
+}
+const _: () = assert!(core::mem::size_of::<QuarantineSettings>() == 4);
+
+impl QuarantineSettings {
+    /// `--backend-quarantine on`.
+    #[inline(always)]
+    pub const fn is_enabled(&self) -> bool {
+        self.enabled != 0
+    }
+}
 
 /// Value of the per-CPU `LB_SVC_STATS` hash, keyed by a frontend's `rev_nat_id`.
 #[repr(C)]
@@ -978,8 +1056,22 @@ pub mod stat {
     /// Masquerade, egress: no node address for the flow (no route's source, no
     /// `--node-ip` of the family); passed untranslated.
     pub const MASQ_NO_SOURCE: u32 = 49;
+    /// Passive health: a backend refused a new connection (a RST or ICMP error to
+    /// the first packet on the per-packet path, a failed connect through the
+    /// socket hooks) and was quarantined for its frontend; per backend in
+    /// `LB_QUARANTINE`. Refusals during a running quarantine are not counted.
+    pub const QUARANTINED: u32 = 50;
+    /// Passive health: a new connection's pick was quarantined and it got another
+    /// backend of the frontend.
+    pub const QUARANTINE_SKIP: u32 = 51;
+    /// Passive health: every candidate a new connection looked at was
+    /// quarantined; it kept its first pick (as without quarantine).
+    pub const QUARANTINE_ALL: u32 = 52;
+    /// Passive health: a quarantined backend accepted a connection and was
+    /// cleared.
+    pub const QUARANTINE_CLEARED: u32 = 53;
     /// Number of counters.
-    pub const COUNT: u32 = 50;
+    pub const COUNT: u32 = 54;
     /// Human names, indexed like the constants.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -1032,6 +1124,10 @@ pub mod stat {
         "masq_port_exhausted",
         "masq_map_full",
         "masq_no_source",
+        "quarantined",
+        "quarantine_skip",
+        "quarantine_all",
+        "quarantine_cleared",
     ];
 }
 
@@ -1059,4 +1155,7 @@ mod user {
     unsafe impl aya::Pod for DsrConfig {}
     unsafe impl aya::Pod for MasqCidrKey {}
     unsafe impl aya::Pod for MasqSettings {}
+    unsafe impl aya::Pod for QuarantineKey {}
+    unsafe impl aya::Pod for QuarantineValue {}
+    unsafe impl aya::Pod for QuarantineSettings {}
 }

@@ -35,6 +35,28 @@ pub const TABLE_SIZES: [u32; 10] = [
     251, 509, 1_021, 2_039, 4_093, 8_191, 16_381, 32_749, 65_521, 131_071,
 ];
 
+/// `TABLE_SIZES[rung]` (`rung` below its length) by arithmetic alone: each size
+/// is `2^(8 + rung)` less a distance below 32, five bits each in one constant.
+/// The kernel programs call this in a loop (a quarantined pick's Maglev probes),
+/// where an indexed read of the table had its address computed before the
+/// bounds check, which the verifier refuses.
+#[inline(always)]
+pub const fn table_size_of_rung(rung: u32) -> u32 {
+    // 5, 3, 3, 9, 3, 1, 3, 19, 15, 1: 256 - 5 = 251, 512 - 3 = 509, ...
+    const BELOW: u64 = 5
+        | 3 << 5
+        | 3 << 10
+        | 9 << 15
+        | 3 << 20
+        | 1 << 25
+        | 3 << 30
+        | 19 << 35
+        | 15 << 40
+        | 1 << 45;
+    let rung = rung % TABLE_SIZES.len() as u32;
+    (256u32 << rung) - ((BELOW >> (5 * rung)) & 31) as u32
+}
+
 /// The arena slots a table of `size` slots takes: `size` rounded up to whole
 /// `LB_MAGLEV` entries, so that every table starts at an entry's first slot.
 #[inline(always)]
@@ -321,6 +343,13 @@ mod tests {
             ..plain
         };
         assert_eq!(bad.maglev(), None);
+    }
+
+    #[test]
+    fn table_sizes_by_arithmetic_are_the_ladder() {
+        for (rung, size) in TABLE_SIZES.iter().enumerate() {
+            assert_eq!(table_size_of_rung(rung as u32), *size, "rung {rung}");
+        }
     }
 
     #[test]
