@@ -10,6 +10,7 @@ use lb_common::{
 use crate::{
     maps::LB_CT,
     nat::Tuple,
+    quarantine,
     packet::{Flow, TCP_FLAG_ACK, TCP_FLAG_FIN, TCP_FLAG_RST, TCP_FLAG_SYN},
 };
 
@@ -130,6 +131,9 @@ pub fn follow(flow: &Flow) -> Option<Known> {
     }
     let state = state_of(flow);
     if entry.state & state != state {
+        if entry.dir == CT_DIR_REPLY && quarantine::enabled() {
+            first_answer(entry, flow, now);
+        }
         entry.state |= state;
     }
     Some(Known {
@@ -142,6 +146,25 @@ pub fn follow(flow: &Flow) -> Option<Known> {
         dsr: entry.dsr,
         reply: entry.dir == CT_DIR_REPLY,
     })
+}
+
+/// Passive health on the per-packet path: a backend's first answer to a new TCP
+/// connection (its reply entry has seen nothing yet) says whether it took it. A
+/// RST refuses (the port is closed: quarantined for the frontend); a SYN-ACK
+/// accepts (any quarantine is cleared). Reached only when the reply entry's
+/// state bits change, so an established flow never comes here.
+#[inline(always)]
+fn first_answer(entry: &CtValue, flow: &Flow, now: u64) {
+    let answered = CT_STATE_SYN | CT_STATE_ESTABLISHED | CT_STATE_RST | CT_STATE_FIN;
+    if flow.proto != IPPROTO_TCP || entry.state & answered != 0 {
+        return;
+    }
+    let f = flow.tcp_flags;
+    if f & TCP_FLAG_RST != 0 {
+        quarantine::refused(entry.rev_nat_id, entry.backend_id, now, 0);
+    } else if f & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN | TCP_FLAG_ACK {
+        quarantine::accepted(entry.rev_nat_id, entry.backend_id);
+    }
 }
 
 /// A new entry rewriting to `to`, without DSR (see [`CtValue::dsr`] for that).

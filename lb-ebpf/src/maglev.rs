@@ -3,7 +3,7 @@
 //! so every node that builds the same table sends the flow to the same backend.
 //! The socket hooks never come here: they keep the random pick and affinity.
 
-use lb_common::{maglev, IpAddrBe, ServiceValue, MAGLEV_SLOTS_PER_ENTRY};
+use lb_common::{maglev, quarantine, IpAddrBe, ServiceValue, MAGLEV_SLOTS_PER_ENTRY};
 
 use crate::maps::LB_MAGLEV;
 
@@ -36,10 +36,19 @@ pub enum Answer {
 /// The slot the master's table gives a flow of hash `hash`.
 #[inline(always)]
 pub fn slot(master: &ServiceValue, hash: u32) -> Answer {
+    probe(master, hash, 0)
+}
+
+/// The slot of probe `i` of the flow's walk down the table (0: [`slot`]'s; see
+/// `lb_common::quarantine::maglev_probe`): where the flow goes when the backends
+/// of the probes before it are quarantined.
+#[inline(always)]
+pub fn probe(master: &ServiceValue, hash: u32, i: u32) -> Answer {
     let Some((first, size)) = master.maglev() else {
         return Answer::NoTable;
     };
-    let at = first.wrapping_add(maglev::slot(hash, size));
+    let count = master.count;
+    let at = first.wrapping_add(quarantine::maglev_probe(hash, size, i));
     // Copied out at once: the agent may rewrite the entry meanwhile, and a torn
     // read is still a position, checked below like any other.
     let Some(entry) = LB_MAGLEV.get(at / MAGLEV_SLOTS_PER_ENTRY).copied() else {
@@ -51,7 +60,7 @@ pub fn slot(master: &ServiceValue, hash: u32) -> Answer {
     let [a, b, c, d] = entry.positions.map(u64::from);
     let word = a | b << 16 | c << 32 | d << 48;
     let position = (word >> ((at % MAGLEV_SLOTS_PER_ENTRY) * 16)) as u16;
-    if position < master.count {
+    if position < count {
         Answer::Slot(position + 1)
     } else {
         Answer::Miss

@@ -18,8 +18,10 @@
 //! Egress masquerading: `masq` (TC egress on node-facing devices; at TC ingress
 //! there, the replies, ahead of the Service path, and the ICMP errors
 //! `icmp`/`icmp6` hand it).
-//! Shared with the hooks: `select` (frontend lookup, backend choice, affinity),
-//! `stats`. Direct server return, both programs: `dsr`.
+//! Shared with the hooks: `select` (frontend lookup, backend choice, affinity,
+//! skipping quarantined backends), `stats`. Passive health: `quarantine` (the
+//! map), written by `sock_ops` (the fate of the hooks' connects) and by the
+//! per-packet path's reply direction (`ct`). Direct server return, both programs: `dsr`.
 #![no_std]
 #![no_main]
 
@@ -39,10 +41,12 @@ mod mark;
 mod masq;
 mod nat;
 mod packet;
+mod quarantine;
 mod reject;
 mod select;
 mod sock;
 mod sock_lb;
+mod sock_ops;
 mod source_ranges;
 mod stats;
 mod tc_lb;
@@ -51,8 +55,8 @@ mod verdict;
 mod xdp_lb;
 
 use aya_ebpf::{
-    macros::{cgroup_sock_addr, classifier, xdp},
-    programs::{SockAddrContext, TcContext, XdpContext},
+    macros::{cgroup_sock_addr, classifier, sock_ops, xdp},
+    programs::{SockAddrContext, SockOpsContext, TcContext, XdpContext},
 };
 use lb_common::SCOPE_INTERNAL;
 
@@ -107,6 +111,15 @@ pub fn lb_recvmsg6(ctx: SockAddrContext) -> i32 {
 pub fn lb_getpeername6(ctx: SockAddrContext) -> i32 {
     sock_lb::translate_reverse::<V6>(&ctx);
     SYS_PROCEED
+}
+
+/// sockops on the hooks' cgroup: whether the connects they translated were
+/// refused or accepted, for passive health (`sock_ops.rs`). Its return value
+/// answers only the callbacks that ask for one (none of ours): 1, as "ok".
+#[sock_ops]
+pub fn lb_sock_ops(ctx: SockOpsContext) -> u32 {
+    sock_ops::handle(&ctx);
+    1
 }
 
 /// TC ingress on node-facing devices: NodePort, LoadBalancer, externalIPs and

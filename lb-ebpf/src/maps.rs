@@ -7,9 +7,10 @@ use aya_ebpf::{
 };
 use lb_common::{
     AffinityKey, AffinityValue, Attachment, Backend, CtKey, CtValue, FragKey, FragValue,
-    MaglevSlots, MasqCidrKey, ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue,
-    SourceRangeKey, SvcStats, DEFAULT_AFFINITY_MAX, DEFAULT_BACKENDS_MAX, DEFAULT_CT_MAX,
-    DEFAULT_FRAG_MAX, DEFAULT_MAGLEV_SLOTS, DEFAULT_MASQ_MAX, DEFAULT_SERVICES_MAX,
+    MaglevSlots, MasqCidrKey, QuarantineKey, QuarantineValue, ServiceKey, ServiceValue,
+    SockRevNatKey, SockRevNatValue, SourceRangeKey, SvcStats, DEFAULT_AFFINITY_MAX,
+    DEFAULT_BACKENDS_MAX, DEFAULT_CT_MAX, DEFAULT_FRAG_MAX, DEFAULT_MAGLEV_SLOTS,
+    DEFAULT_MASQ_MAX, DEFAULT_QUARANTINE_MAX, DEFAULT_SERVICES_MAX,
     DEFAULT_SOCK_REVNAT_MAX, DEFAULT_SOURCE_RANGES_MAX, MAGLEV_SLOTS_PER_ENTRY, MASQ_CIDRS_MAX,
     XDP_DEVMAP_MAX,
 };
@@ -116,3 +117,14 @@ pub static LB_MASQ: HashMap<
 /// pod CIDRs and the exempt destinations; the value is unused (1).
 #[btf_map]
 pub static LB_MASQ_CIDRS: LpmTrie<MasqCidrKey, u8, { MASQ_CIDRS_MAX as usize }> = LpmTrie::new();
+
+/// Passive health (see `quarantine.rs`): backends of a frontend that refused a new
+/// connection, and until when new connections skip them. LRU: entries are written
+/// from the packet path (a refusal), and under pressure the backend that refused
+/// longest ago is the one to forget.
+#[btf_map]
+pub static LB_QUARANTINE: LruHashMap<
+    QuarantineKey,
+    QuarantineValue,
+    { DEFAULT_QUARANTINE_MAX as usize },
+> = LruHashMap::new();

@@ -2,12 +2,15 @@
 //! per-packet path: slot choice, session affinity, and the reject errno.
 
 use aya_ebpf::helpers::generated::bpf_ktime_get_ns;
-use lb_common::{stat, AffinityKey, AffinityValue, Backend, IpAddrBe, ServiceKey, ServiceValue};
+use lb_common::{
+    quarantine as lbq, stat, AffinityKey, AffinityValue, Backend, IpAddrBe, ServiceKey,
+    ServiceValue,
+};
 
 use crate::{
     maglev,
     maps::{LB_AFFINITY, LB_BACKENDS, LB_SERVICES},
-    stats,
+    quarantine, stats,
 };
 
 const NSEC_PER_SEC: u64 = 1_000_000_000;
@@ -89,12 +92,19 @@ fn with_affinity(
     if let Some(remembered) = unsafe { LB_AFFINITY.get(key) }.copied() {
         let timeout_ns = master.affinity_timeout_sec as u64 * NSEC_PER_SEC;
         if now.wrapping_sub(remembered.last_used_ns) <= timeout_ns {
-            // Backend ids belong to one frontend and vanish with the endpoint, so a
-            // hit here is still a live backend of this Service.
-            // SAFETY: copied out at once.
-            if let Some(backend) = unsafe { LB_BACKENDS.get(remembered.backend_id) }.copied() {
-                remember(&key, remembered.backend_id, now);
-                return Some((remembered.backend_id, backend));
+            let id = remembered.backend_id;
+            // A quarantined backend is no place for a new connection, affinity or
+            // not: the client moves (and stays) where the pick below sends it.
+            if quarantine::enabled() && quarantine::is_quarantined(master.rev_nat_id, id, now) {
+                quarantine::skipped(master.rev_nat_id, id);
+            } else {
+                // Backend ids belong to one frontend and vanish with the endpoint, so
+                // a hit here is still a live backend of this Service.
+                // SAFETY: copied out at once.
+                if let Some(backend) = unsafe { LB_BACKENDS.get(id) }.copied() {
+                    remember(&key, id, now);
+                    return Some((id, backend));
+                }
             }
         }
     }
@@ -126,18 +136,90 @@ fn slot_number(master: &ServiceValue, choice: Choice) -> u16 {
             maglev::Answer::NoTable => {}
         }
     }
+    random_slot(master, choice)
+}
+
+#[inline(always)]
+fn random_slot(master: &ServiceValue, choice: Choice) -> u16 {
     (choice.entropy % master.count as u32) as u16 + 1
+}
+
+/// The backend id in slot `slot` of the frontend.
+#[inline(always)]
+fn backend_in(master_key: &ServiceKey, slot: u16) -> Option<u32> {
+    let slot_key = ServiceKey {
+        backend_slot: slot,
+        ..*master_key
+    };
+    // SAFETY: copied out at once.
+    unsafe { LB_SERVICES.get(&slot_key) }.map(|slot| slot.backend_id)
 }
 
 #[inline(always)]
 fn slot(master_key: &ServiceKey, master: &ServiceValue, choice: Choice) -> Option<(u32, Backend)> {
-    let slot_key = ServiceKey {
-        backend_slot: slot_number(master, choice),
-        ..*master_key
+    let first = slot_number(master, choice);
+    let mut backend_id = backend_in(master_key, first)?;
+    if quarantine::enabled() {
+        backend_id = healthy(master_key, master, choice, backend_id);
+    }
+    // SAFETY: copied out at once.
+    let backend = unsafe { LB_BACKENDS.get(backend_id) }.copied()?;
+    Some((backend_id, backend))
+}
+
+/// `picked`, unless the frontend has it quarantined: then the first candidate of
+/// the fall-through that is not (Maglev: further down the flow's probe sequence,
+/// then the random scan; random: the scan from the random start), and when every
+/// candidate is quarantined `picked` after all, so a Service whose every backend
+/// refuses behaves as without quarantine. Bounded (`MAGLEV_PROBES + SCAN_TRIES`).
+#[inline(always)]
+fn healthy(master_key: &ServiceKey, master: &ServiceValue, choice: Choice, picked: u32) -> u32 {
+    // SAFETY: a plain helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let rev_nat_id = master.rev_nat_id;
+    if !quarantine::is_quarantined(rev_nat_id, picked, now) {
+        return picked;
+    }
+    let count = master.count;
+    let start = random_slot(master, choice);
+    let stride = lbq::scan_stride(count, choice.entropy);
+    let scanned = if (count as u32) < lbq::SCAN_TRIES {
+        count as u32
+    } else {
+        lbq::SCAN_TRIES
     };
-    // SAFETY: copied out at once.
-    let slot = unsafe { LB_SERVICES.get(slot_key) }.copied()?;
-    // SAFETY: copied out at once.
-    let backend = unsafe { LB_BACKENDS.get(slot.backend_id) }.copied()?;
-    Some((slot.backend_id, backend))
+    let hash = match choice.flow_hash {
+        Some(hash) if master.maglev().is_some() => Some(hash),
+        _ => None,
+    };
+    for i in 1..lbq::MAGLEV_PROBES + lbq::SCAN_TRIES {
+        let slot = match hash {
+            Some(hash) if i < lbq::MAGLEV_PROBES => match maglev::probe(master, hash, i) {
+                maglev::Answer::Slot(slot) => slot,
+                _ => continue,
+            },
+            _ => {
+                // Random picks scan from candidate 1 on (0 was the pick); Maglev's
+                // scan starts at 0, the random start, after its probes.
+                let n = if hash.is_some() {
+                    i - lbq::MAGLEV_PROBES
+                } else {
+                    i
+                };
+                if n >= scanned {
+                    continue;
+                }
+                lbq::scan_slot(start, stride, n, count)
+            }
+        };
+        let Some(candidate) = backend_in(master_key, slot) else {
+            continue;
+        };
+        if !quarantine::is_quarantined(rev_nat_id, candidate, now) {
+            quarantine::skipped(rev_nat_id, picked);
+            return candidate;
+        }
+    }
+    stats::bump(stat::QUARANTINE_ALL);
+    picked
 }

@@ -67,7 +67,7 @@ pub fn translate_forward<const V6: bool>(ctx: &SockAddrContext, hook: Hook) -> i
         entropy,
         flow_hash: None,
     };
-    let Some((_, backend)) = select::backend(&master_key, &master, client, choice) else {
+    let Some((backend_id, backend)) = select::backend(&master_key, &master, client, choice) else {
         return refuse(master.rev_nat_id);
     };
 
@@ -83,6 +83,7 @@ pub fn translate_forward<const V6: bool>(ctx: &SockAddrContext, hook: Hook) -> i
         port: dst.port,
         _pad: 0,
         rev_nat_id: master.rev_nat_id,
+        backend_id,
     };
     if LB_SOCK_REVNAT.insert(revnat_key, revnat, 0).is_err() {
         stats::bump(stat::REVNAT_UPDATE_FAILED);
