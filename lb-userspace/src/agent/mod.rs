@@ -103,6 +103,9 @@ pub struct AgentConfig {
     /// `--cluster-cidr` (kube-proxy's flag): the cluster's pod ranges, where the
     /// Nodes' `spec.podCIDRs` do not say.
     pub cluster_cidrs: Vec<ipnet::IpNet>,
+    /// `--backend-quarantine`: passive health, a backend that refuses a new
+    /// connection is skipped by the new connections of that frontend for a while.
+    pub backend_quarantine: bool,
 }
 
 #[derive(Debug, thiserror::Error)]

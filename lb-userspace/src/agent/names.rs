@@ -8,8 +8,11 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tracing::debug;
 
-use crate::datapath::maps::PinnedMaps;
+use crate::datapath::codec::backend_addr;
+use crate::datapath::conntrack::monotonic_now_ns;
+use crate::datapath::maps::{MapsError, PinnedMaps, QuarantineMap};
 use crate::model::Frontend;
+use crate::ops::metrics::QuarantineCounters;
 use crate::ops::AgentStatus;
 
 /// How the frontend names change with a sync.
@@ -26,9 +29,22 @@ pub(super) struct FrontendNames(Arc<Mutex<BTreeMap<u32, Frontend>>>);
 impl FrontendNames {
     /// Fills the datapath counters of a scrape from `maps` (a handle of its own),
     /// naming the per-Service rows.
-    pub(super) fn serve_scrapes(&self, status: &AgentStatus, maps: PinnedMaps) {
+    /// `quarantine` (absent: not served) names the backends passive health has a
+    /// record of.
+    pub(super) fn serve_scrapes(
+        &self,
+        status: &AgentStatus,
+        maps: PinnedMaps,
+        quarantine: Option<QuarantineMap>,
+    ) {
         let names = self.clone();
         status.on_scrape(move |status| {
+            if let Some(quarantine) = &quarantine {
+                match quarantine_rows(&maps, quarantine, &names) {
+                    Ok(rows) => status.set_quarantine_counters(&rows),
+                    Err(e) => debug!("reading the quarantine map: {e}"),
+                }
+            }
             match maps.stats() {
                 Ok(counters) => status.set_datapath_counters(&counters),
                 Err(e) => debug!("reading the datapath counters: {e}"),
@@ -64,4 +80,37 @@ impl FrontendNames {
             }
         }
     }
+}
+
+/// Passive health's rows for a scrape: each (frontend, backend) with a record,
+/// named; a backend or frontend since removed is left out. Costs the records (a
+/// few), not the table: each backend is looked up by id.
+fn quarantine_rows(
+    maps: &PinnedMaps,
+    quarantine: &QuarantineMap,
+    names: &FrontendNames,
+) -> Result<Vec<(String, String, QuarantineCounters)>, MapsError> {
+    let now = monotonic_now_ns();
+    let entries = quarantine.entries()?;
+    let names = names.0.lock();
+    let mut rows = Vec::with_capacity(entries.len());
+    for (key, value) in entries {
+        let Some(frontend) = names.get(&key.rev_nat_id) else {
+            continue;
+        };
+        let Some(backend) = maps.backend(key.backend_id)? else {
+            continue;
+        };
+        let addr = backend_addr(&backend);
+        rows.push((
+            frontend.to_string(),
+            std::net::SocketAddr::new(addr.ip, addr.port).to_string(),
+            QuarantineCounters {
+                quarantines: value.quarantines,
+                skips: value.skips,
+                active: value.is_active(now),
+            },
+        ));
+    }
+    Ok(rows)
 }

@@ -18,7 +18,7 @@ use crate::control::masquerade::MasqueradeMode;
 use crate::control::SourceOptions;
 use crate::datapath::device_links::DeviceLinks;
 use crate::datapath::loader::{self, LoadError, ProgramSettings, TcAttach};
-use crate::datapath::maps::PinnedMaps;
+use crate::datapath::maps::{PinnedMaps, QuarantineMap};
 use crate::datapath::pins::{self, CreatedPins, PinLock, PinLockError, Wait};
 use crate::node::host;
 use crate::node::netlink;
@@ -28,7 +28,7 @@ use crate::source::changes::ChangeReceiver;
 use crate::source::{files, kube, FileError, ObjectError};
 use crate::stale_sockets;
 use k8s_openapi::api::core::v1::Node;
-use lb_common::MasqSettings;
+use lb_common::{MasqSettings, QuarantineSettings};
 
 /// A running agent: what it holds between changes.
 pub(super) struct Agent {
@@ -146,6 +146,9 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
             nodeport_last_host: config.node_port_range.last,
             ..MasqSettings::default()
         },
+        quarantine: QuarantineSettings {
+            enabled: u32::from(config.backend_quarantine),
+        },
     };
     let mut ebpf = loader::load_with(
         &object,
@@ -180,7 +183,11 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
     )?;
     let names = FrontendNames::default();
     // A second handle for scrapes, so /metrics reads fresh datapath counters.
-    names.serve_scrapes(&status, PinnedMaps::open(&config.pin)?);
+    names.serve_scrapes(
+        &status,
+        PinnedMaps::open(&config.pin)?,
+        QuarantineMap::open(&config.pin).ok(),
+    );
     let overrides = Overrides {
         off: config.tc_mode == TcAttach::Off,
         ..config.tc_overrides.clone()
@@ -243,8 +250,12 @@ impl Agent {
                 present: present.join(", "),
             });
         }
-        let mut pins =
-            loader::attach_cgroup_hooks(&mut self.ebpf, &self.config.pin, &self.config.cgroup)?;
+        let mut pins = loader::attach_cgroup_hooks(
+            &mut self.ebpf,
+            &self.config.pin,
+            &self.config.cgroup,
+            self.config.backend_quarantine,
+        )?;
         self.sync_devices();
         pins.extend(self.links.pins());
         loader::remove_stale_links(&self.config.pin, &pins)?;

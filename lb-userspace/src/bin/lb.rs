@@ -11,7 +11,7 @@ use lb_userspace::control::masquerade::MasqueradeMode;
 use lb_userspace::control::NodePortRange;
 use lb_userspace::datapath::forwarding::{DsrDispatch, Forwarding, LbMode};
 use lb_userspace::datapath::loader::{TcAttach, XdpAttach};
-use lb_userspace::datapath::maps::{ConntrackMap, PinnedMaps};
+use lb_userspace::datapath::maps::{ConntrackMap, PinnedMaps, QuarantineMap};
 use lb_userspace::datapath::masquerade::{self, MasqMaps};
 use lb_userspace::datapath::pins::{self, MapSizes, PinLayout};
 use lb_userspace::datapath::{conntrack, device_links, table};
@@ -133,6 +133,13 @@ enum Command {
     },
     /// Detach the hooks and unpin every map and link under --pin-dir.
     Cleanup,
+}
+
+/// A feature flag's two values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Switch {
+    On,
+    Off,
 }
 
 #[derive(clap::Args)]
@@ -284,6 +291,13 @@ struct AgentArgs {
     /// the CNI or ip-masq-agent. Turn theirs off when turning this on.
     #[arg(long, value_enum, default_value_t = MasqueradeMode::Off)]
     masquerade: MasqueradeMode,
+    /// Passive health: a backend that refuses a new connection (a RST to the SYN,
+    /// an ICMP unreachable, a connect() through the socket hooks that fails) is
+    /// skipped by that frontend's new connections for 1 s, doubling on each repeat
+    /// up to 60 s, until it accepts one. Established connections are never touched;
+    /// when every backend is quarantined they are used anyway.
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    backend_quarantine: Switch,
     /// ip-masq-agent's config file (YAML or JSON: nonMasqueradeCIDRs, masqLinkLocal,
     /// masqLinkLocalIPv6), followed for changes; a bad file is reported and the last
     /// good one kept. Without it: ip-masq-agent's defaults (the private and
@@ -437,7 +451,9 @@ fn main() -> Result<()> {
         Command::Agent(args) => run_agent(*args, layout),
         Command::Services { json } => {
             let maps = PinnedMaps::open(&layout)?;
-            let frontends = table::decode(&maps.snapshot()?);
+            let mut frontends = table::decode(&maps.snapshot()?);
+            let quarantine = QuarantineMap::open(&layout)?.entries()?;
+            table::with_quarantine(&mut frontends, &quarantine, conntrack::monotonic_now_ns());
             if json {
                 emit(&(serde_json::to_string_pretty(&frontends)? + "\n"))
             } else {
@@ -701,6 +717,7 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
         wait_for_lock: args.wait_for_lock,
         terminate_tcp: args.terminate_tcp_to_removed_endpoints,
         lb_algorithm: args.lb_algorithm,
+        backend_quarantine: args.backend_quarantine == Switch::On,
         maglev_seed: args.maglev_seed,
         masquerade: args.masquerade,
         ip_masq_agent_config: args.ip_masq_agent_config,
@@ -726,6 +743,30 @@ mod tests {
             Command::Agent(args) => *args,
             _ => unreachable!("the agent subcommand"),
         }
+    }
+
+    /// Passive health is on unless `--backend-quarantine off`; nothing but on and
+    /// off is taken.
+    #[test]
+    fn backend_quarantine_defaults_to_on_and_takes_off() {
+        assert_eq!(agent_args(&[]).backend_quarantine, Switch::On);
+        assert_eq!(
+            agent_args(&["--backend-quarantine", "off"]).backend_quarantine,
+            Switch::Off
+        );
+        assert_eq!(
+            agent_args(&["--backend-quarantine", "on"]).backend_quarantine,
+            Switch::On
+        );
+        let args = [
+            "lb",
+            "agent",
+            "--services-file",
+            "/x",
+            "--backend-quarantine",
+            "no",
+        ];
+        assert!(Cli::try_parse_from(args).is_err());
     }
 
     /// Random stays the default; the flag turns Maglev on and can name random

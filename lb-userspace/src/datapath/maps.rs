@@ -10,8 +10,9 @@ use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray, PerCpuHashM
 use aya::sys::SyscallError;
 use aya_obj::generated::bpf_cmd;
 use lb_common::{
-    map_names, stat, Backend, CtKey, CtValue, MaglevSlots, ServiceKey, ServiceValue, SockRevNatKey,
-    SockRevNatValue, SourceRangeKey, SvcStats, MAGLEV_SLOTS_PER_ENTRY,
+    map_names, stat, Backend, CtKey, CtValue, MaglevSlots, QuarantineKey, QuarantineValue,
+    ServiceKey, ServiceValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, SvcStats,
+    MAGLEV_SLOTS_PER_ENTRY,
 };
 
 use crate::datapath::codec::{self, Capacity, SourceRange};
@@ -156,6 +157,31 @@ impl ConntrackMap {
             op: format!("delete {key:?}"),
             source,
         })
+    }
+}
+
+/// `LB_QUARANTINE`, passive health's record of the backends that refused a new
+/// connection: read by `lb services` and the metrics, written only by the
+/// programs.
+pub struct QuarantineMap {
+    map: HashMap<MapData, QuarantineKey, QuarantineValue>,
+    fd: OwnedFd,
+}
+
+impl QuarantineMap {
+    pub fn open(layout: &PinLayout) -> Result<Self, MapsError> {
+        let (map, fd) = open_hash(layout, map_names::QUARANTINE)?;
+        Ok(QuarantineMap { map, fd })
+    }
+
+    /// Every entry: one per (frontend, backend) that ever refused, as long as the
+    /// LRU keeps it.
+    pub fn entries(&self) -> Result<Vec<(QuarantineKey, QuarantineValue)>, MapsError> {
+        let mut entries = Vec::new();
+        read_in_batches(&self.map, self.fd.as_fd(), map_names::QUARANTINE, |batch| {
+            entries.extend_from_slice(batch)
+        })?;
+        Ok(entries)
     }
 }
 
@@ -490,6 +516,11 @@ impl PinnedMaps {
             op: format!("{op:?}"),
             source,
         })
+    }
+
+    /// One backend by id, if present.
+    pub fn backend(&self, id: u32) -> Result<Option<Backend>, MapsError> {
+        found(self.backends.get(&id, 0), map_names::BACKENDS)
     }
 
     /// Per-frontend counters (by `rev_nat_id`), summed over CPUs.

@@ -48,6 +48,69 @@ pub struct ProgrammedBackend {
     pub port: u16,
     /// The endpoint runs on this node.
     pub local: bool,
+    /// Its passive-health record for this frontend (`LB_QUARANTINE`), once it
+    /// refused a connection; filled by [`with_quarantine`], `None` before.
+    pub quarantine: Option<BackendQuarantine>,
+}
+
+/// A backend's `LB_QUARANTINE` entry, as `lb services` shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct BackendQuarantine {
+    /// New connections of the frontend skip it now.
+    pub active: bool,
+    /// How much longer they will (0 when not active).
+    pub remaining_ms: u64,
+    /// Until when, on the kernel's monotonic clock (`CLOCK_MONOTONIC`, ns).
+    pub until_monotonic_ns: u64,
+    /// Refusals since its last success (the backoff level).
+    pub strikes: u32,
+    /// Quarantines since the entry was made.
+    pub quarantines: u64,
+    /// New connections that skipped it.
+    pub skips: u64,
+    /// Who saw its last refusal: `socket` (a connect through the hooks) or
+    /// `packet` (a RST on the per-packet path).
+    pub seen_by: &'static str,
+}
+
+impl BackendQuarantine {
+    /// The record of `value` at monotonic time `now_ns`.
+    pub fn at(value: &lb_common::QuarantineValue, now_ns: u64) -> Self {
+        let active = value.is_active(now_ns);
+        BackendQuarantine {
+            active,
+            remaining_ms: value.until_ns.saturating_sub(now_ns) / 1_000_000,
+            until_monotonic_ns: value.until_ns,
+            strikes: value.strikes,
+            quarantines: value.quarantines,
+            skips: value.skips,
+            seen_by: if value.is_by_socket() {
+                "socket"
+            } else {
+                "packet"
+            },
+        }
+    }
+}
+
+/// Fills each backend's [`ProgrammedBackend::quarantine`] from `LB_QUARANTINE`'s
+/// `entries`, read at monotonic time `now_ns`.
+pub fn with_quarantine(
+    frontends: &mut [ProgrammedFrontend],
+    entries: &[(lb_common::QuarantineKey, lb_common::QuarantineValue)],
+    now_ns: u64,
+) {
+    let by_key: BTreeMap<(u32, u32), &lb_common::QuarantineValue> = entries
+        .iter()
+        .map(|(k, v)| ((k.rev_nat_id, k.backend_id), v))
+        .collect();
+    for frontend in frontends {
+        for backend in &mut frontend.backends {
+            backend.quarantine = by_key
+                .get(&(frontend.rev_nat_id, backend.id))
+                .map(|v| BackendQuarantine::at(v, now_ns));
+        }
+    }
 }
 
 type Group = (Option<ServiceValue>, BTreeMap<u16, ServiceValue>);
@@ -167,6 +230,7 @@ fn decode_one(
             ip: addr.ip,
             port: addr.port,
             local: addr.local,
+            quarantine: None,
         });
     }
     let stale: Vec<String> = slots
@@ -371,6 +435,20 @@ pub fn render_service_counters(rows: &[ServiceCounters]) -> String {
 }
 
 /// An aligned table for people; problems follow their frontend's row.
+/// A backend in `lb services`' text: its address, and its quarantine while one
+/// runs (`10.244.1.13:8080 (quarantined 1.8s more, strike 2)`).
+fn backend_text(b: &ProgrammedBackend) -> String {
+    let addr = std::net::SocketAddr::new(b.ip, b.port);
+    match b.quarantine {
+        Some(q) if q.active => format!(
+            "{addr} (quarantined {:.1}s more, strike {})",
+            q.remaining_ms as f64 / 1000.0,
+            q.strikes
+        ),
+        _ => addr.to_string(),
+    }
+}
+
 pub fn render_text(frontends: &[ProgrammedFrontend]) -> String {
     let header = ["FRONTEND", "ID", "AFFINITY", "ALGORITHM", "BACKENDS"];
     let rows: Vec<[String; 5]> = frontends
@@ -381,7 +459,7 @@ pub fn render_text(frontends: &[ProgrammedFrontend]) -> String {
             } else {
                 f.backends
                     .iter()
-                    .map(|b| std::net::SocketAddr::new(b.ip, b.port).to_string())
+                    .map(backend_text)
                     .collect::<Vec<_>>()
                     .join(", ")
             };
@@ -466,6 +544,54 @@ mod tests {
         }
     }
 
+    /// `lb services` shows a backend's quarantine while it runs and until when,
+    /// per frontend: the same backend id under another frontend id is another
+    /// record.
+    #[test]
+    fn quarantined_backends_are_shown_with_their_time_left() {
+        let web = frontend([10, 96, 0, 10], 80, Protocol::Tcp);
+        let mut s = MapSnapshot::default();
+        s.services.insert(key_of(&web, 0), master(2, 1));
+        s.services.insert(key_of(&web, 1), slot(10, 1));
+        s.services.insert(key_of(&web, 2), slot(11, 1));
+        s.backends.insert(10, backend([10, 0, 0, 1], 8080));
+        s.backends.insert(11, backend([10, 0, 0, 2], 8080));
+        let mut t = decode(&s);
+        let now = 50_000_000_000;
+        let mut running = lb_common::QuarantineValue::default();
+        running.refused(now - 200_000_000, 0);
+        running.skips = 4;
+        let mut ended = lb_common::QuarantineValue::default();
+        ended.refused(now - 5_000_000_000, lb_common::QUARANTINE_FLAG_BY_SOCKET);
+        let key = |rev_nat_id, backend_id| lb_common::QuarantineKey {
+            rev_nat_id,
+            backend_id,
+        };
+        let entries = [(key(1, 11), running), (key(7, 10), ended)];
+        with_quarantine(&mut t, &entries, now);
+        assert_eq!(t[0].backends[0].quarantine, None, "frontend 7's record");
+        assert_eq!(
+            t[0].backends[1].quarantine,
+            Some(BackendQuarantine {
+                active: true,
+                remaining_ms: 800,
+                until_monotonic_ns: now + 800_000_000,
+                strikes: 1,
+                quarantines: 1,
+                skips: 4,
+                seen_by: "packet",
+            })
+        );
+        let text = render_text(&t);
+        assert!(
+            text.contains("10.0.0.1:8080, 10.0.0.2:8080 (quarantined 0.8s more, strike 1)"),
+            "{text}"
+        );
+        let ended_view = BackendQuarantine::at(&ended, now);
+        assert!(!ended_view.active && ended_view.remaining_ms == 0);
+        assert_eq!(ended_view.seen_by, "socket");
+    }
+
     #[test]
     fn decodes_well_formed_and_broken_frontends() {
         let web = frontend([10, 96, 0, 10], 80, Protocol::Tcp);
@@ -521,6 +647,7 @@ mod tests {
                     ip: std::net::Ipv4Addr::new(10, 0, 0, 1).into(),
                     port: 8080,
                     local: false,
+                    quarantine: None,
                 },
                 ProgrammedBackend {
                     slot: 2,
@@ -528,6 +655,7 @@ mod tests {
                     ip: std::net::Ipv4Addr::new(10, 0, 0, 2).into(),
                     port: 8080,
                     local: false,
+                    quarantine: None,
                 },
             ]
         );

@@ -288,6 +288,13 @@ impl Metrics {
             .collect();
     }
 
+    pub(super) fn set_quarantine_counters(&self, rows: &[(String, String, QuarantineCounters)]) {
+        *self.kernel.quarantine.lock() = rows
+            .iter()
+            .map(|(frontend, backend, q)| ((frontend.clone(), backend.clone()), *q))
+            .collect();
+    }
+
     /// The exposition, with the pending gauge set to `pending` first.
     pub(super) fn encode(&self, pending: Duration) -> String {
         self.pending.set(pending.as_secs_f64());
@@ -312,6 +319,19 @@ struct KernelCounters {
     datapath: Mutex<BTreeMap<String, u64>>,
     /// Frontend (as `lb services` prints it) -> (connections, refused).
     services: Mutex<BTreeMap<String, (u64, u64)>>,
+    /// (frontend, backend address) -> passive health's record of the backend.
+    quarantine: Mutex<BTreeMap<(String, String), QuarantineCounters>>,
+}
+
+/// One backend's passive-health counters for one frontend (`LB_QUARANTINE`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QuarantineCounters {
+    /// Quarantines begun (refusals outside a running quarantine).
+    pub quarantines: u64,
+    /// New connections that skipped the backend for another.
+    pub skips: u64,
+    /// Quarantined at the time of the scrape.
+    pub active: bool,
 }
 
 impl Collector for KernelCounters {
@@ -351,6 +371,49 @@ impl Collector for KernelCounters {
                 let labels = [("frontend", frontend.as_str())];
                 ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
             }
+        }
+        let quarantine = self.quarantine.lock().clone();
+        for (name, help, pick) in [
+            (
+                "lb_backend_quarantines",
+                "Times a backend refused a new connection of the frontend and was \
+                 quarantined (passive health)",
+                0,
+            ),
+            (
+                "lb_backend_quarantine_skips",
+                "New connections of the frontend that skipped the quarantined backend",
+                1,
+            ),
+        ] {
+            let mut family = encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                prometheus_client::metrics::MetricType::Counter,
+            )?;
+            for ((frontend, backend), q) in &quarantine {
+                let value = if pick == 0 { q.quarantines } else { q.skips };
+                let labels = [
+                    ("frontend", frontend.as_str()),
+                    ("backend", backend.as_str()),
+                ];
+                ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        let mut family = encoder.encode_descriptor(
+            "lb_backend_quarantined",
+            "1 while new connections of the frontend skip the backend",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        for ((frontend, backend), q) in &quarantine {
+            let labels = [
+                ("frontend", frontend.as_str()),
+                ("backend", backend.as_str()),
+            ];
+            prometheus_client::metrics::gauge::ConstGauge::new(i64::from(q.active))
+                .encode(family.encode_family(&labels)?)?;
         }
         Ok(())
     }

@@ -246,6 +246,15 @@ impl AgentStatus {
 
     /// Per-frontend counters: (frontend, connections, refused for want of a
     /// backend), replacing the previous ones.
+    /// Passive health's per-backend counters: (frontend, backend address,
+    /// counters), replacing the last scrape's.
+    pub fn set_quarantine_counters(
+        &self,
+        rows: &[(String, String, super::metrics::QuarantineCounters)],
+    ) {
+        self.metrics.set_quarantine_counters(rows);
+    }
+
     pub fn set_service_counters(&self, counters: &[(String, u64, u64)]) {
         self.metrics.set_service_counters(counters);
     }
@@ -563,6 +572,31 @@ mod tests {
         // Replaced, not accumulated.
         status.set_service_counters(&[]);
         assert!(!status.encode_metrics().contains("frontend=\"10.96.0.10"));
+    }
+
+    #[test]
+    fn quarantine_counters_are_labelled_by_frontend_and_backend() {
+        let status = AgentStatus::new();
+        let q = super::super::metrics::QuarantineCounters {
+            quarantines: 2,
+            skips: 17,
+            active: true,
+        };
+        status.set_quarantine_counters(&[(
+            "10.96.0.10:80/TCP".to_owned(),
+            "10.244.1.13:8080".to_owned(),
+            q,
+        )]);
+        let text = status.encode_metrics();
+        let labels = "{frontend=\"10.96.0.10:80/TCP\",backend=\"10.244.1.13:8080\"}";
+        assert!(
+            text.contains(&format!("lb_backend_quarantines_total{labels} 2")),
+            "{text}"
+        );
+        assert!(text.contains(&format!("lb_backend_quarantine_skips_total{labels} 17")));
+        assert!(text.contains(&format!("lb_backend_quarantined{labels} 1")));
+        status.set_quarantine_counters(&[]);
+        assert!(!status.encode_metrics().contains("10.244.1.13"));
     }
 
     #[test]

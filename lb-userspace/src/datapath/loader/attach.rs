@@ -15,7 +15,7 @@ use aya::programs::{
 use aya::Ebpf;
 use lb_common::program_names;
 
-use super::load::{cgroup_program, tc_program, xdp_program};
+use super::load::{cgroup_program, sock_ops_program, tc_program, xdp_program};
 use super::{program_error, LoadError};
 use crate::datapath::error_chain;
 use crate::datapath::pins::PinLayout;
@@ -26,10 +26,15 @@ use crate::datapath::pins::PinLayout;
 /// backend is not a frontend to the second program, so the overlap is harmless
 /// while a gap would not be. The per-packet programs go on devices through
 /// [`crate::datapath::device_links`].
+///
+/// With `sock_ops` (`--backend-quarantine on`) `lb_sock_ops` goes on the same
+/// cgroup, to see which of the connects the hooks translated fail; without it a
+/// previous agent's is left for [`remove_stale_links`] to detach.
 pub fn attach_cgroup_hooks(
     ebpf: &mut Ebpf,
     layout: &PinLayout,
     cgroup: &Path,
+    sock_ops: bool,
 ) -> Result<BTreeSet<PathBuf>, LoadError> {
     let cgroup_file = File::open(cgroup).map_err(|source| LoadError::Cgroup {
         path: cgroup.to_path_buf(),
@@ -41,7 +46,30 @@ pub fn attach_cgroup_hooks(
         let link = attach_cgroup(ebpf, program, &cgroup_file)?;
         pinned.insert(pin_link(link, program, &links_dir, program)?);
     }
+    if sock_ops {
+        let program = program_names::SOCK_OPS;
+        let link = attach_sock_ops(ebpf, &cgroup_file)?;
+        pinned.insert(pin_link(link, program, &links_dir, program)?);
+    }
     Ok(pinned)
+}
+
+fn attach_sock_ops(ebpf: &mut Ebpf, cgroup: &File) -> Result<FdLink, LoadError> {
+    let program = program_names::SOCK_OPS;
+    let prog = sock_ops_program(ebpf)?;
+    // As for the socket hooks: a bpf_link, "Single" (flags 0).
+    let link_id = prog
+        .attach(cgroup, CgroupAttachMode::Single)
+        .map_err(|e| program_error(program, e))?;
+    let link = prog
+        .take_link(link_id)
+        .map_err(|e| program_error(program, e))?;
+    link.try_into()
+        .map_err(|e: aya::programs::links::LinkError| LoadError::PinLink {
+            program,
+            path: PathBuf::from(program),
+            message: e.to_string(),
+        })
 }
 
 /// The pin name of a TCX link of `program` on `device`.

@@ -5,14 +5,14 @@ use std::fs;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
-use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier, Xdp};
+use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier, SockOps, Xdp};
 use aya::{Ebpf, EbpfLoader};
 use lb_common::{map_names, program_names};
 
 use super::{program_error, LoadError, TcAttach, XdpAttach};
 use crate::datapath::forwarding::Forwarding;
 use crate::datapath::pins::{MapSizes, PinLayout};
-use lb_common::{IpAddrBe, MasqSettings};
+use lb_common::{IpAddrBe, MasqSettings, QuarantineSettings};
 
 /// The kernel object embedded at build time (empty when it was not built).
 static EMBEDDED_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf.o"));
@@ -42,6 +42,7 @@ pub fn verify(
     for program in program_names::ALL {
         cgroup_program(ebpf, program)?;
     }
+    sock_ops_program(ebpf)?;
     if tc != TcAttach::Off {
         for program in [program_names::TC_EXTERNAL, program_names::TC_INTERNAL] {
             tc_program(ebpf, program)?;
@@ -68,6 +69,12 @@ impl LoadOnce for CgroupSockAddr {
 }
 
 impl LoadOnce for SchedClassifier {
+    fn load_once(&mut self) -> Result<(), ProgramError> {
+        self.fd().map(|_| ()).or_else(|_| self.load())
+    }
+}
+
+impl LoadOnce for SockOps {
     fn load_once(&mut self) -> Result<(), ProgramError> {
         self.fd().map(|_| ()).or_else(|_| self.load())
     }
@@ -126,6 +133,11 @@ pub(super) fn tc_program<'a>(
     loaded_program(ebpf, program)
 }
 
+/// `lb_sock_ops`, the fate of the hooks' TCP connects (passive health).
+pub(super) fn sock_ops_program(ebpf: &mut Ebpf) -> Result<&mut SockOps, LoadError> {
+    loaded_program(ebpf, program_names::SOCK_OPS)
+}
+
 /// `lb_xdp`; its `xdp.frags` section makes aya load it with `BPF_F_XDP_HAS_FRAGS`,
 /// so it also runs on multi-buffer (jumbo) frames.
 pub(super) fn xdp_program(ebpf: &mut Ebpf) -> Result<&mut Xdp, LoadError> {
@@ -145,6 +157,9 @@ pub struct ProgramSettings {
     /// `--masquerade` and the NodePort range its ports stay out of (off by
     /// default).
     pub masquerade: MasqSettings,
+    /// `--backend-quarantine` (off by default here, so that fixtures see the
+    /// datapath without it unless they ask; the agent's flag defaults to on).
+    pub quarantine: QuarantineSettings,
 }
 
 /// Creates (or reopens, keeping their contents across restarts) the pinned maps and
@@ -211,6 +226,7 @@ pub fn load_with(
     let dsr = settings.forwarding.kernel_config();
     loader.override_global("LB_DSR", &dsr, true);
     loader.override_global("LB_MASQ_SETTINGS", &settings.masquerade, true);
+    loader.override_global("LB_QUARANTINE_SETTINGS", &settings.quarantine, true);
     loader.load(object).map_err(|source| {
         let maps_dir = layout.maps_dir();
         match errno_in(&source) {

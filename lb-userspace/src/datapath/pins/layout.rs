@@ -100,6 +100,7 @@ type NameFilter = fn(&str) -> bool;
 fn is_link_pin(name: &str) -> bool {
     let name = name.strip_suffix("_new").unwrap_or(name);
     program_names::ALL.contains(&name)
+        || name == program_names::SOCK_OPS
         || [
             program_names::TC_EXTERNAL,
             program_names::TC_INTERNAL,
