@@ -13,7 +13,7 @@ use std::net::Ipv4Addr;
 use aya::Ebpf;
 use lb_common::{program_names, stat};
 use lb_userspace::control::plan as reconcile;
-use lb_userspace::datapath::loader;
+use lb_userspace::datapath::loader::{self, ProgramSettings};
 use lb_userspace::datapath::maps::{ConntrackMap, PinnedMaps};
 use lb_userspace::datapath::pins::MapSizes;
 use lb_userspace::datapath::source_ranges;
@@ -25,6 +25,9 @@ mod ipv6;
 /// Maglev frontends, on the same fixture.
 #[path = "tc_fixtures/maglev.rs"]
 mod maglev;
+/// Passive health: refusals seen in the reply direction, new flows skipping.
+#[path = "tc_fixtures/quarantine.rs"]
+mod quarantine;
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
@@ -59,6 +62,14 @@ struct Fixture {
 
 impl Fixture {
     fn new() -> Self {
+        Self::with(ProgramSettings {
+            maglev_seed: MAGLEV_SEED,
+            ..ProgramSettings::default()
+        })
+    }
+
+    /// The programs loaded with `settings` (the seed included).
+    fn with(settings: ProgramSettings) -> Self {
         let (layout, pins) = fixture::private_pins("tc");
         let object = loader::kernel_object(None).expect("kernel object embedded");
         let sizes = MapSizes {
@@ -66,7 +77,7 @@ impl Fixture {
             ..MapSizes::default()
         };
         let node_ips = [Ipv4Addr::from(NODE).into(), ipv6::NODE6.into()];
-        let mut ebpf = loader::load(&object, &layout, sizes, &node_ips, MAGLEV_SEED)
+        let mut ebpf = loader::load_with(&object, &layout, sizes, &node_ips, &settings)
             .expect("load kernel object");
         fixture::load_tc(
             &mut ebpf,
