@@ -102,6 +102,20 @@ pub struct BackendJson {
     /// The endpoint runs on the agent's node.
     #[serde(default)]
     pub local: bool,
+    /// Passive health's record of it (`LB_QUARANTINE`), once it refused.
+    #[serde(default)]
+    pub quarantine: Option<QuarantineJson>,
+}
+
+/// A backend's quarantine as `lb services --json` shows it.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+pub struct QuarantineJson {
+    pub active: bool,
+    pub remaining_ms: u64,
+    pub strikes: u32,
+    pub quarantines: u64,
+    pub skips: u64,
+    pub seen_by: String,
 }
 
 impl ServiceEntry {

@@ -637,6 +637,68 @@ impl Cluster {
         Ok(p)
     }
 
+    /// Stops backend pod `name`'s lb-echo: every port of it refuses from now on
+    /// (a RST to a SYN), as a backend whose process died.
+    pub fn stop_backend(&mut self, name: &str) -> Result<()> {
+        self.pod_mut(name)?.stop_echo();
+        Ok(())
+    }
+
+    /// Starts backend pod `name`'s lb-echo again (the ports [`Cluster::build`]
+    /// gives backends); returns once it listens.
+    pub fn start_backend(&mut self, name: &str) -> Result<()> {
+        let echo = self.tools.echo.clone();
+        self.pod_mut(name)?.start_echo_with(
+            &echo,
+            &[ECHO_TCP_PORT, ECHO_UDP_PORT],
+            &[
+                "--whoami-port".into(),
+                WHOAMI_PORT.to_string(),
+                "--bulk-port".into(),
+                BULK_PORT.to_string(),
+            ],
+        )
+    }
+
+    fn pod_mut(&mut self, name: &str) -> Result<&mut Pod> {
+        self.nodes
+            .iter_mut()
+            .flat_map(|n| n.pods.iter_mut())
+            .find(|p| p.name() == name)
+            .with_context(|| format!("no pod {name} in the cluster"))
+    }
+
+    /// TCP connections from `ns` to an echo port `to`, one every `interval`, each
+    /// reported (`lb-probe tcp-seq`); at most `count`, and with `window` only for
+    /// that long after the first failure.
+    pub fn tcp_seq(
+        &self,
+        ns: &NetNs,
+        to: impl Into<SocketAddr>,
+        count: u32,
+        interval: Duration,
+        window: Option<Duration>,
+    ) -> Result<crate::probe::SeqReport> {
+        let to: SocketAddr = to.into();
+        let mut args = vec![
+            "tcp-seq".to_string(),
+            "--to".into(),
+            to.to_string(),
+            "--count".into(),
+            count.to_string(),
+            "--interval-ms".into(),
+            interval.as_millis().to_string(),
+        ];
+        if let Some(window) = window {
+            args.extend(["--window-ms".to_string(), window.as_millis().to_string()]);
+        }
+        self.probe_in(
+            ns,
+            &args,
+            Duration::from_secs(30) + Duration::from_millis(2500) * count,
+        )
+    }
+
     /// Create pod `name` on node `node` now (agents may be running): what a CNI
     /// does when the kubelet starts a pod.
     pub fn add_pod(&mut self, name: &str, node: usize, role: Role) -> Result<&Pod> {

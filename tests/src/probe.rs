@@ -254,3 +254,29 @@ mod tests {
         assert!(whole.windows(8).take(100).any(|w| w != &whole[..8]));
     }
 }
+
+/// One connection of `lb-probe tcp-seq`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct SeqAttempt {
+    /// When the connect began, in milliseconds since the probe's first.
+    pub at_ms: f64,
+    /// How long the connect took (failed ones included), in milliseconds.
+    pub connect_ms: f64,
+    /// The backend that greeted the connection.
+    pub backend: Option<String>,
+    /// The errno name of the call that failed (`ECONNREFUSED`, ...).
+    pub error: Option<String>,
+}
+
+/// `lb-probe tcp-seq`: TCP connections one after another, each reported in order.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct SeqReport {
+    pub attempts: Vec<SeqAttempt>,
+}
+
+impl SeqReport {
+    /// The first failed attempt's index, if any failed.
+    pub fn first_failure(&self) -> Option<usize> {
+        self.attempts.iter().position(|a| a.error.is_some())
+    }
+}

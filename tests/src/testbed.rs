@@ -193,6 +193,46 @@ impl Testbed {
         )
     }
 
+    /// TCP connections to `to` from client `client`, one every `interval`, each
+    /// reported; at most `count`, and with `window` only for that long after the
+    /// first failure.
+    pub fn tcp_seq(
+        &self,
+        client: usize,
+        to: impl Into<SocketAddr>,
+        count: u32,
+        interval: Duration,
+        window: Option<Duration>,
+    ) -> Result<crate::probe::SeqReport> {
+        let mut extra = vec![
+            "--interval-ms".to_string(),
+            interval.as_millis().to_string(),
+        ];
+        if let Some(window) = window {
+            extra.extend(["--window-ms".to_string(), window.as_millis().to_string()]);
+        }
+        self.probe(
+            client,
+            &probe_args("tcp-seq", to.into(), count, &extra),
+            count,
+        )
+    }
+
+    /// Stops backend pod `name`'s lb-echo: its ports refuse from now on.
+    pub fn stop_backend(&mut self, name: &str) -> Result<()> {
+        self.topo.pod_mut(name)?.stop_echo();
+        Ok(())
+    }
+
+    /// Starts backend pod `name`'s lb-echo again on the testbed's ports; returns
+    /// once it listens.
+    pub fn start_backend(&mut self, name: &str) -> Result<()> {
+        let echo = self.tools.echo.clone();
+        self.topo
+            .pod_mut(name)?
+            .start_echo(&echo, &[ECHO_TCP_PORT, ECHO_UDP_PORT])
+    }
+
     /// Open a long-lived TCP connection to `to` from client `client`.
     pub fn hold(&self, client: usize, to: impl Into<SocketAddr>) -> Result<Hold> {
         let child = self

@@ -198,6 +198,14 @@ impl Pod {
         self.server = Some(server);
         Ok(())
     }
+
+    /// Stops this pod's lb-echo (SIGKILL, reaped): its ports are closed, so a new
+    /// TCP connection gets a RST, as from a backend whose process died.
+    pub fn stop_echo(&mut self) {
+        if let Some(mut server) = self.server.take() {
+            server.kill();
+        }
+    }
 }
 
 /// The whole test network. Dropping it kills the servers and deletes every namespace.
@@ -304,6 +312,14 @@ impl Topology {
     pub fn pod(&self, name: &str) -> Result<&Pod> {
         self.pods
             .iter()
+            .find(|p| p.name == name)
+            .with_context(|| format!("no pod {name} in the topology"))
+    }
+
+    /// Backend pod `name`, to stop or start its server.
+    pub fn pod_mut(&mut self, name: &str) -> Result<&mut Pod> {
+        self.pods
+            .iter_mut()
             .find(|p| p.name == name)
             .with_context(|| format!("no pod {name} in the topology"))
     }

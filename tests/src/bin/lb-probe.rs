@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use lb_tests::probe::{
-    BulkReport, FollowEvent, HoldHello, PatternStream, Tally, TcpReport, UdpConnectedReport,
-    UdpEchoReport, UdpReport, WhoamiAnswer, WhoamiReport,
+    BulkReport, FollowEvent, HoldHello, PatternStream, SeqAttempt, SeqReport, Tally, TcpReport,
+    UdpConnectedReport, UdpEchoReport, UdpReport, WhoamiAnswer, WhoamiReport,
 };
 use lb_tests::util::io_error_name;
 
@@ -56,6 +56,23 @@ enum Mode {
         /// Datagrams sent from one socket before the next socket is opened.
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
         per_socket: u32,
+    },
+    /// TCP connections one after another, a new socket each, one every
+    /// INTERVAL_MS: each reported in order (when it began, who answered or the
+    /// errno). Stops after COUNT, or WINDOW_MS after the first failure.
+    TcpSeq {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        #[arg(long, default_value_t = 10)]
+        interval_ms: u64,
+        /// Keep going this long after the first failure, then stop.
+        #[arg(long)]
+        window_ms: Option<u64>,
+        /// Give up a connect after this long (counted as ETIMEDOUT).
+        #[arg(long, default_value_t = 2000)]
+        connect_timeout_ms: u64,
     },
     /// N connected UDP requests (connect/send/recv), each on a new socket.
     UdpConnected {
@@ -139,6 +156,19 @@ fn main() -> ExitCode {
             count,
             per_socket,
         } => udp(to, count, per_socket).and_then(|r| print_json(&r)),
+        Mode::TcpSeq {
+            to,
+            count,
+            interval_ms,
+            window_ms,
+            connect_timeout_ms,
+        } => print_json(&tcp_seq(
+            to,
+            count,
+            Duration::from_millis(interval_ms),
+            window_ms.map(Duration::from_millis),
+            Duration::from_millis(connect_timeout_ms),
+        )),
         Mode::UdpConnected { to, count } => udp_connected(to, count).and_then(|r| print_json(&r)),
         Mode::Hold { to } => hold(to),
         Mode::UdpFollow {
@@ -294,6 +324,52 @@ fn tcp(to: SocketAddr, count: u32, connect_timeout: Duration) -> TcpReport {
             Ok(name) => report.tally.answer(&name),
             Err(e) => record(&mut report.tally, "read", &e),
         }
+    }
+    report
+}
+
+fn tcp_seq(
+    to: SocketAddr,
+    count: u32,
+    interval: Duration,
+    window: Option<Duration>,
+    connect_timeout: Duration,
+) -> SeqReport {
+    let mut report = SeqReport::default();
+    let start = Instant::now();
+    let mut failed_at: Option<Instant> = None;
+    for i in 0..count {
+        if let (Some(at), Some(window)) = (failed_at, window) {
+            if at.elapsed() >= window {
+                break;
+            }
+        }
+        // Paced from the start, so a slow attempt does not shift the rest.
+        let due = start + interval * i;
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+        let began = Instant::now();
+        let mut attempt = SeqAttempt {
+            at_ms: began.duration_since(start).as_secs_f64() * 1000.0,
+            ..SeqAttempt::default()
+        };
+        let outcome = TcpStream::connect_timeout(&to, connect_timeout).and_then(|stream| {
+            attempt.connect_ms = began.elapsed().as_secs_f64() * 1000.0;
+            stream.set_read_timeout(Some(TCP_READ_TIMEOUT))?;
+            read_line(&mut BufReader::new(&stream))
+        });
+        match outcome {
+            Ok(name) => attempt.backend = Some(name),
+            Err(e) => {
+                if attempt.connect_ms == 0.0 {
+                    attempt.connect_ms = began.elapsed().as_secs_f64() * 1000.0;
+                }
+                attempt.error = Some(io_error_name(&e));
+                failed_at.get_or_insert(began);
+            }
+        }
+        report.attempts.push(attempt);
     }
     report
 }
