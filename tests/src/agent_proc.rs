@@ -130,9 +130,9 @@ pub fn cgroup_programs(cgroup: &Cgroup) -> Result<Vec<CgroupProg>> {
         .with_context(|| format!("bpftool cgroup show printed unexpected output:\n{out}"))
 }
 
-/// The attach types of the eight socket hooks (both families), as bpftool names
-/// them.
-pub const HOOK_ATTACH_TYPES: [&str; 8] = [
+/// The attach types of the eight socket hooks (both families) and of
+/// `lb_sock_ops` (passive health, on by default), as bpftool names them.
+pub const HOOK_ATTACH_TYPES: [&str; 9] = [
     "cgroup_inet4_connect",
     "cgroup_udp4_sendmsg",
     "cgroup_udp4_recvmsg",
@@ -141,11 +141,21 @@ pub const HOOK_ATTACH_TYPES: [&str; 8] = [
     "cgroup_udp6_sendmsg",
     "cgroup_udp6_recvmsg",
     "cgroup_inet6_getpeername",
+    "cgroup_sock_ops",
 ];
 
-/// The eight socket hooks are attached to `cgroup` exactly once each, they are the
-/// programs of the links pinned under `<pin-dir>/links`, and nothing else is pinned
-/// there (`hook_pins`: the expected pin names). Returns the pinned links.
+/// The pin names of the links a default agent attaches to its cgroup: the eight
+/// socket hooks and `lb_sock_ops`.
+pub fn default_hook_pins() -> Vec<&'static str> {
+    let mut pins = lb_common::program_names::ALL.to_vec();
+    pins.push(lb_common::program_names::SOCK_OPS);
+    pins
+}
+
+/// The eight socket hooks and `lb_sock_ops` are attached to `cgroup` exactly once
+/// each, they are the programs of the links pinned under `<pin-dir>/links`, and
+/// nothing else is pinned there (`hook_pins`: the expected pin names, see
+/// [`default_hook_pins`]). Returns the pinned links.
 pub fn check_hooks_once(
     pins: &PinDir,
     cgroup: &Cgroup,

@@ -15,10 +15,9 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
-use lb_common::program_names;
 use lb_fake_apiserver::{node, service, slice, FakeApiServer, Res};
 use lb_tests::agent::{find_frontend, ServiceEntry, READY_TIMEOUT};
-use lb_tests::agent_proc::{check_hooks_once, AgentProc, PinDir, Source};
+use lb_tests::agent_proc::{check_hooks_once, default_hook_pins, AgentProc, PinDir, Source};
 use lb_tests::manifests::NODE_NAME;
 use lb_tests::topology::Pod;
 use lb_tests::util::{poll, unique_name};
@@ -451,7 +450,7 @@ fn restart_during_an_api_server_outage_keeps_the_table() -> Result<()> {
         after == before,
         "the table changed across the restart:\nbefore: {before:#}\nafter: {after:#}"
     );
-    check_hooks_once(&kb.pins, &kb.bed.cgroup, &program_names::ALL)?;
+    check_hooks_once(&kb.pins, &kb.bed.cgroup, &default_hook_pins())?;
     kb.traffic_reaches(&all, 60)?;
     Ok(())
 }

@@ -16,9 +16,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use lb_common::program_names;
 use lb_tests::agent::{find_frontend, ServiceEntry, READY_TIMEOUT, SYNC_TIMEOUT};
-use lb_tests::agent_proc::{check_hooks_once, AgentProc, LinkInfo, PinDir, Source};
+use lb_tests::agent_proc::{check_hooks_once, default_hook_pins, AgentProc, LinkInfo, PinDir, Source};
 use lb_tests::load::{LoadReport, LoadRun, LoadSpec};
 use lb_tests::manifests::{documents, Endpoint, EndpointSlice, Service, ServicePort, NODE_NAME};
 use lb_tests::topology::Pod;
@@ -149,10 +148,10 @@ impl Bed {
         Ok(run)
     }
 
-    /// The eight hooks are attached to the test cgroup once each, by the links pinned
+    /// The eight hooks and lb_sock_ops are attached to the test cgroup once each, by the links pinned
     /// under the pin dir (see [`check_hooks_once`]).
     fn check_single_attachment(&self) -> Result<BTreeMap<String, LinkInfo>> {
-        check_hooks_once(&self.pins, &self.bed.cgroup, &program_names::ALL)
+        check_hooks_once(&self.pins, &self.bed.cgroup, &default_hook_pins())
     }
 }
 
