@@ -117,9 +117,8 @@ pub const fn scan_stride(count: u16, entropy: u32) -> u32 {
     // (its remainder by the count), and its low bits are what that used.
     let k = entropy.wrapping_mul(0x9E37_79B1) >> 29;
     let stride = ((STRIDES >> (k * 8)) & 0xff) as u32;
-    // `stride == 0` never holds; said so the remainder below has no
-    // division-by-zero panic path, which a BPF program cannot contain.
-    if stride == 0 || count == 0 || count as u32 % stride == 0 {
+    // `stride == 0` never holds; said so that no stride of 0 could come out.
+    if stride == 0 || count == 0 || (count as u32).is_multiple_of(stride) {
         1
     } else {
         stride
@@ -278,7 +277,7 @@ mod tests {
         for count in 1..=SCAN_TRIES as u16 {
             for e in 0..256u32 {
                 let s = scan_stride(count, e.wrapping_mul(0x0100_0193));
-                assert!(count == 1 || s % count as u32 != 0);
+                assert!(count == 1 || !s.is_multiple_of(count as u32));
             }
         }
         // 11 divides 22: that stride falls back to 1.

@@ -10,8 +10,8 @@ use lb_common::{
 use crate::{
     maps::LB_CT,
     nat::Tuple,
-    quarantine,
     packet::{Flow, TCP_FLAG_ACK, TCP_FLAG_FIN, TCP_FLAG_RST, TCP_FLAG_SYN},
+    quarantine,
 };
 
 const BPF_NOEXIST: u64 = 1;

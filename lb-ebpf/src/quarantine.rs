@@ -4,6 +4,11 @@
 //! per-packet path. The rules (backoff, what a repeat does, the order of the
 //! fall-through) are `lb_common::quarantine`'s, shared with the agent's tests.
 
+// Keys and values go to the map helpers by reference throughout: these run inside
+// `lb_tc_external`'s frame, a few bytes under the kernel's 512, and passed by value
+// they were copied for the call and pushed it past (the linker says so).
+#![allow(clippy::needless_borrows_for_generic_args)]
+
 use lb_common::{stat, QuarantineKey, QuarantineSettings, QuarantineValue};
 
 use crate::{maps::LB_QUARANTINE, stats};

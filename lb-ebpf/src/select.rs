@@ -152,7 +152,7 @@ fn backend_in(master_key: &ServiceKey, slot: u16) -> Option<u32> {
         ..*master_key
     };
     // SAFETY: copied out at once.
-    unsafe { LB_SERVICES.get(&slot_key) }.map(|slot| slot.backend_id)
+    unsafe { LB_SERVICES.get(slot_key) }.map(|slot| slot.backend_id)
 }
 
 #[inline(always)]

@@ -48,16 +48,14 @@ pub fn handle(ctx: &SockOpsContext) {
                 let _ = ctx.set_cb_flags((ctx.cb_flags() & !BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
             }
         }
-        BPF_SOCK_OPS_STATE_CB => {
-            if ctx.arg(0) == TCP_SYN_SENT && ctx.arg(1) == TCP_CLOSE {
-                if let Some(sent) = translated(ctx) {
-                    quarantine::refused(
-                        sent.rev_nat_id,
-                        sent.backend_id,
-                        ct::now(),
-                        QUARANTINE_FLAG_BY_SOCKET,
-                    );
-                }
+        BPF_SOCK_OPS_STATE_CB if ctx.arg(0) == TCP_SYN_SENT && ctx.arg(1) == TCP_CLOSE => {
+            if let Some(sent) = translated(ctx) {
+                quarantine::refused(
+                    sent.rev_nat_id,
+                    sent.backend_id,
+                    ct::now(),
+                    QUARANTINE_FLAG_BY_SOCKET,
+                );
             }
         }
         _ => {}
@@ -109,5 +107,5 @@ fn translated(ctx: &SockOpsContext) -> Option<SockRevNatValue> {
         _pad2: 0,
     };
     // SAFETY: copied out at once.
-    unsafe { LB_SOCK_REVNAT.get(&key) }.copied()
+    unsafe { LB_SOCK_REVNAT.get(key) }.copied()
 }

@@ -17,7 +17,9 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use lb_tests::agent::{find_frontend, ServiceEntry, READY_TIMEOUT, SYNC_TIMEOUT};
-use lb_tests::agent_proc::{check_hooks_once, default_hook_pins, AgentProc, LinkInfo, PinDir, Source};
+use lb_tests::agent_proc::{
+    check_hooks_once, default_hook_pins, AgentProc, LinkInfo, PinDir, Source,
+};
 use lb_tests::load::{LoadReport, LoadRun, LoadSpec};
 use lb_tests::manifests::{documents, Endpoint, EndpointSlice, Service, ServicePort, NODE_NAME};
 use lb_tests::topology::Pod;
