@@ -156,7 +156,9 @@ pub fn follow(flow: &Flow) -> Option<Known> {
 #[inline(always)]
 fn first_answer(entry: &CtValue, flow: &Flow, now: u64) {
     let answered = CT_STATE_SYN | CT_STATE_ESTABLISHED | CT_STATE_RST | CT_STATE_FIN;
-    if flow.proto != IPPROTO_TCP || entry.state & answered != 0 {
+    // Frontend id 0: an entry no frontend pick made (a DSR flow's reply entry on
+    // the backend's node), with no backend to judge.
+    if flow.proto != IPPROTO_TCP || entry.state & answered != 0 || entry.rev_nat_id == 0 {
         return;
     }
     let f = flow.tcp_flags;
