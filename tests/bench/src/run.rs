@@ -333,6 +333,8 @@ fn agent_phases(log: &[String]) -> std::collections::BTreeMap<String, u64> {
             &[
                 ("plan_ms", "plan_ms"),
                 ("apply_ms", "apply_ms"),
+                // A start into empty maps plans and writes at once (two threads).
+                ("total_ms", "maps_ms"),
                 ("operations", "operations"),
             ],
         ),
