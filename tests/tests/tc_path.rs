@@ -244,13 +244,7 @@ fn cluster_ip_from_unhooked_pod_goes_through_tc() -> Result<()> {
     let builder = two_backends().client_pod("client", 0);
     let cluster = setup(builder, &[(&svc, &["pod-a", "pod-b"])], no_args)?;
     let to = SocketAddrV4::new(vip, 80);
-    cluster.wait_frontend(
-        0,
-        to,
-        "TCP",
-        "internal",
-        &pod_addrs(&cluster, &["pod-a", "pod-b"], WHOAMI_PORT)?,
-    )?;
+    wait_for_both(&cluster, to)?;
     let client = cluster.pod("client")?;
 
     let expect = [("pod-a", client.ip().into()), ("pod-b", client.ip().into())];
@@ -262,6 +256,14 @@ fn cluster_ip_from_unhooked_pod_goes_through_tc() -> Result<()> {
         "{stats}"
     );
     Ok(())
+}
+
+/// Until node1's agent has `to` with pod-a and pod-b behind it.
+fn wait_for_both(cluster: &Cluster, to: SocketAddrV4) -> Result<()> {
+    let backends = pod_addrs(cluster, &["pod-a", "pod-b"], WHOAMI_PORT)?;
+    cluster
+        .wait_frontend(0, to, "TCP", "internal", &backends)
+        .map(drop)
 }
 
 /// The Service of (6b) and (6c): pod-a (node1) and pod-b (node2) behind a cluster
@@ -289,13 +291,7 @@ fn cluster_ip_rules(agent_args: fn(usize) -> Vec<String>) -> Result<(Cluster, So
     cluster.publish(&svc, &["pod-a", "pod-b"])?;
     cluster.start_agents(&lb, agent_args)?;
     let to = SocketAddrV4::new(vip, 80);
-    cluster.wait_frontend(
-        0,
-        to,
-        "TCP",
-        "internal",
-        &pod_addrs(&cluster, &["pod-a", "pod-b"], WHOAMI_PORT)?,
-    )?;
+    wait_for_both(&cluster, to)?;
     Ok((cluster, to))
 }
 
