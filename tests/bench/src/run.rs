@@ -382,6 +382,9 @@ pub struct Results {
     /// Bulk TCP through XDP against TC (xdp_bulk.rs).
     #[serde(default)]
     pub xdp_bulk: Option<crate::xdp_bulk::XdpBulkResult>,
+    /// Egress masquerading, lb against iptables MASQUERADE (masq.rs).
+    #[serde(default)]
+    pub masq: Option<crate::masq::MasqResult>,
 }
 
 /// The bench environment. Field order is teardown order.
@@ -1527,7 +1530,7 @@ fn r_last(v: &[f64]) -> f64 {
 }
 
 /// The pid of the agent pinning under `pin_dir` (its command line names the dir).
-fn pid_of_agent(pin_dir: &Path) -> Option<u64> {
+pub(crate) fn pid_of_agent(pin_dir: &Path) -> Option<u64> {
     let needle = pin_dir.to_string_lossy().into_owned();
     for entry in fs::read_dir("/proc").ok()?.flatten() {
         let name = entry.file_name();
@@ -1619,6 +1622,7 @@ pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
         pps: vec![],
         dsr: None,
         xdp_bulk: None,
+        masq: None,
     };
     println!("direct (start)");
     res.direct_start = Some(env.direct()?);
@@ -1694,6 +1698,11 @@ pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
         println!("bulk TCP through XDP against TC (backend on another node)");
         let row = crate::xdp_bulk::run(&exe, &lb, &cfg);
         res.xdp_bulk = recorded(&mut res.errors, "xdp-bulk", row);
+    }
+    if cfg.tc_path && cfg.wants("masquerade") {
+        println!("egress masquerading: lb against iptables MASQUERADE (pod to outside)");
+        let row = crate::masq::run(&exe, &lb, &cfg);
+        res.masq = recorded(&mut res.errors, "masquerade", row);
     }
     println!("direct (end)");
     res.direct_end = Some(env.direct()?);
