@@ -141,7 +141,7 @@ impl MasqBed {
             client.ip(&[
                 "route",
                 "add",
-                &format!("{}/24", leg.outside),
+                &format!("{}/32", leg.outside),
                 "via",
                 &leg.bridge.to_string(),
             ])?;
@@ -152,7 +152,7 @@ impl MasqBed {
             outside.ip(&[
                 "addr",
                 "add",
-                &format!("{}/24", leg.outside),
+                &format!("{}/32", leg.outside),
                 "dev",
                 &out_if,
             ])?;
