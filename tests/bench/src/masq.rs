@@ -5,9 +5,9 @@
 //! (issue 25: connection rate >= 1.2x, bulk >= 0.98x, CPU per connection stated).
 //!
 //! ```text
-//!              ┌ eth0 10.244.1.20 ─ vpod, br0 10.244.1.1  node1: lb agent --masquerade bpf      up 11.0.1.1 ─ eth0 11.0.1.2 ┐
+//!              ┌ eth0 10.244.1.20 ─ vpod, br0 10.244.1.1  node1: lb agent --masquerade bpf      uplink 11.0.1.1 ─ eth0 11.0.1.2 ┐
 //!  client ns ──┤                                                                                                            outside ns
-//!  (the pod)   └ eth1 10.244.2.20 ─ vpod, br0 10.244.2.1  node2: lb agent + iptables MASQUERADE  up 11.0.2.1 ─ eth1 11.0.2.2 ┘ (lb-bench serve)
+//!  (the pod)   └ eth1 10.244.2.20 ─ vpod, br0 10.244.2.1  node2: lb agent + iptables MASQUERADE  uplink 11.0.2.1 ─ eth1 11.0.2.2 ┘ (lb-bench serve)
 //! ```
 //!
 //! A paired run needs one client process for both sides, and a pod has one node:
@@ -141,14 +141,21 @@ impl MasqBed {
             client.ip(&[
                 "route",
                 "add",
-                &format!("{}/24", leg.outside),
+                &format!("{}/32", leg.outside),
                 "via",
                 &leg.bridge.to_string(),
             ])?;
             let out_if = format!("eth{i}");
-            node.veth_to("up", &outside, &out_if)?;
-            node.ip(&["addr", "add", &format!("{}/24", leg.node_up), "dev", "up"])?;
-            node.ip(&["link", "set", "up", "up"])?;
+            // Not "up": ip takes that for its keyword.
+            node.veth_to("uplink", &outside, &out_if)?;
+            node.ip(&[
+                "addr",
+                "add",
+                &format!("{}/24", leg.node_up),
+                "dev",
+                "uplink",
+            ])?;
+            node.ip(&["link", "set", "uplink", "up"])?;
             outside.ip(&[
                 "addr",
                 "add",
