@@ -48,7 +48,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cpu::CpuCost;
 use crate::netio::{ClientReport, BULK_VERIFY_PORT, RR_PORT};
-use crate::run::{paired_cpu_args, Config, Stat};
+use crate::run::{paired_cpu_args, Config, Samples, Stat};
 
 /// The node masquerading with lb, and the one masquerading with iptables.
 const LB: usize = 0;
@@ -362,23 +362,6 @@ pub fn run(exe: &Path, lb: &Path, cfg: &Config) -> Result<MasqResult> {
         cpu: CpuCost::of(&cpu_runs),
         errors,
     })
-}
-
-/// One figure of lb (target) and iptables (baseline) per repetition, and their
-/// ratio.
-#[derive(Default)]
-struct Samples {
-    target: Vec<f64>,
-    baseline: Vec<f64>,
-    ratios: Vec<f64>,
-}
-
-impl Samples {
-    fn push(&mut self, target: f64, baseline: f64) {
-        self.target.push(target);
-        self.baseline.push(baseline);
-        self.ratios.push(target / baseline);
-    }
 }
 
 /// Each node masqueraded its side's connections, and only its own: lb on node1

@@ -195,6 +195,31 @@ impl Config {
     }
 }
 
+/// One figure of a paired row's target and baseline per repetition, and their
+/// ratio (the DSR and masquerade rows).
+#[derive(Default)]
+pub struct Samples {
+    pub target: Vec<f64>,
+    pub baseline: Vec<f64>,
+    pub ratios: Vec<f64>,
+}
+
+impl Samples {
+    pub fn push(&mut self, target: f64, baseline: f64) {
+        self.target.push(target);
+        self.baseline.push(baseline);
+        self.ratios.push(target / baseline);
+    }
+
+    /// The last repetition's ratio of target to baseline (0 before any).
+    pub fn ratio_last(&self) -> f64 {
+        match (self.target.last(), self.baseline.last()) {
+            (Some(t), Some(b)) => t / b,
+            _ => 0.0,
+        }
+    }
+}
+
 /// median / min / max of repetitions.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Stat {
