@@ -423,26 +423,9 @@ fn far_host(cluster: &Cluster) -> Result<NetNs> {
     ])?;
     // Locked: IPv6 forwarding honours only a locked route MTU (IPv4 any).
     let mtu = PATH_MTU.to_string();
-    router.ip(&[
-        "route",
-        "add",
-        &format!("{FAR_IP}/32"),
-        "dev",
-        "far0",
-        "mtu",
-        "lock",
-        &mtu,
-    ])?;
-    router.ip(&[
-        "route",
-        "add",
-        &format!("{FAR_IP6}/128"),
-        "dev",
-        "far0",
-        "mtu",
-        "lock",
-        &mtu,
-    ])?;
+    for far in [format!("{FAR_IP}/32"), format!("{FAR_IP6}/128")] {
+        router.ip(&["route", "add", &far, "dev", "far0", "mtu", "lock", &mtu])?;
+    }
     let node1 = cluster.node(0).netns();
     node1.ip(&[
         "route",
