@@ -133,9 +133,10 @@ pub const SVC_FLAG_AFFINITY: u16 = 1 << 0;
 /// `ServiceValue::flags` (internal master): external traffic must use the
 /// `SCOPE_EXTERNAL` entry of the same frontend.
 pub const SVC_FLAG_EXTERNAL_SCOPE: u16 = 1 << 1;
-/// `ServiceValue::flags`: the frontend is reachable from outside the node (NodePort,
-/// LoadBalancer, externalIPs) and not only from cluster-internal sockets.
-pub const SVC_FLAG_EXTERNAL: u16 = 1 << 2;
+/// `ServiceValue::flags`: the frontend is a Service's cluster IP, so kube-proxy's
+/// cluster-IP masquerade rules decide a new per-packet flow's SNAT (see
+/// [`MasqSettings`]); NodePorts, load-balancer IPs and externalIPs have it clear.
+pub const SVC_FLAG_CLUSTER_IP: u16 = 1 << 2;
 /// `ServiceValue::flags` (internal master of a LoadBalancer ingress IP): the Service
 /// has `spec.loadBalancerSourceRanges`; the per-packet path admits new flows only
 /// from sources `LB_SOURCE_RANGES` holds for this frontend's `rev_nat_id` (none: no
@@ -310,10 +311,10 @@ impl ServiceValue {
         self.flags & SVC_FLAG_EXTERNAL_SCOPE != 0
     }
 
-    /// The external entry itself.
+    /// A Service's cluster IP (not a NodePort, load-balancer IP or externalIP).
     #[inline(always)]
-    pub const fn is_external(&self) -> bool {
-        self.flags & SVC_FLAG_EXTERNAL != 0
+    pub const fn is_cluster_ip(&self) -> bool {
+        self.flags & SVC_FLAG_CLUSTER_IP != 0
     }
 
     /// New flows must come from `loadBalancerSourceRanges`.
@@ -702,6 +703,16 @@ pub const MASQ_CIDR_POD_SOURCE: u32 = 1;
 /// `MasqCidrKey::kind`: destinations never masqueraded (ip-masq-agent's
 /// `nonMasqueradeCIDRs`, link-local, the cluster's pod CIDRs).
 pub const MASQ_CIDR_EXEMPT: u32 = 2;
+/// `MasqCidrKey::kind`: the cluster's pod CIDRs (`--cluster-cidr`, every Node's
+/// `spec.podCIDRs`), kube-proxy's "local" sources for its cluster-IP masquerade
+/// rule, whatever `--masquerade` says. Its ranges hold [`MASQ_CIDR_INSIDE`]; once
+/// any is known the set also holds `::/0` with [`MASQ_CIDR_OUTSIDE`], so a lookup
+/// tells "outside" (that entry) from "not known" (no entry).
+pub const MASQ_CIDR_CLUSTER: u32 = 3;
+/// Value of an `LB_MASQ_CIDRS` range: the address lies in it.
+pub const MASQ_CIDR_INSIDE: u8 = 1;
+/// Value of the cluster set's `::/0`: the address lies in none of its ranges.
+pub const MASQ_CIDR_OUTSIDE: u8 = 0;
 /// Bits of `MasqCidrKey::kind`, before the address in the prefix length.
 pub const MASQ_CIDR_PREFIX_BASE: u32 = 32;
 /// `LB_MASQ_CIDRS` entries: a few per pod CIDR and exempt range.
@@ -710,8 +721,8 @@ pub const MASQ_CIDRS_MAX: u32 = 4096;
 /// masqueraded flow. Not preallocated: memory follows the flows.
 pub const DEFAULT_MASQ_MAX: u32 = 131_072;
 
-/// What the per-packet programs are told about egress masquerading (`--masquerade`,
-/// `--nodeport-range`), a read-only global of the kernel object set at load time.
+/// What the per-packet programs are told about masquerading (`--masquerade`,
+/// `--masquerade-all`, `--nodeport-range`), a read-only global of the kernel object set at load time.
 /// Read through its predicates.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -719,8 +730,10 @@ pub const DEFAULT_MASQ_MAX: u32 = 131_072;
 pub struct MasqSettings {
     /// 1: `--masquerade bpf`; 0: off (no program looks at `LB_MASQ`).
     pub enabled: u8,
-    /// Explicit padding.
-    pub _pad: u8,
+    /// 1: `--masquerade-all` (kube-proxy's): every new per-packet flow to a
+    /// cluster IP leaves with the node's address; 0: only as kube-proxy's
+    /// cluster-IP rules say (from outside the cluster, or back to the client).
+    pub masquerade_all: u8,
     /// First port of the NodePort range, host byte order: masquerading never
     /// takes a port in it (a new flow from outside to that NodePort would meet
     /// the translation).
@@ -737,6 +750,12 @@ impl MasqSettings {
     #[inline(always)]
     pub const fn is_enabled(&self) -> bool {
         self.enabled != 0
+    }
+
+    /// `--masquerade-all`.
+    #[inline(always)]
+    pub const fn is_masquerade_all(&self) -> bool {
+        self.masquerade_all != 0
     }
 
     /// `port` (host byte order) lies in the NodePort range.

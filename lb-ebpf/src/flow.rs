@@ -128,19 +128,47 @@ pub fn choose(flow: &Flow, scope: u8) -> Result<Chosen, Refusal> {
     })
 }
 
-/// The source of a flow SNATed towards a remote backend: `--node-ip` when given,
-/// else whatever address the node's routing would use to reach the backend, so no
-/// address has to be configured. `None` (keep the client's address) for a local
-/// backend, whose replies pass through this node anyway (what
-/// `externalTrafficPolicy: Local` promises), and when no source is known: a kernel
-/// before 6.7 without `--node-ip`, or no route to the backend.
+/// The source of a new flow that leaves with the node's address: `--node-ip` when
+/// given, else whatever address the node's routing would use to reach the backend,
+/// so no address has to be configured. `None` keeps the client's address: when
+/// [`wants_snat`] says so, and when no source is known (a kernel before 6.7
+/// without `--node-ip`, or no route to the backend).
 #[inline(always)]
-pub fn snat_source<P: Packet>(ctx: &P, flow: &Flow, chosen: &Chosen) -> Option<IpAddrBe> {
-    if chosen.backend.is_local() {
+pub fn snat_source<P: Packet>(
+    ctx: &P,
+    flow: &Flow,
+    chosen: &Chosen,
+    scope: u8,
+) -> Option<IpAddrBe> {
+    if !wants_snat(flow, chosen, scope) {
         return None;
     }
     let backend = &chosen.backend.address;
     node_ip(flow.v6).or_else(|| fib::source_towards(ctx, &flow.saddr, backend, flow.v6))
+}
+
+/// kube-proxy's masquerade rules for a new per-packet flow.
+/// - A NodePort, load-balancer IP or externalIP: SNAT towards a remote backend,
+///   which would otherwise answer the client directly; a local backend's replies
+///   pass through this node anyway, so it sees the client (what
+///   `externalTrafficPolicy: Local` promises; kube-proxy masquerades there too).
+/// - A cluster IP: SNAT with `--masquerade-all`; from a source outside the
+///   cluster's pod CIDRs (kube-proxy's `! -s clusterCIDR` rule; while none is
+///   known, a flow that entered on a node-facing device, `scope`); and back to the
+///   client itself (hairpin: its reply would never leave its namespace). Otherwise
+///   a pod keeps its address, towards a remote backend too: the backend sees which
+///   pod called, and the reply, routed to the pod's node, is reverse-translated
+///   where it enters.
+#[inline(always)]
+fn wants_snat(flow: &Flow, chosen: &Chosen, scope: u8) -> bool {
+    if !chosen.master.is_cluster_ip() {
+        return !chosen.backend.is_local();
+    }
+    if masq::masquerade_all() || chosen.backend.address == flow.saddr {
+        return true;
+    }
+    let inside = masq::in_cluster(&flow.saddr).unwrap_or(scope == SCOPE_INTERNAL);
+    !inside
 }
 
 /// Writes the conntrack entries of a chosen flow and returns the tuple its packets

@@ -37,7 +37,8 @@ use aya_ebpf::{
 use lb_common::{
     stat, CtKey, CtValue, IpAddrBe, MasqCidrKey, MasqSettings, CT_DIR_FORWARD, CT_DIR_REPLY,
     CT_STATE_FIN, CT_STATE_RST, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP,
-    MASQ_CIDR_EXEMPT, MASQ_CIDR_POD_SOURCE, MASQ_CIDR_PREFIX_BASE,
+    MASQ_CIDR_CLUSTER, MASQ_CIDR_EXEMPT, MASQ_CIDR_INSIDE, MASQ_CIDR_POD_SOURCE,
+    MASQ_CIDR_PREFIX_BASE,
 };
 
 use crate::{
@@ -60,7 +61,7 @@ use crate::{
 #[unsafe(no_mangle)]
 static LB_MASQ_SETTINGS: MasqSettings = MasqSettings {
     enabled: 0,
-    _pad: 0,
+    masquerade_all: 0,
     nodeport_first_host: 0,
     nodeport_last_host: 0,
     _pad2: 0,
@@ -135,6 +136,32 @@ pub fn enabled() -> bool {
         ..MasqSettings::default()
     }
     .is_enabled()
+}
+
+/// `--masquerade-all`. Read alone, as [`enabled`] is.
+#[inline(always)]
+pub fn masquerade_all() -> bool {
+    // SAFETY: as in `settings`.
+    let all = unsafe { core::ptr::read_volatile(&LB_MASQ_SETTINGS.masquerade_all) };
+    MasqSettings {
+        masquerade_all: all,
+        ..MasqSettings::default()
+    }
+    .is_masquerade_all()
+}
+
+/// Whether `addr` lies in the cluster's pod CIDRs (`MASQ_CIDR_CLUSTER`); `None`
+/// while the agent knows none of them.
+#[inline(always)]
+pub fn in_cluster(addr: &IpAddrBe) -> Option<bool> {
+    let key = Key::new(
+        MASQ_CIDR_PREFIX_BASE + 128,
+        MasqCidrKey {
+            kind: MASQ_CIDR_CLUSTER,
+            address: *addr,
+        },
+    );
+    LB_MASQ_CIDRS.get(&key).map(|v| *v == MASQ_CIDR_INSIDE)
 }
 
 /// Whether `addr` lies in the set `kind` of `LB_MASQ_CIDRS`.

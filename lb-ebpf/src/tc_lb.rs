@@ -119,7 +119,7 @@ fn new_flow(ctx: &TcContext, flow: &Flow, scope: u8) -> i32 {
             return verdict;
         }
     }
-    let node = flow::snat_source(ctx, flow, &chosen);
+    let node = flow::snat_source(ctx, flow, &chosen, scope);
     let Ok(forward) = flow::commit(flow, &chosen, node, 0) else {
         return TC_ACT_SHOT;
     };

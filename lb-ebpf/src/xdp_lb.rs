@@ -112,6 +112,11 @@ fn new_flow(ctx: &XdpContext, flow: &Flow) -> u32 {
             return pass(stat::XDP_PASS_NO_BACKEND)
         }
     };
+    // kube-proxy's cluster-IP masquerade rules are TC's alone (`flow::snat_source`):
+    // a cluster IP is the cluster's, and traffic from outside to it is rare.
+    if chosen.master.is_cluster_ip() {
+        return XDP_PASS;
+    }
     if dsr::wanted(flow, &chosen) {
         return dsr_verdict(ctx, dsr::xdp::new_flow(ctx, flow, &chosen));
     }

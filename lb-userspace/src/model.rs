@@ -114,6 +114,9 @@ pub struct FrontendSpec {
     /// Services that use [`Algorithm::Maglev`]; the socket hooks pick at random
     /// whatever it says.
     pub maglev: bool,
+    /// A Service's cluster IP (not a NodePort, load-balancer IP or externalIP): the
+    /// per-packet path applies kube-proxy's cluster-IP masquerade rules to it.
+    pub cluster_ip: bool,
 }
 
 /// How the per-packet path picks the backend of a new flow to a NodePort,

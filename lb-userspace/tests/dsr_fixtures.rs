@@ -239,6 +239,7 @@ fn node_port(
             affinity_timeout_sec: None,
             source_ranges: None,
             maglev: false,
+            cluster_ip: false,
         },
     );
     desired

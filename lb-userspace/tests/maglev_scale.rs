@@ -79,6 +79,7 @@ fn desired(services: u32, maglev: bool) -> DesiredState {
             affinity_timeout_sec: None,
             source_ranges: None,
             maglev,
+            cluster_ip: false,
         };
         let cluster_ip = IpAddr::from(Ipv4Addr::from(0x0a00_0000 + i));
         desired.frontends.insert(

@@ -95,7 +95,13 @@ impl Fixture {
             node("node1", &["10.244.1.0/24", "fd00:244:1::/64"]),
             node("node2", &["10.244.2.0/24", "fd00:244:2::/64"]),
         ];
-        let sets = rules::derive(&MasqConfig::default(), &nodes, "node1", &[]);
+        let sets = rules::derive(
+            rules::MasqueradeMode::Bpf,
+            &MasqConfig::default(),
+            &nodes,
+            "node1",
+            &[],
+        );
         masq.sync_cidrs(&sets).expect("write the address sets");
         Fixture {
             ebpf,

@@ -19,6 +19,9 @@ use lb_userspace::datapath::pins::MapSizes;
 use lb_userspace::datapath::source_ranges;
 use lb_userspace::model::{BackendAddr, DesiredState, Frontend, FrontendSpec, Protocol, Scope};
 
+/// kube-proxy's cluster-IP masquerade rules, on the same fixture.
+#[path = "tc_fixtures/cluster_ip.rs"]
+mod cluster_ip;
 /// The IPv6 fixtures, on the same fixture, programs and maps.
 #[path = "tc_fixtures/ipv6.rs"]
 mod ipv6;
@@ -139,6 +142,7 @@ fn node_port(
         affinity_timeout_sec: None,
         source_ranges: None,
         maglev: false,
+        cluster_ip: false,
     };
     desired.frontends.insert(frontend, spec(backends));
     if let Some(local) = external_local {
@@ -1043,6 +1047,7 @@ fn a_large_table_is_written_in_batches_exactly_as_planned() {
                     affinity_timeout_sec: None,
                     source_ranges: None,
                     maglev: false,
+                    cluster_ip: false,
                 },
             );
         }
@@ -1143,6 +1148,7 @@ fn restricted_load_balancer(ranges: Option<&[&str]>) -> DesiredState {
         affinity_timeout_sec: None,
         source_ranges: ranges.map(|r| r.iter().map(|c| c.parse().unwrap()).collect()),
         maglev: false,
+        cluster_ip: false,
     };
     let lb = Frontend::internal(Ipv4Addr::from(LB_IP).into(), 80, Protocol::Tcp);
     desired.frontends.insert(lb, spec);

@@ -298,6 +298,7 @@ fn frontend(
             affinity_timeout_sec: None,
             source_ranges: None,
             maglev: false,
+            cluster_ip: false,
         },
     );
 }
@@ -350,6 +351,39 @@ fn first_packet_to_a_remote_backend_is_sent_back_out_translated() {
     let per_service = f.maps.service_stats().unwrap();
     assert_eq!(per_service.len(), 1);
     assert_eq!(per_service[0].1.connections, 2);
+}
+
+/// A new flow to a cluster IP is TC's, where kube-proxy's cluster-IP masquerade
+/// rules live: XDP passes it untouched and writes nothing; TC then gives the
+/// client, from outside the cluster, the node's address.
+#[test]
+fn a_new_flow_to_a_cluster_ip_is_left_to_tc() {
+    let mut f = Fixture::new();
+    let vip = Ipv4Addr::new(10, 96, 0, 10);
+    let mut desired = DesiredState::default();
+    desired.frontends.insert(
+        Frontend::internal(vip.into(), 80, Protocol::Tcp),
+        FrontendSpec {
+            service: "default/web:http".into(),
+            backends: [backend(REMOTE_POD, 8080, false)]
+                .into_iter()
+                .collect::<BTreeSet<_>>()
+                .into(),
+            affinity_timeout_sec: None,
+            source_ranges: None,
+            maglev: false,
+            cluster_ip: true,
+        },
+    );
+    f.program(&desired);
+    let syn = Pkt::tcp(CLIENT, 40001, vip, 80, SYN).frame();
+    let run = f.xdp(&syn);
+    assert_eq!(run.verdict, XDP_PASS);
+    assert_eq!(run.frame, syn, "passed untouched");
+    assert!(run.meta.is_empty(), "not marked: TC must look at it");
+    assert!(f.conntrack().is_empty(), "XDP wrote no entry");
+    let (_, tc_out) = f.tc(&syn);
+    assert_eq!(inspect(&tc_out).tuple, seen(NODE, 40001, REMOTE_POD, 8080));
 }
 
 /// Later packets follow the entry; the backend's reply, which comes back on the
@@ -840,6 +874,7 @@ fn source_ranges_drop_outsiders_in_xdp_as_tc_counts_them() {
             affinity_timeout_sec: None,
             source_ranges: Some(["203.0.113.0/24".parse().unwrap()].into_iter().collect()),
             maglev: false,
+            cluster_ip: false,
         },
     );
     f.program(&desired);

@@ -600,12 +600,14 @@ impl Cluster {
     /// before on the node, its veth in the node's bridge and, for a backend,
     /// lb-echo running.
     fn create_pod(&self, node: &Node, pod: &PodSpec) -> Result<Pod> {
-        let first = match pod.role {
-            Role::Backend => 11u8,
-            Role::Client => 20u8,
+        // Backends take .11-.19, clients .20-.254 (a test may want many clients:
+        // the masquerade test's 50 pods).
+        let hosts = match pod.role {
+            Role::Backend => 11u8..=19,
+            Role::Client => 20u8..=254,
         };
         let i = node.index;
-        let ip = (first..first + 9)
+        let ip = hosts
             .map(|host| Ipv4Addr::new(10, 244, 1 + u8::try_from(i).expect("few nodes"), host))
             .find(|ip| !node.used_addresses.contains(ip))
             .with_context(|| format!("no free pod address on {}", node_name(i)))?;

@@ -16,10 +16,10 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use lb_tests::cluster::{
-    bulk_node_port, node_ip, node_name, whoami_node_port, Cluster, ClusterBuilder, BULK_PORT,
-    CLIENT_IP, DROP_CONNECT_TIMEOUT, WHOAMI_PORT,
+    bulk_node_port, node_ip, node_name, pod_cidr, pod_gateway, whoami_node_port, Cluster,
+    ClusterBuilder, BULK_PORT, CLIENT_IP, DROP_CONNECT_TIMEOUT, WHOAMI_PORT,
 };
-use lb_tests::manifests::{Conditions, Service, ServicePort};
+use lb_tests::manifests::{documents, node_yaml_with_pod_cidrs, Conditions, Service, ServicePort};
 use lb_tests::probe::UdpEchoReport;
 use lb_tests::util::ip;
 use lb_tests::{cargo_tools, lb_binary};
@@ -228,9 +228,11 @@ fn bulk_transfer_through_node_port_is_byte_exact() -> Result<()> {
 }
 
 /// (6) A pod on node1 that no socket hook sees (in no hooked cgroup) reaches a
-/// ClusterIP through the TC path on its veth: both backends answer, the local one
-/// sees the pod's own address, the remote one node1's, and the client only ever sees
-/// the VIP.
+/// ClusterIP through the TC path on its veth: both backends answer, both see the
+/// pod's own address (kube-proxy masquerades cluster-IP traffic only from outside
+/// the cluster; no pod CIDR is known here, so "inside" is "from a pod's device"),
+/// the remote one's replies are translated back on node1, and the client only
+/// ever sees the VIP.
 #[test]
 fn cluster_ip_from_unhooked_pod_goes_through_tc() -> Result<()> {
     let vip = Ipv4Addr::new(10, 96, 0, 20);
@@ -242,23 +244,100 @@ fn cluster_ip_from_unhooked_pod_goes_through_tc() -> Result<()> {
     let builder = two_backends().client_pod("client", 0);
     let cluster = setup(builder, &[(&svc, &["pod-a", "pod-b"])], no_args)?;
     let to = SocketAddrV4::new(vip, 80);
-    cluster.wait_frontend(
-        0,
-        to,
-        "TCP",
-        "internal",
-        &pod_addrs(&cluster, &["pod-a", "pod-b"], WHOAMI_PORT)?,
-    )?;
+    wait_for_both(&cluster, to)?;
     let client = cluster.pod("client")?;
 
-    let expect = [("pod-a", client.ip().into()), ("pod-b", node1_ip().into())];
-    cluster.expect_answers(client.netns(), to, 40, &expect, false)?;
+    let expect = [("pod-a", client.ip().into()), ("pod-b", client.ip().into())];
+    cluster.expect_answers(client.netns(), to, 40, &expect, true)?;
     let stats = cluster.all_stats();
     // The socket hooks played no part: node1's counters show only TC translations.
     ensure!(
         cluster.stat(0, "translated")? == 0 && cluster.stat(0, "tc_new_flow")? >= 40,
         "{stats}"
     );
+    Ok(())
+}
+
+/// Until node1's agent has `to` with pod-a and pod-b behind it.
+fn wait_for_both(cluster: &Cluster, to: SocketAddrV4) -> Result<()> {
+    let backends = pod_addrs(cluster, &["pod-a", "pod-b"], WHOAMI_PORT)?;
+    cluster
+        .wait_frontend(0, to, "TCP", "internal", &backends)
+        .map(drop)
+}
+
+/// The Service of (6b) and (6c): pod-a (node1) and pod-b (node2) behind a cluster
+/// IP the external client reaches through node1, and the Nodes with their pod
+/// CIDRs among the manifests, as the API server would give them.
+fn cluster_ip_rules(agent_args: fn(usize) -> Vec<String>) -> Result<(Cluster, SocketAddrV4)> {
+    let vip = Ipv4Addr::new(10, 96, 0, 21);
+    let svc = Service::new(
+        "web",
+        vip,
+        vec![ServicePort::tcp("whoami", 80, WHOAMI_PORT.into())],
+    );
+    let builder = two_backends()
+        .client_pod("client", 0)
+        .client_route_via_node1(vip);
+    let lb = lb_binary()?;
+    let mut cluster = builder.build(cargo_tools!())?;
+    cluster.manifests.write(
+        "nodes.yaml",
+        &documents([
+            node_yaml_with_pod_cidrs(&node_name(0), &[&pod_cidr(0)]),
+            node_yaml_with_pod_cidrs(&node_name(1), &[&pod_cidr(1)]),
+        ]),
+    )?;
+    cluster.publish(&svc, &["pod-a", "pod-b"])?;
+    cluster.start_agents(&lb, agent_args)?;
+    let to = SocketAddrV4::new(vip, 80);
+    wait_for_both(&cluster, to)?;
+    Ok((cluster, to))
+}
+
+/// (6b) kube-proxy's cluster-IP masquerade rules with the pod CIDRs known (the
+/// Nodes' spec.podCIDRs): a pod keeps its address towards both backends; the
+/// external client, outside every pod CIDR, gets node1's address towards both,
+/// the local backend included; and a pod that reaches itself through the Service
+/// (hairpin) arrives from node1's address, or its own reply would never leave it.
+#[test]
+fn cluster_ip_traffic_is_masqueraded_only_from_outside_the_pod_cidrs_and_on_hairpin() -> Result<()>
+{
+    let (cluster, to) = cluster_ip_rules(no_args)?;
+    let client = cluster.pod("client")?;
+    let inside = client.ip().into();
+    cluster.expect_answers(
+        client.netns(),
+        to,
+        30,
+        &[("pod-a", inside), ("pod-b", inside)],
+        true,
+    )?;
+    // The node's address is the one its routing uses towards the backend, as
+    // MASQUERADE picks it: node1's on the pods' bridge for pod-a.
+    let (node1, towards_pod_a) = (node1_ip().into(), pod_gateway(0).into());
+    let expect = [("pod-a", towards_pod_a), ("pod-b", node1)];
+    cluster.expect_answers(cluster.client(), to, 30, &expect, false)?;
+    // pod-a as the client: the flows to itself come from node1, the ones to pod-b
+    // keep pod-a's address.
+    let pod_a = cluster.pod("pod-a")?;
+    let expect = [("pod-a", towards_pod_a), ("pod-b", pod_a.ip().into())];
+    cluster.expect_answers(pod_a.netns(), to, 30, &expect, false)?;
+    Ok(())
+}
+
+/// (6c) `--masquerade-all` (kube-proxy's): every cluster-IP flow the per-packet
+/// path takes gets the node's address (the one its routing uses towards the
+/// backend), a pod's towards its local backend too.
+#[test]
+fn masquerade_all_gives_every_cluster_ip_flow_the_node_address() -> Result<()> {
+    let (cluster, to) = cluster_ip_rules(|_| vec!["--masquerade-all".into()])?;
+    let client = cluster.pod("client")?;
+    let expect = [
+        ("pod-a", pod_gateway(0).into()),
+        ("pod-b", node1_ip().into()),
+    ];
+    cluster.expect_answers(client.netns(), to, 30, &expect, false)?;
     Ok(())
 }
 

@@ -27,6 +27,8 @@ pub const PACKAGES: &[&str] = &[
     // The XDP tests turn off transmit checksum offload on the veths that send to an
     // XDP program (a veth hands over partial checksums, which XDP cannot see).
     "ethtool",
+    // The masquerade tests ping the outside host from pods, as a user would.
+    "iputils-ping",
 ];
 
 /// What `cargo xtask image` and the image's end-to-end test (tests/tests/image.rs) use:

@@ -105,9 +105,7 @@ impl Agent {
     fn take_source_state(&mut self, changes: &Changes) {
         if let Some(nodes) = &changes.nodes {
             self.nodes = nodes.clone();
-            if let Some(masquerade) = &mut self.masquerade {
-                masquerade.sync(&self.nodes);
-            }
+            self.masquerade.sync(&self.nodes);
         }
         if let Some(errors) = &changes.errors {
             // Reported when the list changes, not on every change.

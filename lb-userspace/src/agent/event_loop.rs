@@ -44,9 +44,7 @@ pub(super) async fn follow(
     // does not follow reliably.
     let mut masq_file = interval(Duration::from_secs(1));
     masq_file.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    if let Some(masquerade) = &mut agent.masquerade {
-        masquerade.sync(&agent.nodes);
-    }
+    agent.masquerade.sync(&agent.nodes);
     let mut net_followed = true;
     // Deadlines, not fresh sleeps: a `sleep` made in the `select!` starts again on
     // every turn of the loop, so under a steady stream of changes it never ends.
@@ -66,11 +64,9 @@ pub(super) async fn follow(
             (true, None) => Some(Instant::now() + RETRY_INTERVAL),
         };
         let wake = tokio::select! {
-            _ = masq_file.tick(), if agent.masquerade.is_some() => {
-                if let Some(masquerade) = &mut agent.masquerade {
-                    if masquerade.reload() {
-                        masquerade.sync(&agent.nodes);
-                    }
+            _ = masq_file.tick(), if agent.masquerade.follows_file() => {
+                if agent.masquerade.reload() {
+                    agent.masquerade.sync(&agent.nodes);
                 }
                 continue;
             }

@@ -1,8 +1,10 @@
-//! Egress masquerading's part of the agent (`--masquerade bpf`): the address sets
-//! in `LB_MASQ_CIDRS` kept equal to what the Nodes, `--cluster-cidr` and the
-//! ip-masq-agent file say, the file followed for changes (a bad one is reported,
-//! naming the file and the field, and the last good one kept). The translations
-//! in `LB_MASQ` expire with their flows on the collector's thread (`ct_gc`).
+//! Masquerading's part of the agent: the address sets in `LB_MASQ_CIDRS` kept
+//! equal to what the Nodes, `--cluster-cidr` and the ip-masq-agent file say. The
+//! cluster set (kube-proxy's cluster-IP rule) is kept always; egress
+//! masquerading's sets with `--masquerade bpf`, its file followed for changes (a
+//! bad one is reported, naming the file and the field, and the last good one
+//! kept). The translations in `LB_MASQ` expire with their flows on the
+//! collector's thread (`ct_gc`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -38,6 +40,7 @@ fn stamp(path: &std::path::Path) -> Option<Stamp> {
 }
 
 pub(super) struct Masquerade {
+    mode: MasqueradeMode,
     maps: MasqMaps,
     file: Option<PathBuf>,
     /// The last good content of the file (the defaults until one is read).
@@ -53,20 +56,18 @@ pub(super) struct Masquerade {
 }
 
 impl Masquerade {
-    /// `None` with `--masquerade off`.
+    /// With `--masquerade off` the file is not read: only the cluster set is kept.
     pub(super) fn start(
         mode: MasqueradeMode,
         layout: &PinLayout,
         file: Option<PathBuf>,
         cluster_cidrs: Vec<IpNet>,
         node_name: String,
-    ) -> Result<Option<Self>, MapsError> {
-        if mode == MasqueradeMode::Off {
-            return Ok(None);
-        }
+    ) -> Result<Self, MapsError> {
         let mut masquerade = Masquerade {
+            mode,
             maps: MasqMaps::open(layout)?,
-            file,
+            file: file.filter(|_| mode == MasqueradeMode::Bpf),
             config: MasqConfig::default(),
             seen: None,
             problem: None,
@@ -75,7 +76,12 @@ impl Masquerade {
             written: None,
         };
         masquerade.reload();
-        Ok(Some(masquerade))
+        Ok(masquerade)
+    }
+
+    /// Whether there is an ip-masq-agent file to follow.
+    pub(super) fn follows_file(&self) -> bool {
+        self.file.is_some()
     }
 
     /// Reads the file again when it changed; true when the configuration did.
@@ -111,11 +117,17 @@ impl Masquerade {
 
     /// Writes the address sets if what they derive from changed.
     pub(super) fn sync(&mut self, nodes: &[Arc<Node>]) {
-        let wanted = rules::derive(&self.config, nodes, &self.node_name, &self.cluster_cidrs);
+        let wanted = rules::derive(
+            self.mode,
+            &self.config,
+            nodes,
+            &self.node_name,
+            &self.cluster_cidrs,
+        );
         if self.written.as_ref() == Some(&wanted) {
             return;
         }
-        if wanted.pod_sources.is_empty() {
+        if self.mode == MasqueradeMode::Bpf && wanted.pod_sources.is_empty() {
             warn!(
                 "masquerading: this node's pod CIDRs are not known (no Node object with \
                  spec.podCIDRs named --node-name, and no --cluster-cidr): nothing is \
@@ -128,6 +140,7 @@ impl Masquerade {
                     changed,
                     sources = ?wanted.pod_sources,
                     exempt = wanted.exempt.len(),
+                    cluster = ?wanted.cluster,
                     "masquerading address sets written"
                 );
                 self.written = Some(wanted);

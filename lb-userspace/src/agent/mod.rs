@@ -98,10 +98,13 @@ pub struct AgentConfig {
     pub maglev_seed: u64,
     /// `--masquerade`: egress masquerading of local pods' traffic in BPF.
     pub masquerade: crate::control::masquerade::MasqueradeMode,
+    /// `--masquerade-all` (kube-proxy's): every per-packet flow to a cluster IP
+    /// gets the node's address.
+    pub masquerade_all: bool,
     /// `--ip-masq-agent-config`: ip-masq-agent's file, followed for changes.
     pub ip_masq_agent_config: Option<PathBuf>,
-    /// `--cluster-cidr` (kube-proxy's flag): the cluster's pod ranges, where the
-    /// Nodes' `spec.podCIDRs` do not say.
+    /// `--cluster-cidr` (kube-proxy's flag): the cluster's pod ranges, beside the
+    /// Nodes' `spec.podCIDRs`.
     pub cluster_cidrs: Vec<ipnet::IpNet>,
     /// `--backend-quarantine`: passive health, a backend that refuses a new
     /// connection is skipped by the new connections of that frontend for a while.

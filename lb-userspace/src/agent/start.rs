@@ -66,8 +66,9 @@ pub(super) struct Agent {
     pub(super) created_pins: CreatedPins,
     /// Map directories of other layout versions, unpinned once the hooks attached.
     pub(super) retired: Vec<PathBuf>,
-    /// Egress masquerading (`--masquerade bpf`).
-    pub(super) masquerade: Option<super::masquerade::Masquerade>,
+    /// The masquerading address sets (the cluster set always; egress
+    /// masquerading's with `--masquerade bpf`).
+    pub(super) masquerade: super::masquerade::Masquerade,
     /// Held until the listeners are closed (see [`Agent::stop`]).
     pin_lock: Option<PinLock>,
     listeners: Vec<tokio::task::JoinHandle<()>>,
@@ -112,7 +113,9 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
                 client,
                 kube::KubeWatchOptions {
                     // Masquerading needs every Node's pod CIDRs; otherwise this
-                    // node's object is all the agent reads.
+                    // node's object is all the agent reads, and its pod CIDRs
+                    // (with --cluster-cidr) are the cluster-IP rule's local
+                    // sources, as kube-proxy's --detect-local-mode=NodeCIDR.
                     node_name: (config.masquerade == MasqueradeMode::Off)
                         .then(|| config.node_name.clone()),
                     ..Default::default()
@@ -142,6 +145,7 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
         forwarding: config.forwarding,
         masquerade: MasqSettings {
             enabled: u8::from(masquerading),
+            masquerade_all: u8::from(config.masquerade_all),
             nodeport_first_host: config.node_port_range.first,
             nodeport_last_host: config.node_port_range.last,
             ..MasqSettings::default()

@@ -114,32 +114,47 @@ pub(super) fn write_table(
 
 /// Writes `desired` into empty maps [`START_PIECE`] frontends at a time, each
 /// piece planned against what the pieces before it wrote (as one change is), so
-/// that every prefix of the writes is a consistent table, as with one plan.
+/// that every prefix of the writes is a consistent table, as with one plan. A
+/// thread of its own writes each piece while the next is planned: at 100k Services
+/// x 10 endpoints planning took about 1 s and the kernel writes 2.2-2.8 s, one
+/// after the other on one CPU. At most two planned pieces wait for it.
 fn write_in_pieces(
     maps: &mut PinnedMaps,
     desired: &DesiredState,
     mut table: KnownTable,
 ) -> Result<Written, MapsError> {
     let capacity = maps.capacity();
-    let (mut planning, mut applying) = (Duration::ZERO, Duration::ZERO);
-    let mut operations = 0;
-    let mut started = Instant::now();
-    plan::plan_in_pieces(desired, &mut table, capacity, START_PIECE, |plan| {
-        let planned = Instant::now();
-        planning += planned - started;
-        for rejected in &plan.rejected {
-            warn!("{rejected}");
-        }
-        maps.apply(&plan.ops)?;
-        operations += plan.ops.len();
-        started = Instant::now();
-        applying += started - planned;
-        Ok(())
-    })?;
+    let started = Instant::now();
+    let (planned, written) = std::thread::scope(|scope| {
+        let (pieces, arriving) = std::sync::mpsc::sync_channel::<plan::Plan>(2);
+        let writer = std::thread::Builder::new()
+            .name("lb-start-writes".into())
+            .spawn_scoped(scope, move || write_pieces(maps, arriving))
+            .expect("a thread can be started");
+        // Planning time only: a wait for the writer is not planning.
+        let (mut planning, mut piece_started) = (Duration::ZERO, Instant::now());
+        let planned = plan::plan_in_pieces(desired, &mut table, capacity, START_PIECE, |plan| {
+            planning += piece_started.elapsed();
+            for rejected in &plan.rejected {
+                warn!("{rejected}");
+            }
+            // A writer that failed has gone: stop planning; its error is the one
+            // to report, below.
+            let sent = pieces.send(plan).map_err(drop);
+            piece_started = Instant::now();
+            sent
+        });
+        drop(pieces);
+        let written = writer.join().expect("the writer does not panic");
+        (planned.map(|()| planning), written)
+    });
+    let (operations, applying) = written?;
+    let planning = planned.expect("planning stops only when the writer has failed");
     if operations > 0 {
         info!(
             plan_ms = planning.as_millis() as u64,
             apply_ms = applying.as_millis() as u64,
+            total_ms = started.elapsed().as_millis() as u64,
             operations,
             frontends = desired.frontends.len(),
             backends = desired.backend_count(),
@@ -153,6 +168,22 @@ fn write_in_pieces(
         read_kernel: true,
         written_ahead: operations,
     })
+}
+
+/// The writer of [`write_in_pieces`]: each piece in order, until the planner is
+/// done or a write fails. Returns the writes made and the time spent on them.
+fn write_pieces(
+    maps: &mut PinnedMaps,
+    pieces: std::sync::mpsc::Receiver<plan::Plan>,
+) -> Result<(usize, Duration), MapsError> {
+    let (mut operations, mut applying) = (0, Duration::ZERO);
+    for plan in pieces {
+        let started = Instant::now();
+        maps.apply(&plan.ops)?;
+        applying += started.elapsed();
+        operations += plan.ops.len();
+    }
+    Ok((operations, applying))
 }
 
 impl Written {

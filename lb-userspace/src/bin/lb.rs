@@ -304,9 +304,18 @@ struct AgentArgs {
     /// reserved ranges, link-local). The cluster's pod CIDRs are never masqueraded.
     #[arg(long)]
     ip_masq_agent_config: Option<PathBuf>,
+    /// kube-proxy's --masquerade-all: every new flow the per-packet path takes to
+    /// a cluster IP leaves with the node's address (connections the socket hooks
+    /// translate carry no NAT and keep the pod's address). Without it, as
+    /// kube-proxy: only traffic to a cluster IP from outside the cluster's pod
+    /// ranges, and a pod reaching itself through its Service.
+    #[arg(long)]
+    masquerade_all: bool,
     /// The cluster's pod ranges (kube-proxy's --cluster-cidr), comma-separated,
-    /// one per family: exempt from masquerading, and its sources on a node whose
-    /// Node object gives no spec.podCIDRs.
+    /// one per family, added to every Node's spec.podCIDRs: traffic to a cluster IP
+    /// from outside them gets the node's address (kube-proxy's rule); exempt from
+    /// egress masquerading, and its sources on a node whose Node object gives no
+    /// spec.podCIDRs.
     #[arg(long, value_delimiter = ',')]
     cluster_cidr: Vec<ipnet::IpNet>,
     /// Capacity of LB_MASQ, egress masquerading's translations: two entries per
@@ -720,6 +729,7 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
         backend_quarantine: args.backend_quarantine == Switch::On,
         maglev_seed: args.maglev_seed,
         masquerade: args.masquerade,
+        masquerade_all: args.masquerade_all,
         ip_masq_agent_config: args.ip_masq_agent_config,
         cluster_cidrs: args.cluster_cidr,
         consistency_interval: Duration::from_secs(args.consistency_check_interval_secs),

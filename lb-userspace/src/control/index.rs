@@ -13,7 +13,10 @@
 //! reference: the property test below holds the two to the same state over random
 //! changes.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
+
+// Seeded per map and far cheaper than SipHash (see source/changes.rs).
+use foldhash::HashMap;
 use std::sync::Arc;
 
 use litemap::LiteMap;
@@ -190,7 +193,9 @@ impl DesiredIndex {
 
     /// Applies the sources' `changes`: the Services they touch are derived again.
     pub fn sync(&mut self, changes: &Changes) -> Delta {
-        let mut touched: BTreeSet<ObjectKey> = BTreeSet::new();
+        // Derived in name order; sorted once (a BTreeSet's inserts compared names
+        // 17 times each at 100k Services, a fifth of the start's derivation).
+        let mut touched: Vec<ObjectKey> = Vec::with_capacity(changes.services.len());
         let mut new_errors = Vec::new();
         let mut delta = Delta::default();
         for (key, change) in &changes.services {
@@ -198,14 +203,14 @@ impl DesiredIndex {
                 Some(service) => self.services.insert(key.clone(), service.clone()),
                 None => self.services.remove(key),
             };
-            touched.insert(key.clone());
+            touched.push(key.clone());
         }
         for (key, change) in &changes.slices {
             if let Some(before) = &change.previous {
                 match owner_of(before) {
                     Some(owner) => {
                         self.unlink_slice(&owner, key);
-                        touched.insert(owner);
+                        touched.push(owner);
                     }
                     None => self.unlabeled -= 1,
                 }
@@ -228,7 +233,7 @@ impl DesiredIndex {
                         .entry(owner.clone())
                         .or_insert_with(|| LiteMap::with_capacity(1))
                         .insert(key.clone(), slice.clone());
-                    touched.insert(owner);
+                    touched.push(owner);
                 }
                 None => {
                     self.unlabeled += 1;
@@ -242,6 +247,8 @@ impl DesiredIndex {
             }
             delta.slices.push(slice.clone());
         }
+        touched.sort_unstable();
+        touched.dedup();
         delta.services = touched.len();
         for key in touched {
             self.derive(&key, &mut delta, &mut new_errors);

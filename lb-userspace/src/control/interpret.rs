@@ -130,6 +130,7 @@ impl ServicePlan<'_> {
                 backends: backends(ip, self.internal_local),
                 source_ranges: None,
                 maglev: false,
+                cluster_ip: true,
             });
         }
         let maglev = self.algorithm == Algorithm::Maglev;
@@ -156,6 +157,7 @@ impl ServicePlan<'_> {
                 backends: backends(&ip, false),
                 source_ranges: ranges,
                 maglev,
+                cluster_ip: false,
             });
             if self.external_local {
                 out.push(FrontendPlan {
@@ -163,6 +165,7 @@ impl ServicePlan<'_> {
                     backends: backends(&ip, true),
                     source_ranges: None,
                     maglev,
+                    cluster_ip: false,
                 });
             }
         }
@@ -176,6 +179,7 @@ struct FrontendPlan {
     backends: BTreeSet<BackendAddr>,
     source_ranges: Option<BTreeSet<IpNet>>,
     maglev: bool,
+    cluster_ip: bool,
 }
 
 /// An IPv4 or IPv6 EndpointSlice that passed validation.
@@ -278,6 +282,7 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 backends,
                 source_ranges,
                 maglev,
+                cluster_ip,
             } in plan.frontends(port, slices, opts)
             {
                 if let Some((owner_ns, owner_name)) = owners.get(&frontend) {
@@ -299,6 +304,7 @@ pub fn build_desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                         affinity_timeout_sec: plan.affinity_timeout_sec,
                         source_ranges,
                         maglev,
+                        cluster_ip,
                     },
                 );
             }

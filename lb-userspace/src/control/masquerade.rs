@@ -8,6 +8,10 @@
 //! The pod CIDRs come from the Nodes' `spec.podCIDRs` (the API server's, or Node
 //! objects among the manifest files), and `--cluster-cidr` (kube-proxy's flag) when
 //! given; this node's own, the sources, from its Node, else `--cluster-cidr`.
+//!
+//! All of them together are also the cluster set of kube-proxy's cluster-IP
+//! masquerade rule (traffic to a cluster IP from outside it gets the node's
+//! address), kept with or without egress masquerading.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -67,13 +71,26 @@ fn pod_cidrs_of(node: &Node) -> Vec<IpNet> {
         .collect()
 }
 
-/// The sets the programs match, from what is known now.
+/// The sets the programs match, from what is known now; with `mode` off only the
+/// cluster set.
 pub fn derive(
+    mode: MasqueradeMode,
     config: &MasqConfig,
     nodes: &[Arc<Node>],
     node_name: &str,
     cluster_cidrs: &[IpNet],
 ) -> MasqCidrs {
+    let cluster: BTreeSet<IpNet> = nodes
+        .iter()
+        .flat_map(|n| pod_cidrs_of(n))
+        .chain(cluster_cidrs.iter().map(IpNet::trunc))
+        .collect();
+    if mode == MasqueradeMode::Off {
+        return MasqCidrs {
+            cluster,
+            ..MasqCidrs::default()
+        };
+    }
     let mut exempt: BTreeSet<IpNet> = match &config.non_masquerade {
         Some(listed) => listed.iter().copied().collect(),
         None => DEFAULT_NON_MASQUERADE
@@ -87,8 +104,7 @@ pub fn derive(
     if !config.masq_link_local_v6.unwrap_or(false) {
         exempt.insert(LINK_LOCAL_V6.parse().expect("valid"));
     }
-    exempt.extend(nodes.iter().flat_map(|n| pod_cidrs_of(n)));
-    exempt.extend(cluster_cidrs.iter().map(IpNet::trunc));
+    exempt.extend(cluster.iter().copied());
     let own: BTreeSet<IpNet> = nodes
         .iter()
         .filter(|n| n.metadata.name.as_deref() == Some(node_name))
@@ -102,6 +118,7 @@ pub fn derive(
     MasqCidrs {
         pod_sources,
         exempt,
+        cluster,
     }
 }
 
@@ -129,7 +146,13 @@ mod tests {
             node("node1", &["10.244.1.0/24", "fd00:244:1::/64"]),
             node("node2", &["10.244.2.0/24", "fd00:244:2::/64"]),
         ];
-        let sets = derive(&MasqConfig::default(), &nodes, "node1", &[]);
+        let sets = derive(
+            MasqueradeMode::Bpf,
+            &MasqConfig::default(),
+            &nodes,
+            "node1",
+            &[],
+        );
         for exempt in DEFAULT_NON_MASQUERADE.iter().chain(&[
             LINK_LOCAL_V4,
             LINK_LOCAL_V6,
@@ -151,7 +174,13 @@ mod tests {
             masq_link_local: Some(true),
             masq_link_local_v6: Some(true),
         };
-        let sets = derive(&config, &[node("node1", &["10.244.1.0/24"])], "node1", &[]);
+        let sets = derive(
+            MasqueradeMode::Bpf,
+            &config,
+            &[node("node1", &["10.244.1.0/24"])],
+            "node1",
+            &[],
+        );
         assert_eq!(sets.exempt, nets(&["172.16.0.0/12", "10.244.1.0/24"]));
     }
 
@@ -166,6 +195,7 @@ mod tests {
             ..MasqConfig::default()
         };
         let sets = derive(
+            MasqueradeMode::Bpf,
             &config,
             &[node("other", &["10.244.9.0/24"])],
             "node1",
@@ -175,7 +205,9 @@ mod tests {
         assert!(sets.exempt.contains(&"10.244.0.0/16".parse().unwrap()));
         assert!(sets.exempt.contains(&"10.244.9.0/24".parse().unwrap()));
         // Nothing known: nothing is a pod source, so nothing is masqueraded.
-        assert!(derive(&config, &[], "node1", &[]).pod_sources.is_empty());
+        assert!(derive(MasqueradeMode::Bpf, &config, &[], "node1", &[])
+            .pod_sources
+            .is_empty());
     }
 
     #[test]
@@ -186,7 +218,39 @@ mod tests {
             }))
             .unwrap(),
         );
-        let sets = derive(&MasqConfig::default(), &[node], "node1", &[]);
+        let sets = derive(
+            MasqueradeMode::Bpf,
+            &MasqConfig::default(),
+            &[node],
+            "node1",
+            &[],
+        );
         assert_eq!(sets.pod_sources, nets(&["10.244.1.0/24"]));
+    }
+
+    #[test]
+    fn the_cluster_set_is_every_node_s_pods_and_cluster_cidr_with_masquerading_off_too() {
+        let nodes = [
+            node("node1", &["10.244.1.0/24"]),
+            node("node2", &["10.244.2.0/24", "fd00:244:2::/64"]),
+        ];
+        let cluster = ["10.96.128.0/20".parse().unwrap()];
+        let wanted = nets(&[
+            "10.244.1.0/24",
+            "10.244.2.0/24",
+            "fd00:244:2::/64",
+            "10.96.128.0/20",
+        ]);
+        let config = MasqConfig::default();
+        let off = derive(MasqueradeMode::Off, &config, &nodes, "node1", &cluster);
+        assert_eq!(off.cluster, wanted);
+        // Off: no egress set, so the egress program (not attached) has nothing to match.
+        assert!(off.pod_sources.is_empty() && off.exempt.is_empty());
+        let on = derive(MasqueradeMode::Bpf, &config, &nodes, "node1", &cluster);
+        assert_eq!(on.cluster, wanted);
+        assert!(wanted.iter().all(|n| on.exempt.contains(n)));
+        assert!(derive(MasqueradeMode::Off, &config, &[], "node1", &[])
+            .cluster
+            .is_empty());
     }
 }

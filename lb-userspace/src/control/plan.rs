@@ -88,17 +88,18 @@ impl Plan {
 
 /// Plans `desired` into maps that are empty (`known` holds nothing yet) `piece`
 /// frontends at a time, each piece against what the pieces before it wrote, as one
-/// change is planned. `write` gets each piece's plan before the next is planned;
-/// `known` then records it. Every prefix of the writes is thus a consistent table,
-/// as with one plan, but the writes of a start are never all held at once. An
-/// external entry stays in the piece of its internal twin (the master's flag
-/// names it).
+/// change is planned. `known` records each piece as planned; `write` then gets it,
+/// in order, before the next is planned, and may hand it on to be written while
+/// the next is planned. Every prefix of the writes is thus a consistent table,
+/// as with one plan, but the writes of a start are never all held at once. After
+/// an error `known` is ahead of the maps: drop it. An external entry stays in the
+/// piece of its internal twin (the master's flag names it).
 pub fn plan_in_pieces<E>(
     desired: &DesiredState,
     known: &mut KnownTable,
     capacity: Capacity,
     piece: usize,
-    mut write: impl FnMut(&Plan) -> Result<(), E>,
+    mut write: impl FnMut(Plan) -> Result<(), E>,
 ) -> Result<(), E> {
     // At most one backend entry per desired backend (twins share theirs).
     known.snapshot.backends.reserve(desired.backend_count());
@@ -109,8 +110,8 @@ pub fn plan_in_pieces<E>(
         let at_twin = frontends.peek().is_some_and(|f| f.scope == Scope::External);
         if frontends.peek().is_none() || (changed.len() >= piece && !at_twin) {
             let plan = plan_changes(desired, &changed, known, capacity);
-            write(&plan)?;
             known.apply(&plan.ops);
+            write(plan)?;
             changed.clear();
         }
     }

@@ -14,7 +14,8 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use ipnet::IpNet;
 use lb_common::{
     Backend, IpAddrBe, ServiceKey, ServiceValue, SourceRangeKey, BACKEND_FLAG_LOCAL,
-    SOURCE_RANGE_PREFIX_BASE, SVC_FLAG_AFFINITY, SVC_FLAG_EXTERNAL_SCOPE, SVC_FLAG_SOURCE_RANGES,
+    SOURCE_RANGE_PREFIX_BASE, SVC_FLAG_AFFINITY, SVC_FLAG_CLUSTER_IP, SVC_FLAG_EXTERNAL_SCOPE,
+    SVC_FLAG_SOURCE_RANGES,
 };
 
 use crate::model::{BackendAddr, Frontend, FrontendSpec, Protocol, Scope};
@@ -253,6 +254,9 @@ pub fn master_value(
     if spec.source_ranges.is_some() {
         flags |= SVC_FLAG_SOURCE_RANGES;
     }
+    if spec.cluster_ip {
+        flags |= SVC_FLAG_CLUSTER_IP;
+    }
     let mut backend_id = 0;
     if let Some((first, rung)) = maglev {
         if let Some(bits) = lb_common::maglev_flags(rung) {
@@ -368,6 +372,7 @@ mod tests {
             affinity_timeout_sec,
             source_ranges: None,
             maglev: false,
+            cluster_ip: false,
         };
         let m = master_value(&spec(Some(30)), 2, 7, true, None);
         assert_eq!(

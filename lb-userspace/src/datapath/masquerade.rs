@@ -1,5 +1,6 @@
-//! Egress masquerading's two pinned maps: `LB_MASQ_CIDRS`, the address sets the
-//! programs match (this node's pod CIDRs as sources, the exempt destinations), kept
+//! Masquerading's two pinned maps: `LB_MASQ_CIDRS`, the address sets the programs
+//! match (this node's pod CIDRs as sources, the exempt destinations, the cluster's
+//! pod CIDRs for the Service path's cluster-IP rule), kept
 //! equal to what the agent derives; and `LB_MASQ`, the translations, read for
 //! `lb masquerade`, `lb stats` (pressure) and the garbage collector, which expires
 //! them with their flows as it does conntrack's.
@@ -13,8 +14,8 @@ use aya::maps::{HashMap, Map, MapData, MapError};
 use ipnet::IpNet;
 use lb_common::{
     map_names, CtKey, CtValue, MasqCidrKey, CT_DIR_FORWARD, CT_DIR_REPLY, IPPROTO_ICMP,
-    IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, MASQ_CIDR_EXEMPT, MASQ_CIDR_POD_SOURCE,
-    MASQ_CIDR_PREFIX_BASE,
+    IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP, MASQ_CIDR_CLUSTER, MASQ_CIDR_EXEMPT,
+    MASQ_CIDR_INSIDE, MASQ_CIDR_OUTSIDE, MASQ_CIDR_POD_SOURCE, MASQ_CIDR_PREFIX_BASE,
 };
 
 use crate::datapath::maps::{found, ignore_missing, read_in_batches, MapsError};
@@ -27,6 +28,9 @@ pub struct MasqCidrs {
     pub pod_sources: BTreeSet<IpNet>,
     /// Destinations never masqueraded.
     pub exempt: BTreeSet<IpNet>,
+    /// The cluster's pod CIDRs, for kube-proxy's cluster-IP masquerade rule
+    /// (written with or without egress masquerading).
+    pub cluster: BTreeSet<IpNet>,
 }
 
 /// One trie entry: a set and a range.
@@ -61,10 +65,30 @@ pub fn cidr_of(prefix_len: u32, key: &MasqCidrKey) -> Option<Entry> {
     Some((key.kind, net))
 }
 
+/// The cluster set's catch-all: an address in none of its ranges matches this
+/// (value `MASQ_CIDR_OUTSIDE`), one in no entry at all means "not known".
+fn everything() -> IpNet {
+    IpNet::V6(Default::default())
+}
+
 fn entries(cidrs: &MasqCidrs) -> BTreeSet<Entry> {
     let sources = cidrs.pod_sources.iter().map(|n| (MASQ_CIDR_POD_SOURCE, *n));
     let exempt = cidrs.exempt.iter().map(|n| (MASQ_CIDR_EXEMPT, *n));
-    sources.chain(exempt).collect()
+    let known = (!cidrs.cluster.is_empty()).then(everything);
+    let cluster = cidrs.cluster.iter().copied().chain(known);
+    sources
+        .chain(exempt)
+        .chain(cluster.map(|n| (MASQ_CIDR_CLUSTER, n)))
+        .collect()
+}
+
+/// The value an entry is written with.
+fn value_of(entry: &Entry) -> u8 {
+    if *entry == (MASQ_CIDR_CLUSTER, everything()) {
+        MASQ_CIDR_OUTSIDE
+    } else {
+        MASQ_CIDR_INSIDE
+    }
 }
 
 /// The pinned masquerade maps.
@@ -121,6 +145,7 @@ impl MasqMaps {
             match kind {
                 MASQ_CIDR_POD_SOURCE => out.pod_sources.insert(net),
                 MASQ_CIDR_EXEMPT => out.exempt.insert(net),
+                MASQ_CIDR_CLUSTER if net != everything() => out.cluster.insert(net),
                 _ => false,
             };
         }
@@ -151,7 +176,7 @@ impl MasqMaps {
         for entry in wanted.difference(&have) {
             let (prefix_len, data) = cidr_key(entry.0, &entry.1);
             self.cidrs
-                .insert(&Key::new(prefix_len, data), 1, 0)
+                .insert(&Key::new(prefix_len, data), value_of(entry), 0)
                 .map_err(|source| MapsError::Write {
                     map: map_names::MASQ_CIDRS,
                     op: format!("add {} to set {}", entry.1, entry.0),
@@ -381,5 +406,31 @@ mod tests {
         }
         // Shorter than the set itself: written by no agent.
         assert_eq!(cidr_of(8, &MasqCidrKey::default()), None);
+    }
+
+    #[test]
+    fn the_cluster_set_gets_its_catch_all_only_once_a_range_is_known() {
+        let none = entries(&MasqCidrs::default());
+        assert!(none.is_empty());
+        let cidrs = MasqCidrs {
+            cluster: ["10.244.1.0/24".parse().unwrap()].into(),
+            ..MasqCidrs::default()
+        };
+        let written = entries(&cidrs);
+        let values: Vec<(IpNet, u8)> = written.iter().map(|e| (e.1, value_of(e))).collect();
+        assert_eq!(
+            values,
+            [
+                ("10.244.1.0/24".parse().unwrap(), MASQ_CIDR_INSIDE),
+                ("::/0".parse().unwrap(), MASQ_CIDR_OUTSIDE),
+            ]
+        );
+        // The catch-all's key reads back as itself, and is no range of the set.
+        let (prefix_len, key) = cidr_key(MASQ_CIDR_CLUSTER, &everything());
+        assert_eq!(prefix_len, MASQ_CIDR_PREFIX_BASE);
+        assert_eq!(
+            cidr_of(prefix_len, &key),
+            Some((MASQ_CIDR_CLUSTER, everything()))
+        );
     }
 }

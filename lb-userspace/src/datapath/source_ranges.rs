@@ -51,6 +51,7 @@ mod tests {
             affinity_timeout_sec: None,
             source_ranges,
             maglev: false,
+            cluster_ip: false,
         };
         let mut desired = DesiredState::default();
         desired.frontends.insert(lb, spec(Some(ranges.clone())));

@@ -201,6 +201,7 @@ mod tests {
             affinity_timeout_sec: None,
             source_ranges: None,
             maglev: false,
+            cluster_ip: false,
         };
         let mut snapshot = MapSnapshot::default();
         snapshot.services.insert(

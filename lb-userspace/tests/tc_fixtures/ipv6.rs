@@ -43,6 +43,7 @@ fn node_port6(protocol: Protocol, backends: &[(Ipv6Addr, bool)]) -> DesiredState
             affinity_timeout_sec: None,
             source_ranges: None,
             maglev: false,
+            cluster_ip: false,
         },
     );
     desired

@@ -37,6 +37,7 @@ fn maglev_node_port(nodes: &[[u8; 4]], protocol: Protocol) -> DesiredState {
                 affinity_timeout_sec: None,
                 source_ranges: None,
                 maglev: true,
+                cluster_ip: false,
             },
         );
     }

@@ -36,7 +36,7 @@ use crate::cpu::CpuCost;
 use crate::entry::{
     ensure_none, ensure_not_starved, packets, sum, EntryBed, BACKEND, CONTROL, MEASURED,
 };
-use crate::run::{paired_cpu_args, Config, Stat};
+use crate::run::{paired_cpu_args, Config, Samples, Stat};
 
 /// Connections of each packet-counting run (after the client's 200 warm-up ones).
 const COUNTED: u64 = 500;
@@ -142,8 +142,14 @@ pub fn run(exe: &Path, lb: &Path, cfg: &Config) -> Result<DsrResult> {
         )?;
         errors += lat.errors;
         seen.dsr += lat.count;
-        p50.push(lat.p50_us, lat.baseline_p50_us)?;
-        p99.push(lat.p99_us, lat.baseline_p99_us)?;
+        let both = |t: Option<f64>, b: Option<f64>| {
+            t.zip(b)
+                .context("the paired run reported no latency for one side")
+        };
+        let (t, b) = both(lat.p50_us, lat.baseline_p50_us)?;
+        p50.push(t, b);
+        let (t, b) = both(lat.p99_us, lat.baseline_p99_us)?;
+        p99.push(t, b);
         let cpu = bed.client(dsr, &paired_cpu_args(cfg, snat, &bed.server_pids(), None))?;
         errors += cpu.errors;
         let cpu = cpu
@@ -203,33 +209,6 @@ pub fn run(exe: &Path, lb: &Path, cfg: &Config) -> Result<DsrResult> {
         path_cpu: CpuCost::of(&cpu_runs),
         errors,
     })
-}
-
-/// One figure of DSR (target) and SNAT (baseline) per repetition, and their ratio.
-#[derive(Default)]
-struct Samples {
-    target: Vec<f64>,
-    baseline: Vec<f64>,
-    ratios: Vec<f64>,
-}
-
-impl Samples {
-    fn push(&mut self, target: Option<f64>, baseline: Option<f64>) -> Result<()> {
-        let (t, b) = target
-            .zip(baseline)
-            .context("the paired run reported no latency for one side")?;
-        self.target.push(t);
-        self.baseline.push(b);
-        self.ratios.push(t / b);
-        Ok(())
-    }
-
-    fn ratio_last(&self) -> f64 {
-        match (self.target.last(), self.baseline.last()) {
-            (Some(t), Some(b)) => t / b,
-            _ => 0.0,
-        }
-    }
 }
 
 /// [`COUNTED`] connections through entry node `node` alone, with its devices'

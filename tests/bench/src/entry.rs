@@ -48,7 +48,7 @@ pub const MEASURED: usize = 2;
 /// The NodePorts: request/response, and bulk with verified data.
 const RR_NODE_PORT: u16 = 30280;
 const BULK_NODE_PORT: u16 = 30281;
-/// Server pods on node2 (a node has addresses for nine plain pods).
+/// Server pods on node2.
 const SERVERS: usize = 8;
 
 /// The cluster and the servers; field order is teardown order.

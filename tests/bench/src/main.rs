@@ -16,6 +16,7 @@ mod cpu;
 mod dsr;
 mod entry;
 mod kubeproxy;
+mod masq;
 mod netio;
 mod pps;
 mod report;
@@ -45,15 +46,16 @@ enum Cmd {
         /// S = 1 and 1000, one repetition.
         #[arg(long)]
         quick: bool,
-        /// Skip the TC (NodePort) datapath and the rows built on it (pps, dsr, xdp-bulk).
+        /// Skip the TC (NodePort) datapath and the rows built on it (pps, dsr, xdp-bulk,
+        /// masquerade).
         #[arg(long)]
         no_tc: bool,
         /// Only these scales (comma-separated), e.g. `1,1000`.
         #[arg(long, value_delimiter = ',')]
         scales: Vec<usize>,
         /// Only these datapaths (comma-separated: iptables, nftables, socket-lb, socket-lb6,
-        /// tc-nodeport, tc-nodeport6, socket-lb-api, pps, dsr, xdp-bulk). pps, dsr and
-        /// xdp-bulk run once, after the scales (they hold no S Services).
+        /// tc-nodeport, tc-nodeport6, socket-lb-api, pps, dsr, xdp-bulk, masquerade). pps,
+        /// dsr, xdp-bulk and masquerade run once, after the scales (they hold no S Services).
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
         /// Time endpoint changes under churn at every scale (200, 1000 from 10k up; on in full runs).

@@ -260,6 +260,7 @@ one real endpoint (pod-a) so that every connection reaches the same server.\n\n"
 
     o += &pps_table(res);
     o += &entry_tables(res);
+    o += &masq_table(res);
     o += &targets(res);
     o += "### Caveats\n\n\
 - One sequential client and single-threaded servers on one vCPU: every figure includes \
@@ -397,10 +398,17 @@ fn phases(p: &std::collections::BTreeMap<String, u64>) -> String {
     if p.is_empty() {
         return "–".into();
     }
-    let mut parts: Vec<String> = ["load_ms", "parse_ms", "desired_ms", "plan_ms", "apply_ms"]
-        .iter()
-        .filter_map(|k| Some(format!("{} {}", k.trim_end_matches("_ms"), p.get(*k)?)))
-        .collect();
+    let mut parts: Vec<String> = [
+        "load_ms",
+        "parse_ms",
+        "desired_ms",
+        "plan_ms",
+        "apply_ms",
+        "maps_ms",
+    ]
+    .iter()
+    .filter_map(|k| Some(format!("{} {}", k.trim_end_matches("_ms"), p.get(*k)?)))
+    .collect();
     if let Some(ops) = p.get("operations") {
         parts.push(format!("({ops} map writes)"));
     }
@@ -708,8 +716,11 @@ fn targets(res: &Results) -> String {
     let c10k = start_of("socket-lb");
     let p10k = c10k.and_then(|c| c.program_secs);
     let tc10k = start_of("tc-nodeport").and_then(|c| c.program_secs);
-    let maps_ms =
-        c10k.and_then(|c| Some(c.agent_phases.get("plan_ms")? + c.agent_phases.get("apply_ms")?));
+    let maps_ms = c10k.and_then(|c| {
+        let phases = &c.agent_phases;
+        let serial = || Some(phases.get("plan_ms")? + phases.get("apply_ms")?);
+        phases.get("maps_ms").copied().or_else(serial)
+    });
     let _ = writeln!(
         o,
         "| 10k Services x 10 endpoints programmed < 0.5 s | {}{}{} | {} |",
@@ -735,6 +746,7 @@ fn targets(res: &Results) -> String {
     );
     o += &pps_target(res);
     o += &xdp_bulk_target(res);
+    o += &masq_targets(res);
     o += "\n";
     if p10k.into_iter().chain(tc10k).any(|v| v >= 0.5) {
         o += "Where the start goes is in the control-plane table's \"of which\" column, from the \
@@ -939,6 +951,91 @@ fn xdp_bulk_target(res: &Results) -> String {
         "| NodePort bulk TCP, backend on another node: XDP no worse than TC (≥ 0.95x) | {} | {} |\n",
         fmt_ratio(&b.ratio),
         verdict(r.map(|r| r >= 0.95))
+    )
+}
+
+/// The `masquerade` row (masq.rs): lb against iptables MASQUERADE, pod to a host
+/// outside the cluster.
+fn masq_table(res: &Results) -> String {
+    let Some(m) = &res.masq else {
+        return String::new();
+    };
+    let mut o = String::from(
+        "## Egress masquerading\n\n\
+         A pod's connections to a host outside the cluster, through a node where lb \
+         masquerades (`--masquerade bpf`) and one where iptables `MASQUERADE` with \
+         nf_conntrack does (the CNI's rule, lb running there with masquerading off); \
+         the pod has a leg into each node, so one client interleaves its connections \
+         between the two (tests/bench/src/masq.rs). Per repetition, median [min–max]:\n\n\
+         | figure | lb | iptables | lb / iptables |\n|---|---|---|---|\n",
+    );
+    for (what, lb, ipt, ratio) in [
+        (
+            "connections per second (connect, request, response, close; one at a time)",
+            &m.lb_conn_per_sec,
+            &m.iptables_conn_per_sec,
+            &m.rate_ratio,
+        ),
+        (
+            "bulk MB/s (verified data)",
+            &m.lb_mb_per_sec,
+            &m.iptables_mb_per_sec,
+            &m.bulk_ratio,
+        ),
+    ] {
+        let _ = writeln!(
+            o,
+            "| {what} | {} | {} | {} |",
+            fmt_stat(lb, None, 0),
+            fmt_stat(ipt, None, 0),
+            fmt_ratio(ratio)
+        );
+    }
+    if let Some(c) = &m.cpu {
+        let _ = writeln!(
+            o,
+            "| CPU per connection of the whole path (client, node, server on one CPU), µs \
+             | {:.1} | {:.1} | {:.3}x (ticks {:.3}x) |",
+            c.kernel_us, c.baseline_kernel_us, c.ratio, c.ticks_ratio
+        );
+    }
+    let _ = writeln!(
+        o,
+        "\n{} failed connections. Rate and CPU come from the same alternating blocks \
+         (the CPU table's method): connections over the blocks' wall time, and the task \
+         clocks of client, server and ksoftirqd. Bulk: alternating windows to the \
+         verified bulk port, the ratio per round. Checked by the counters: lb's \
+         `masq_new_flow` grew by at least one per lb connection with no port or map \
+         drop, the MASQUERADE rule matched at least one packet per iptables \
+         connection, and lb masqueraded nothing on the iptables node.\n",
+        m.errors
+    );
+    o
+}
+
+/// The masquerade targets: connection rate ≥ 1.2x and bulk ≥ 0.98x iptables
+/// MASQUERADE's (issue 25).
+fn masq_targets(res: &Results) -> String {
+    let Some(m) = &res.masq else {
+        return String::new();
+    };
+    let cpu = m
+        .cpu
+        .as_ref()
+        .map(|c| {
+            format!(
+                "; CPU per connection {:.1} vs {:.1} µs ({:.3}x)",
+                c.kernel_us, c.baseline_kernel_us, c.ratio
+            )
+        })
+        .unwrap_or_default();
+    format!(
+        "| Egress masquerading, pod to outside: connection rate ≥ 1.2x iptables MASQUERADE | {}{cpu} | {} |\n\
+         | Egress masquerading, pod to outside: bulk ≥ 0.98x iptables MASQUERADE | {} | {} |\n",
+        fmt_ratio(&m.rate_ratio),
+        verdict(med(&m.rate_ratio).map(|r| r >= 1.2)),
+        fmt_ratio(&m.bulk_ratio),
+        verdict(med(&m.bulk_ratio).map(|r| r >= 0.98)),
     )
 }
 

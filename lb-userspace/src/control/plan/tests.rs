@@ -36,6 +36,7 @@ fn spec(backends: &[u8], affinity: Option<u32>) -> FrontendSpec {
         affinity_timeout_sec: affinity,
         source_ranges: None,
         maglev: false,
+        cluster_ip: false,
     }
 }
 

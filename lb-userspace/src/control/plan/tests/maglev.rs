@@ -33,6 +33,7 @@ fn maglev_spec(backends: &[u8], port: u16) -> FrontendSpec {
     FrontendSpec {
         backends: std::sync::Arc::new(backends.iter().map(|&b| be(b, port)).collect()),
         maglev: true,
+        cluster_ip: false,
         ..spec(&[], None)
     }
 }
@@ -468,6 +469,7 @@ fn switching_maglev_off_frees_the_table_and_unusable_sets_go_random() {
     assert_eq!(known.maglev().len(), 1);
     let random = FrontendSpec {
         maglev: false,
+        cluster_ip: false,
         ..maglev_spec(&[1, 2], 8080)
     };
     change(
