@@ -133,7 +133,7 @@ pub fn lb_tc_external(ctx: TcContext) -> i32 {
 /// and the replies of local backends.
 #[classifier]
 pub fn lb_tc_internal(ctx: TcContext) -> i32 {
-    tc_lb::handle(&ctx, SCOPE_INTERNAL)
+    tc_lb::handle::<SCOPE_INTERNAL>(&ctx)
 }
 
 /// TC egress on node-facing devices (`--masquerade bpf` only): local pods' traffic

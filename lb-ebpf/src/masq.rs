@@ -319,7 +319,7 @@ fn egress_fragment(ctx: &TcContext, fragment: &Fragment) -> i32 {
 /// other way round.
 ///
 /// A subprogram with a parse of its own, which a thin `lb_tc_external` calls
-/// before the Service path's subprogram (`tc_lb::handle_external`): inlined into
+/// before the Service path's subprograms (`tc_lb::handle`): inlined into
 /// the Service path, as it was before DSR grew that path, it pushed the frame past
 /// the kernel's 512 bytes; called from inside the path, its frame would add to
 /// the path's.

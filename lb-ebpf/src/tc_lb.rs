@@ -19,61 +19,88 @@ use crate::{
 };
 
 /// `lb_tc_external`: replies to pods' masqueraded flows (`masq`), then the
-/// Service path, each a subprogram called from here. The verifier adds up the
-/// frames of a chain of calls (512 bytes in all): with the Service path (DSR
-/// included) inlined here, any subprogram it called would push the chain past
-/// that; side by side, each has the 512 bytes to itself.
-/// The entry itself must keep no stack (not even a counter's key): the kernel
-/// rounds each frame up to 16 bytes, and the Service path's takes 512 so rounded.
+/// Service path ([`handle`]), each a subprogram called from here.
 #[inline(always)]
 pub fn handle_external(ctx: &TcContext) -> i32 {
     if let Some(verdict) = masq::ingress(ctx) {
         return verdict;
     }
-    external(ctx.skb.skb)
+    handle::<SCOPE_EXTERNAL>(ctx)
+}
+
+/// The Service path of a scope: its known flows, then its new flows, each a
+/// subprogram called from the entry. The verifier adds up the frames of a chain
+/// of calls (512 bytes in all), so nothing of the Service path may call a
+/// subprogram; side by side, each has the 512 bytes to itself. New flows
+/// (choice, quarantine, DSR, the conntrack entries) take the most, so they get a
+/// frame of their own and parse the packet again: a second parse costs a new
+/// flow's first packet, never a known flow's.
+/// The entry itself must keep no stack (not even a counter's key): the kernel
+/// rounds each frame up to 16 bytes, and a subprogram's may take 512 so rounded.
+#[inline(always)]
+pub fn handle<const SCOPE: u8>(ctx: &TcContext) -> i32 {
+    let verdict = known_flows::<SCOPE>(ctx.skb.skb);
+    if verdict != NEW_FLOW {
+        return verdict;
+    }
+    new_flows::<SCOPE>(ctx.skb.skb)
+}
+
+/// [`known_flows`]' answer for a packet that starts a flow: no TC verdict is
+/// negative but `TC_ACT_UNSPEC` (-1).
+const NEW_FLOW: i32 = i32::MIN;
+
+#[inline(never)]
+fn known_flows<const SCOPE: u8>(skb: *mut __sk_buff) -> i32 {
+    known(&TcContext::new(skb), SCOPE).unwrap_or(NEW_FLOW)
 }
 
 #[inline(never)]
-fn external(skb: *mut __sk_buff) -> i32 {
-    handle(&TcContext::new(skb), SCOPE_EXTERNAL)
+fn new_flows<const SCOPE: u8>(skb: *mut __sk_buff) -> i32 {
+    let ctx = TcContext::new(skb);
+    match packet::parse(&ctx) {
+        Parsed::Flow(flow) => new_flow(&ctx, &flow, SCOPE),
+        // It parsed as a flow a moment ago: nothing changed the packet since.
+        _ => TC_ACT_OK,
+    }
 }
 
-/// The Service path of both scopes (`lb_tc_internal` inlines it).
+/// The verdict for everything but the first packet of a new flow (`Err`).
 #[inline(always)]
-pub fn handle(ctx: &TcContext, scope: u8) -> i32 {
+fn known(ctx: &TcContext, scope: u8) -> Result<i32, ()> {
     // XDP runs on node-facing devices only, before us: what it translated and
     // handed to the stack is done.
     if scope == SCOPE_EXTERNAL && mark::is_marked(ctx) {
         stats::bump(stat::TC_XDP_MARKED);
-        return TC_ACT_OK;
+        return Ok(TC_ACT_OK);
     }
     let flow = match packet::parse(ctx) {
         Parsed::Flow(flow) => flow,
-        Parsed::Ignored => return TC_ACT_OK,
+        Parsed::Ignored => return Ok(TC_ACT_OK),
         Parsed::Encapsulated => {
             if scope == SCOPE_EXTERNAL {
                 if let Some(verdict) = dsr::tc::arrive(ctx, true) {
-                    return verdict;
+                    return Ok(verdict);
                 }
             }
-            return TC_ACT_OK;
+            return Ok(TC_ACT_OK);
         }
-        Parsed::IcmpError(error) => return icmp::handle(ctx, &error),
-        Parsed::Icmp6Error => return icmp6::handle(ctx),
-        Parsed::Fragment(fragment) => return frag::follow(ctx, &fragment),
+        Parsed::IcmpError(error) => return Ok(icmp::handle(ctx, &error)),
+        Parsed::Icmp6Error => return Ok(icmp6::handle(ctx)),
+        Parsed::Fragment(fragment) => return Ok(frag::follow(ctx, &fragment)),
         Parsed::Malformed => {
             stats::bump(stat::TC_MALFORMED);
-            return TC_ACT_OK;
+            return Ok(TC_ACT_OK);
         }
         Parsed::Unhandled => {
             stats::bump(stat::TC_IPV6_EXT_UNHANDLED);
-            return TC_ACT_OK;
+            return Ok(TC_ACT_OK);
         }
     };
     // A DSR packet from an entry node, for a pod here: its option is one.
     if scope == SCOPE_EXTERNAL && !flow.has_plain_ip_header() {
         if let Some(verdict) = dsr::tc::arrive(ctx, false) {
-            return verdict;
+            return Ok(verdict);
         }
     }
     frag::forget(&flow);
@@ -81,13 +108,13 @@ pub fn handle(ctx: &TcContext, scope: u8) -> i32 {
         stats::bump(stat::TC_CT_HIT);
         if known.is_dsr() {
             if !known.reply {
-                return dsr::tc::forward(ctx, &flow, &known);
+                return Ok(dsr::tc::forward(ctx, &flow, &known));
             }
             dsr::tc::reply(ctx, &flow, &known);
         }
-        return apply(ctx, &flow, &known.to);
+        return Ok(apply(ctx, &flow, &known.to));
     }
-    new_flow(ctx, &flow, scope)
+    Err(())
 }
 
 #[inline(always)]
