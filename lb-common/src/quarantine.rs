@@ -37,6 +37,26 @@ pub const SCAN_TRIES: u32 = 8;
 /// sequence ([`maglev_probe`]), then fall to the random scan.
 pub const MAGLEV_PROBES: u32 = 4;
 
+/// ICMP destination unreachable (RFC 792).
+const ICMP_DEST_UNREACH: u8 = 3;
+/// ICMPv6 destination unreachable (RFC 4443 3.1).
+const ICMP6_DEST_UNREACH: u8 = 1;
+
+/// An ICMP error about a new flow's first packet that refuses it: host unreachable
+/// (code 1: the backend's node has no neighbour for it) or port unreachable (code
+/// 3: nothing listens, a UDP backend's "RST"). Other codes (network unreachable,
+/// fragmentation needed, administratively prohibited) say something about the
+/// path or a firewall, not the backend.
+pub const fn icmp_refuses(icmp_type: u8, code: u8) -> bool {
+    icmp_type == ICMP_DEST_UNREACH && (code == 1 || code == 3)
+}
+
+/// [`icmp_refuses`]' ICMPv6 twin: address unreachable (code 3) or port
+/// unreachable (code 4).
+pub const fn icmp6_refuses(icmp_type: u8, code: u8) -> bool {
+    icmp_type == ICMP6_DEST_UNREACH && (code == 3 || code == 4)
+}
+
 /// How long a backend is quarantined at `level` (1 for the first refusal):
 /// 1 s, 2 s, 4 s, ... capped at 60 s.
 pub const fn backoff_ns(level: u32) -> u64 {
@@ -348,5 +368,17 @@ mod tests {
             .filter(|&h| table[maglev_probe(h, size, 0) as usize] != 0)
             .count();
         assert!(own > 0);
+    }
+
+    #[test]
+    fn only_host_and_port_unreachable_refuse() {
+        assert!(icmp_refuses(3, 3) && icmp_refuses(3, 1));
+        for (t, c) in [(3, 0), (3, 4), (3, 13), (11, 0), (12, 0), (0, 0)] {
+            assert!(!icmp_refuses(t, c), "type {t} code {c}");
+        }
+        assert!(icmp6_refuses(1, 4) && icmp6_refuses(1, 3));
+        for (t, c) in [(1, 0), (1, 1), (2, 0), (3, 0), (4, 0), (3, 3)] {
+            assert!(!icmp6_refuses(t, c), "type {t} code {c}");
+        }
     }
 }

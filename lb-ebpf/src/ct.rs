@@ -148,17 +148,19 @@ pub fn follow(flow: &Flow) -> Option<Known> {
     })
 }
 
-/// Passive health on the per-packet path: a backend's first answer to a new TCP
-/// connection (its reply entry has seen nothing yet) says whether it took it. A
-/// RST refuses (the port is closed: quarantined for the frontend); a SYN-ACK
-/// accepts (any quarantine is cleared). Reached only when the reply entry's
+/// Passive health on the per-packet path: a backend's first answer to a new flow
+/// (its reply entry has seen nothing yet) says whether it took it. A RST refuses
+/// (the port is closed: quarantined for the frontend); a SYN-ACK, or a UDP
+/// datagram, accepts (any quarantine is cleared). Reached only when the reply entry's
 /// state bits change, so an established flow never comes here.
 #[inline(always)]
 fn first_answer(entry: &CtValue, flow: &Flow, now: u64) {
-    let answered = CT_STATE_SYN | CT_STATE_ESTABLISHED | CT_STATE_RST | CT_STATE_FIN;
-    // Frontend id 0: an entry no frontend pick made (a DSR flow's reply entry on
-    // the backend's node), with no backend to judge.
-    if flow.proto != IPPROTO_TCP || entry.state & answered != 0 || entry.rev_nat_id == 0 {
+    if !unanswered(entry) {
+        return;
+    }
+    // A UDP backend's first datagram back is its acceptance.
+    if flow.proto != IPPROTO_TCP {
+        quarantine::accepted(entry.rev_nat_id, entry.backend_id);
         return;
     }
     let f = flow.tcp_flags;
@@ -166,6 +168,25 @@ fn first_answer(entry: &CtValue, flow: &Flow, now: u64) {
         quarantine::refused(entry.rev_nat_id, entry.backend_id, now, 0);
     } else if f & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN | TCP_FLAG_ACK {
         quarantine::accepted(entry.rev_nat_id, entry.backend_id);
+    }
+}
+
+/// A reply entry that has seen nothing from its backend yet, of a flow a frontend
+/// pick made (frontend id 0: one no pick made, such as a DSR flow's reply entry on
+/// the backend's node, with no backend to judge).
+#[inline(always)]
+fn unanswered(entry: &CtValue) -> bool {
+    let answered = CT_STATE_SYN | CT_STATE_ESTABLISHED | CT_STATE_RST | CT_STATE_FIN;
+    entry.dir == CT_DIR_REPLY && entry.state & answered == 0 && entry.rev_nat_id != 0
+}
+
+/// Passive health from an ICMP error about a flow's packet (`entry`: the flow's
+/// reply entry): a host or port unreachable (`lb_common::quarantine::icmp_refuses`)
+/// before the backend answered anything refuses the new flow, TCP or UDP.
+#[inline(always)]
+pub fn refused_by_error(entry: &CtValue) {
+    if quarantine::enabled() && unanswered(entry) {
+        quarantine::refused(entry.rev_nat_id, entry.backend_id, now(), 0);
     }
 }
 

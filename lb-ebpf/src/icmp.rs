@@ -8,7 +8,7 @@ use aya_ebpf::programs::TcContext;
 use lb_common::{stat, CtKey, IpAddrBe, CT_DIR_REPLY};
 
 use crate::{
-    csum, fib,
+    csum, ct, fib,
     maps::LB_CT,
     masq,
     packet::{IcmpError, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF},
@@ -74,6 +74,9 @@ fn translate(ctx: &TcContext, e: &IcmpError) -> Result<Option<(u32, u32)>, i64> 
     };
     if entry.dir != CT_DIR_REPLY {
         return Ok(None);
+    }
+    if e.refuses {
+        ct::refused_by_error(&entry);
     }
     // The reply entry rewrites to (frontend -> client); the quoted packet becomes
     // (client -> frontend), what the client sent.

@@ -21,7 +21,7 @@ use aya_ebpf::{
 use lb_common::{CtKey, IpAddrBe, CT_DIR_REPLY, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
-    csum, fib,
+    csum, ct, fib,
     maps::LB_CT,
     masq,
     packet::{ICMP6_OFF, IP6_DST_OFF, IP6_PAYLOAD_LEN_OFF, IP6_SRC_OFF},
@@ -125,6 +125,11 @@ fn translate(ctx: &TcContext) -> Result<i32, i64> {
     };
     if entry.dir != CT_DIR_REPLY {
         return Ok(pass);
+    }
+    // With its code (see `Packet::read`).
+    let [icmp_type, code]: [u8; 2] = ctx.load(ICMP6_OFF)?;
+    if lb_common::quarantine::icmp6_refuses(icmp_type, code) {
+        ct::refused_by_error(entry);
     }
     // The reply entry rewrites to (frontend -> client); the quoted packet becomes
     // (client -> frontend), what the client sent.

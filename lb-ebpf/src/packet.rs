@@ -107,6 +107,9 @@ pub struct IcmpError {
     pub inner: Flow,
     /// The quoted L4 checksum is inside the packet (quotes may stop after 8 bytes).
     pub inner_csum_present: bool,
+    /// A host or port unreachable: the flow's backend refuses it if it is new
+    /// (`lb_common::quarantine::icmp_refuses`).
+    pub refuses: bool,
 }
 
 /// A later fragment: the datagram it belongs to.
@@ -438,7 +441,7 @@ fn parse_icmp_error<P: Packet>(
     end: usize,
 ) -> Result<Parsed, ()> {
     // With its code (see `Packet::read`).
-    let [icmp_type, _code]: [u8; 2] = ctx.read(icmp_off)?;
+    let [icmp_type, code]: [u8; 2] = ctx.read(icmp_off)?;
     if icmp_type != ICMP_DEST_UNREACH
         && icmp_type != ICMP_TIME_EXCEEDED
         && icmp_type != ICMP_PARAMETERPROB
@@ -481,5 +484,6 @@ fn parse_icmp_error<P: Packet>(
         inner_l4_off,
         inner_csum_present: inner_flow.l4_csum_off() + 2 <= end,
         inner: inner_flow,
+        refuses: lb_common::quarantine::icmp_refuses(icmp_type, code),
     }))
 }

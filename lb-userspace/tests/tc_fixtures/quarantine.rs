@@ -311,3 +311,104 @@ fn every_program_verifies_with_quarantine_on() {
     )
     .unwrap_or_else(|e| panic!("{e}"));
 }
+
+// ---- UDP and ICMP errors ----------------------------------------------------------
+//
+// A UDP backend has no RST: a closed port answers a datagram with an ICMP port
+// unreachable (a host unreachable when its node has no neighbour for it). The error
+// about a new flow's datagram refuses it; the backend's first datagram back accepts.
+
+const UDP_PORT: u16 = 8080;
+
+fn udp_node_port(backends: &[BackendAddr]) -> DesiredState {
+    node_port(Protocol::Udp, backends, None)
+}
+
+impl Fixture {
+    /// A datagram of a new flow from `CLIENT:sport`: the backend it went to, and
+    /// the frame as it left for it.
+    fn datagram(&self, sport: u16) -> ([u8; 4], Vec<u8>) {
+        let (verdict, out) = self.external(&Packet::udp(CLIENT, sport, NODE, NODE_PORT).frame());
+        assert_eq!(verdict, TC_ACT_OK);
+        (inspect(&out).dst, out)
+    }
+
+    /// The local backend `pod` answers `sent` with ICMP destination unreachable
+    /// `code`, quoting all of it; the client gets it as from the frontend.
+    fn unreachable(&self, pod: [u8; 4], sent: &[u8], code: u8) {
+        let error = icmp_error(pod, CLIENT, 3, code, sent, sent.len() - 14);
+        let (verdict, out) = self.internal(&error);
+        assert_eq!(verdict, TC_ACT_OK);
+        let (outer_src, outer_dst, _) = inspect_icmp(&out, true);
+        assert_eq!((outer_src, outer_dst), (NODE, CLIENT));
+    }
+}
+
+#[test]
+fn a_port_unreachable_to_a_new_udp_flow_quarantines_its_backend() {
+    let mut f = quarantining();
+    f.program(&udp_node_port(&three_local()));
+    let (victim, sent) = f.datagram(45_000);
+    f.unreachable(victim, &sent, 3);
+    assert_eq!(f.stat(stat::QUARANTINED), 1);
+    let record = f.record(victim).expect("the refusing backend has a record");
+    assert!(record.is_active(monotonic_now_ns()) && record.strikes == 1);
+    let picked: BTreeSet<[u8; 4]> = (45_001..45_061).map(|s| f.datagram(s).0).collect();
+    assert!(!picked.contains(&victim), "{picked:?}");
+    assert_eq!(
+        picked.len(),
+        2,
+        "both others share the new flows: {picked:?}"
+    );
+    assert!(f.stat(stat::QUARANTINE_SKIP) > 0);
+}
+
+#[test]
+fn a_host_unreachable_refuses_but_other_errors_and_answered_flows_do_not() {
+    let mut f = quarantining();
+    f.program(&udp_node_port(&three_local()));
+    // Fragmentation needed and administratively prohibited say nothing about the
+    // backend's port.
+    let (pod, sent) = f.datagram(46_000);
+    f.unreachable(pod, &sent, 4);
+    let (other, sent) = f.datagram(46_001);
+    f.unreachable(other, &sent, 13);
+    assert_eq!(f.stat(stat::QUARANTINED), 0);
+    // A flow its backend answered is established: a later port unreachable (the
+    // server went away mid-flow) is no refusal of a new flow.
+    let (pod, sent) = f.datagram(46_002);
+    f.internal(&Packet::udp(pod, UDP_PORT, CLIENT, 46_002).frame());
+    f.unreachable(pod, &sent, 3);
+    assert_eq!(f.record(pod).map(|r| r.strikes).unwrap_or(0), 0);
+    assert_eq!(f.stat(stat::QUARANTINED), 0);
+    // A host unreachable to a new flow refuses it.
+    let (pod, sent) = f.datagram(46_003);
+    f.unreachable(pod, &sent, 1);
+    assert_eq!(f.record(pod).map(|r| r.strikes), Some(1));
+    assert_eq!(f.stat(stat::QUARANTINED), 1);
+}
+
+#[test]
+fn a_udp_backend_s_first_answer_clears_its_quarantine() {
+    let mut f = quarantining();
+    f.program(&udp_node_port(&three_local()));
+    let mut ended = QuarantineValue::default();
+    ended.refused(1, 0);
+    f.set_record(LOCAL_POD, ended);
+    let sport = (47_000..47_200)
+        .find(|&sport| f.datagram(sport).0 == LOCAL_POD)
+        .expect("a third of the picks land on it");
+    f.internal(&Packet::udp(LOCAL_POD, UDP_PORT, CLIENT, sport).frame());
+    let cleared = f.record(LOCAL_POD).unwrap();
+    assert_eq!((cleared.strikes, cleared.until_ns), (0, 0));
+    assert_eq!(f.stat(stat::QUARANTINE_CLEARED), 1);
+}
+
+#[test]
+fn turned_off_a_port_unreachable_leaves_no_record() {
+    let mut f = Fixture::new();
+    f.program(&udp_node_port(&three_local()));
+    let (pod, sent) = f.datagram(48_000);
+    f.unreachable(pod, &sent, 3);
+    assert_eq!(f.record(pod), None);
+}
