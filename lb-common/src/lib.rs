@@ -18,6 +18,12 @@
 
 pub mod maglev;
 pub mod quarantine;
+pub mod policy;
+
+pub use policy::{
+    PolicyAllow, PolicyCidrKey, PolicyCounters, PolicyCtKey, PolicyCtValue, PolicyEndpoint,
+    PolicyKey, PolicyLookup,
+};
 
 /// Bumped whenever a map's key or value layout changes. Maps are pinned under
 /// `<pin-dir>/v<PIN_LAYOUT_VERSION>/` so an agent never reuses a map with another layout.
@@ -1177,4 +1183,11 @@ mod user {
     unsafe impl aya::Pod for QuarantineKey {}
     unsafe impl aya::Pod for QuarantineValue {}
     unsafe impl aya::Pod for QuarantineSettings {}
+    unsafe impl aya::Pod for PolicyEndpoint {}
+    unsafe impl aya::Pod for PolicyCidrKey {}
+    unsafe impl aya::Pod for PolicyKey {}
+    unsafe impl aya::Pod for PolicyAllow {}
+    unsafe impl aya::Pod for PolicyCtKey {}
+    unsafe impl aya::Pod for PolicyCtValue {}
+    unsafe impl aya::Pod for PolicyCounters {}
 }
