@@ -17,17 +17,17 @@
 #![no_std]
 
 pub mod maglev;
-pub mod quarantine;
 pub mod policy;
+pub mod quarantine;
 
 pub use policy::{
     PolicyAllow, PolicyCidrKey, PolicyCounters, PolicyCtKey, PolicyCtValue, PolicyEndpoint,
-    PolicyKey, PolicyLookup,
+    PolicyKey, PolicyLookup, PolicySettings,
 };
 
 /// Bumped whenever a map's key or value layout changes. Maps are pinned under
 /// `<pin-dir>/v<PIN_LAYOUT_VERSION>/` so an agent never reuses a map with another layout.
-pub const PIN_LAYOUT_VERSION: u32 = 7;
+pub const PIN_LAYOUT_VERSION: u32 = 8;
 
 /// Map names, as the kernel object defines them and as they are pinned.
 pub mod map_names {
@@ -56,8 +56,15 @@ pub mod map_names {
     /// Passive health: backends that refused a new connection, per frontend (an
     /// LRU hash of [`crate::QuarantineKey`] -> [`crate::QuarantineValue`]).
     pub const QUARANTINE: &str = "LB_QUARANTINE";
+    /// NetworkPolicy (see [`crate::policy::map_names`]).
+    pub const POLICY_ENDPOINTS: &str = crate::policy::map_names::ENDPOINTS;
+    pub const POLICY_IDENTITY: &str = crate::policy::map_names::IDENTITY;
+    pub const POLICY_CIDRS: &str = crate::policy::map_names::CIDRS;
+    pub const POLICY: &str = crate::policy::map_names::POLICY;
+    pub const POLICY_CT: &str = crate::policy::map_names::CT;
+    pub const POLICY_DROPS: &str = crate::policy::map_names::DROPS;
     /// Every map the agent pins.
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 21] = [
         SERVICES,
         BACKENDS,
         SOCK_REVNAT,
@@ -73,6 +80,12 @@ pub mod map_names {
         MASQ,
         MASQ_CIDRS,
         QUARANTINE,
+        POLICY_ENDPOINTS,
+        POLICY_IDENTITY,
+        POLICY_CIDRS,
+        POLICY,
+        POLICY_CT,
+        POLICY_DROPS,
     ];
 }
 
@@ -118,6 +131,9 @@ pub mod program_names {
     /// `sockops` on the same cgroup as the socket hooks: the fate of the TCP
     /// connects they translated (refused, or established), for passive health.
     pub const SOCK_OPS: &str = "lb_sock_ops";
+    /// TC egress on pod-facing devices with `--network-policy on`: the pod's
+    /// ingress policy (its egress policy is `lb_tc_internal`'s).
+    pub const TC_TO_POD: &str = "lb_tc_to_pod";
 }
 
 /// The benchmark generator's frame (`lb_xdp_gen`): Ethernet, a 20-byte IPv4 header
@@ -1095,8 +1111,18 @@ pub mod stat {
     /// Passive health: a quarantined backend accepted a connection and was
     /// cleared.
     pub const QUARANTINE_CLEARED: u32 = 53;
+    /// NetworkPolicy: a packet to a local pod its ingress policy dropped (per
+    /// pod in `LB_POLICY_DROPS`).
+    pub const POLICY_INGRESS_DROP: u32 = 54;
+    /// NetworkPolicy: a packet from a local pod its egress policy dropped.
+    pub const POLICY_EGRESS_DROP: u32 = 55;
+    /// NetworkPolicy: a new flow an allow admitted (a `LB_POLICY_CT` entry made).
+    pub const POLICY_ALLOWED: u32 = 56;
+    /// NetworkPolicy: `LB_POLICY_CT` refused an allowed flow's entry; the packet
+    /// passed, the next one is judged again.
+    pub const POLICY_CT_FULL: u32 = 57;
     /// Number of counters.
-    pub const COUNT: u32 = 54;
+    pub const COUNT: u32 = 58;
     /// Human names, indexed like the constants.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -1153,6 +1179,10 @@ pub mod stat {
         "quarantine_skip",
         "quarantine_all",
         "quarantine_cleared",
+        "policy_ingress_drop",
+        "policy_egress_drop",
+        "policy_allowed",
+        "policy_ct_full",
     ];
 }
 
@@ -1190,4 +1220,5 @@ mod user {
     unsafe impl aya::Pod for PolicyCtKey {}
     unsafe impl aya::Pod for PolicyCtValue {}
     unsafe impl aya::Pod for PolicyCounters {}
+    unsafe impl aya::Pod for PolicySettings {}
 }

@@ -236,6 +236,25 @@ pub struct PolicyCounters {
 }
 const _: () = assert!(core::mem::size_of::<PolicyCounters>() == 16);
 
+/// Whether the programs enforce NetworkPolicy (`--network-policy`): a read-only
+/// global of the kernel object set at load time, as `--node-ip` is.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct PolicySettings {
+    /// 1: on; 0: off (no program reads or writes the policy maps).
+    pub enabled: u32,
+}
+const _: () = assert!(core::mem::size_of::<PolicySettings>() == 4);
+
+impl PolicySettings {
+    /// `--network-policy on`.
+    #[inline(always)]
+    pub const fn is_enabled(&self) -> bool {
+        self.enabled != 0
+    }
+}
+
 /// The four lookups [`verdict`] needs. The kernel programs implement it over the maps,
 /// the agent's tests over in-memory tables; the LPM lookups take the full key (prefix
 /// `POLICY_PREFIX_FULL` / `POLICY_CIDR_PREFIX_FULL`) and return the longest match.
@@ -394,10 +413,16 @@ mod tests {
 
     impl PolicyLookup for Tables {
         fn endpoint(&self, addr: &IpAddrBe) -> Option<PolicyEndpoint> {
-            self.endpoints.iter().find(|(a, _)| a == addr).map(|(_, e)| *e)
+            self.endpoints
+                .iter()
+                .find(|(a, _)| a == addr)
+                .map(|(_, e)| *e)
         }
         fn identity(&self, addr: &IpAddrBe) -> Option<u32> {
-            self.identities.iter().find(|(a, _)| a == addr).map(|(_, i)| *i)
+            self.identities
+                .iter()
+                .find(|(a, _)| a == addr)
+                .map(|(_, i)| *i)
         }
         fn cidr_class(&self, addr: &IpAddrBe) -> Option<u32> {
             let want = addr_bytes(addr);
@@ -537,7 +562,13 @@ mod tests {
             );
         }
         assert_eq!(
-            judge(&t, POLICY_DIR_EGRESS, [192, 168, 0, 1], crate::IPPROTO_TCP, 22),
+            judge(
+                &t,
+                POLICY_DIR_EGRESS,
+                [192, 168, 0, 1],
+                crate::IPPROTO_TCP,
+                22
+            ),
             Verdict::Allowed { rule: 11 }
         );
     }

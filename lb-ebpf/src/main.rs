@@ -41,6 +41,7 @@ mod mark;
 mod masq;
 mod nat;
 mod packet;
+mod policy;
 mod quarantine;
 mod reject;
 mod select;
@@ -59,6 +60,7 @@ use aya_ebpf::{
     programs::{SockAddrContext, SockOpsContext, TcContext, XdpContext},
 };
 use lb_common::SCOPE_INTERNAL;
+use verdict::{TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};
 
 /// cgroup hooks: 1 lets the call proceed, 0 rejects it with the errno set via
 /// `bpf_set_retval` (EPERM if none was set).
@@ -133,7 +135,27 @@ pub fn lb_tc_external(ctx: TcContext) -> i32 {
 /// and the replies of local backends.
 #[classifier]
 pub fn lb_tc_internal(ctx: TcContext) -> i32 {
-    tc_lb::handle::<SCOPE_INTERNAL>(&ctx)
+    if !policy::enabled() {
+        return tc_lb::handle::<SCOPE_INTERNAL>(&ctx);
+    }
+    // The pod's egress policy, judged on the packet the Service path lets on.
+    let judge = policy::from_pod_first(ctx.skb.skb);
+    let verdict = tc_lb::handle::<SCOPE_INTERNAL>(&ctx);
+    let leaves = verdict == TC_ACT_OK || verdict == TC_ACT_REDIRECT;
+    if judge == policy::JUDGE_AFTER && leaves && !policy::from_pod_then(ctx.skb.skb) {
+        return TC_ACT_SHOT;
+    }
+    verdict
+}
+
+/// TC egress on pod-facing devices (`--network-policy on`): the pod's ingress
+/// policy, on what is about to reach it.
+#[classifier]
+pub fn lb_tc_to_pod(ctx: TcContext) -> i32 {
+    if !policy::enabled() || policy::to_pod(ctx.skb.skb) {
+        return TC_ACT_OK;
+    }
+    TC_ACT_SHOT
 }
 
 /// TC egress on node-facing devices (`--masquerade bpf` only): local pods' traffic

@@ -6,6 +6,14 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use lb_common::{
+    policy::{
+        DEFAULT_POLICY_CIDRS_MAX, DEFAULT_POLICY_CT_MAX, DEFAULT_POLICY_ENDPOINTS_MAX,
+        DEFAULT_POLICY_IDENTITY_MAX, DEFAULT_POLICY_MAX, POLICY_DROPS_MAX,
+    },
+    IpAddrBe, PolicyAllow, PolicyCidrKey, PolicyCounters, PolicyCtKey, PolicyCtValue,
+    PolicyEndpoint, PolicyKey,
+};
+use lb_common::{
     AffinityKey, AffinityValue, Attachment, Backend, CtKey, CtValue, FragKey, FragValue,
     MaglevSlots, MasqCidrKey, QuarantineKey, QuarantineValue, ServiceKey, ServiceValue,
     SockRevNatKey, SockRevNatValue, SourceRangeKey, SvcStats, DEFAULT_AFFINITY_MAX,
@@ -127,3 +135,42 @@ pub static LB_QUARANTINE: LruHashMap<
     QuarantineValue,
     { DEFAULT_QUARANTINE_MAX as usize },
 > = LruHashMap::new();
+
+/// NetworkPolicy (see `policy.rs` and `lb_common::policy`): local pods' endpoint
+/// ids and enforced directions, by address.
+#[btf_map]
+pub static LB_POLICY_ENDPOINTS: HashMap<
+    IpAddrBe,
+    PolicyEndpoint,
+    { DEFAULT_POLICY_ENDPOINTS_MAX as usize },
+> = HashMap::new();
+
+/// NetworkPolicy: every pod's (and this node's) address -> identity.
+#[btf_map]
+pub static LB_POLICY_IDENTITY: HashMap<IpAddrBe, u32, { DEFAULT_POLICY_IDENTITY_MAX as usize }> =
+    HashMap::new();
+
+/// NetworkPolicy: the ipBlocks' partition of the address space into CIDR classes.
+#[btf_map]
+pub static LB_POLICY_CIDRS: LpmTrie<PolicyCidrKey, u32, { DEFAULT_POLICY_CIDRS_MAX as usize }> =
+    LpmTrie::new();
+
+/// NetworkPolicy: the allows, by (endpoint, peer, direction, protocol, port prefix).
+#[btf_map]
+pub static LB_POLICY: LpmTrie<PolicyKey, PolicyAllow, { DEFAULT_POLICY_MAX as usize }> =
+    LpmTrie::new();
+
+/// NetworkPolicy: the flows an allow (or an unenforced direction) admitted, as
+/// the pod sees them. LRU: a full table forgets the oldest flow, whose next
+/// packet is judged again, rather than refusing a new one.
+#[btf_map]
+pub static LB_POLICY_CT: LruHashMap<
+    PolicyCtKey,
+    PolicyCtValue,
+    { DEFAULT_POLICY_CT_MAX as usize },
+> = LruHashMap::new();
+
+/// NetworkPolicy: drops per local pod (indexed by endpoint id), per CPU.
+#[btf_map]
+pub static LB_POLICY_DROPS: PerCpuArray<PolicyCounters, { POLICY_DROPS_MAX as usize }> =
+    PerCpuArray::new();

@@ -28,6 +28,9 @@ mod ipv6;
 /// Maglev frontends, on the same fixture.
 #[path = "tc_fixtures/maglev.rs"]
 mod maglev;
+/// NetworkPolicy on a pod's veth, both directions, around the Service path.
+#[path = "tc_fixtures/policy.rs"]
+mod policy;
 /// Passive health: refusals seen in the reply direction, new flows skipping.
 #[path = "tc_fixtures/quarantine.rs"]
 mod quarantine;
@@ -84,7 +87,11 @@ impl Fixture {
             .expect("load kernel object");
         fixture::load_tc(
             &mut ebpf,
-            &[program_names::TC_EXTERNAL, program_names::TC_INTERNAL],
+            &[
+                program_names::TC_EXTERNAL,
+                program_names::TC_INTERNAL,
+                program_names::TC_TO_POD,
+            ],
         );
         let mut maps = PinnedMaps::open(&layout).expect("open pinned maps");
         maps.set_maglev_seed(MAGLEV_SEED);

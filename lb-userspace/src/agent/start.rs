@@ -153,6 +153,7 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
         quarantine: QuarantineSettings {
             enabled: u32::from(config.backend_quarantine),
         },
+        ..ProgramSettings::default()
     };
     let mut ebpf = loader::load_with(
         &object,

@@ -9,10 +9,10 @@ use lb_userspace::datapath::masquerade::{MasqCidrs, MasqMaps};
 
 use super::*;
 
-const VIP: [u8; 4] = [10, 96, 0, 10];
+pub(super) const VIP: [u8; 4] = [10, 96, 0, 10];
 
 /// The cluster IP VIP:80 with `backends`.
-fn cluster_ip(backends: &[BackendAddr]) -> DesiredState {
+pub(super) fn cluster_ip(backends: &[BackendAddr]) -> DesiredState {
     let mut desired = DesiredState::default();
     desired.frontends.insert(
         Frontend::internal(Ipv4Addr::from(VIP).into(), 80, Protocol::Tcp),

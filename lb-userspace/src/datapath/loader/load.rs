@@ -12,7 +12,7 @@ use lb_common::{map_names, program_names};
 use super::{program_error, LoadError, TcAttach, XdpAttach};
 use crate::datapath::forwarding::Forwarding;
 use crate::datapath::pins::{MapSizes, PinLayout};
-use lb_common::{IpAddrBe, MasqSettings, QuarantineSettings};
+use lb_common::{IpAddrBe, MasqSettings, PolicySettings, QuarantineSettings};
 
 /// The kernel object embedded at build time (empty when it was not built).
 static EMBEDDED_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf.o"));
@@ -160,6 +160,8 @@ pub struct ProgramSettings {
     /// `--backend-quarantine` (off by default here, so that fixtures see the
     /// datapath without it unless they ask; the agent's flag defaults to on).
     pub quarantine: QuarantineSettings,
+    /// `--network-policy` (off by default).
+    pub policy: PolicySettings,
 }
 
 /// Creates (or reopens, keeping their contents across restarts) the pinned maps and
@@ -227,6 +229,7 @@ pub fn load_with(
     loader.override_global("LB_DSR", &dsr, true);
     loader.override_global("LB_MASQ_SETTINGS", &settings.masquerade, true);
     loader.override_global("LB_QUARANTINE_SETTINGS", &settings.quarantine, true);
+    loader.override_global("LB_POLICY_SETTINGS", &settings.policy, true);
     loader.load(object).map_err(|source| {
         let maps_dir = layout.maps_dir();
         match errno_in(&source) {
