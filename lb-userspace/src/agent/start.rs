@@ -162,7 +162,7 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
         &config.node_ips,
         &settings,
     )?;
-    loader::verify(&mut ebpf, config.tc_mode, config.xdp_mode, masquerading)?;
+    loader::verify(&mut ebpf, config.tc_mode, config.xdp_mode, &settings)?;
     info!(
         load_ms = loading.elapsed().as_millis() as u64,
         lb_mode = ?config.forwarding.mode,
@@ -197,7 +197,13 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
         off: config.tc_mode == TcAttach::Off,
         ..config.tc_overrides.clone()
     };
-    let links = DeviceLinks::new(&config.pin, config.tc_mode, config.xdp_mode, masquerading)?;
+    let links = DeviceLinks::new(
+        &config.pin,
+        config.tc_mode,
+        config.xdp_mode,
+        masquerading,
+        settings.policy.is_enabled(),
+    )?;
     let masquerade = super::masquerade::Masquerade::start(
         config.masquerade,
         &config.pin,

@@ -230,11 +230,12 @@ struct Attached {
     /// The TCX link's pin, if TCX.
     pin: Option<PathBuf>,
     xdp: XdpState,
-    /// `lb_tc_egress` (masquerading), on node-facing devices.
+    /// The egress side: `lb_tc_egress` (masquerading) on node-facing devices,
+    /// `lb_tc_to_pod` (NetworkPolicy) on pod-facing ones.
     egress: Egress,
 }
 
-/// `lb_tc_egress` on one device.
+/// The egress side's program on one device ([`egress_program`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Egress {
     None,
@@ -242,6 +243,17 @@ enum Egress {
     Tcx(PathBuf),
     /// lb's netlink filter slot on the egress side.
     Netlink,
+}
+
+/// The egress side's program for a device of `role`: `lb_tc_egress` on a
+/// node-facing one when masquerading, `lb_tc_to_pod` on a pod-facing one when
+/// enforcing NetworkPolicy.
+fn egress_program(role: Role, masquerade: bool, policy: bool) -> Option<&'static str> {
+    match role {
+        Role::NodeFacing if masquerade => Some(program_names::TC_EGRESS),
+        Role::PodFacing if policy => Some(program_names::TC_TO_POD),
+        _ => None,
+    }
 }
 
 /// One device's `lb_xdp` as `lb status` and the agent's log report it.
@@ -268,6 +280,8 @@ pub struct DeviceLinks {
     netns: u64,
     /// `--masquerade bpf`: `lb_tc_egress` on node-facing devices too.
     masquerade: bool,
+    /// `--network-policy on`: `lb_tc_to_pod` on pod-facing devices too.
+    policy: bool,
 }
 
 impl DeviceLinks {
@@ -276,6 +290,7 @@ impl DeviceLinks {
         mode: TcAttach,
         xdp: XdpAttach,
         masquerade: bool,
+        policy: bool,
     ) -> Result<Self, DeviceLinksError> {
         let xdp = if mode == TcAttach::Off {
             XdpAttach::Off
@@ -304,6 +319,7 @@ impl DeviceLinks {
             current: BTreeMap::new(),
             netns: current_netns(),
             masquerade: masquerade && mode != TcAttach::Off,
+            policy: policy && mode != TcAttach::Off,
         })
     }
 
@@ -445,16 +461,17 @@ impl DeviceLinks {
         }
     }
 
-    /// Puts `lb_tc_egress` on the device `index` when masquerading wants it there
-    /// (node-facing devices) and takes it off otherwise; false when it could not
-    /// be attached (tried again with the device's next sync).
+    /// Puts the egress side's program on the device `index` when its role wants
+    /// one ([`egress_program`]) and takes it off otherwise; false when it could
+    /// not be attached (tried again with the device's next sync).
     fn sync_egress(&mut self, ebpf: &mut Ebpf, index: u32) -> bool {
-        let masquerade = self.masquerade;
+        let (masquerade, policy) = (self.masquerade, self.policy);
         let (mode, links_dir) = (self.mode, self.links_dir.clone());
         let Some(attached) = self.current.get_mut(&index) else {
             return true;
         };
-        let wanted = masquerade && attached.want.role == Role::NodeFacing;
+        let program = egress_program(attached.want.role, masquerade, policy);
+        let wanted = program.is_some();
         let name = attached.want.name.clone();
         match (&attached.egress, wanted) {
             (Egress::None, false) => true,
@@ -465,7 +482,7 @@ impl DeviceLinks {
                 true
             }
             (Egress::None, true) => {
-                let program = program_names::TC_EGRESS;
+                let program = program.unwrap_or(program_names::TC_EGRESS);
                 let attached_now =
                     loader::attach_tc_device(ebpf, program, &name, mode, TcAttachType::Egress)
                         .and_then(|link| match link {
@@ -478,14 +495,14 @@ impl DeviceLinks {
                         });
                 match attached_now {
                     Ok(egress) => {
-                        info!(device = %name, ifindex = index, "lb_tc_egress attached (masquerading)");
+                        info!(device = %name, ifindex = index, program, "egress program attached");
                         if let Some(a) = self.current.get_mut(&index) {
                             a.egress = egress;
                         }
                         true
                     }
                     Err(e) => {
-                        warn!(device = %name, "masquerading not attached (tried again in a second): {e}");
+                        warn!(device = %name, program, "not attached on egress (tried again in a second): {e}");
                         false
                     }
                 }
@@ -493,7 +510,7 @@ impl DeviceLinks {
         }
     }
 
-    /// Lets go of `lb_tc_egress` on a device.
+    /// Lets go of the egress side's program on a device.
     fn drop_egress(&self, device: &str, egress: &Egress) {
         match egress {
             Egress::None => {}
@@ -596,7 +613,7 @@ fn driver_of(device: &str) -> String {
 }
 
 /// Removes lb's filter slots on `device` (ingress, and egress where masquerading
-/// put one) if the device still exists; a missing device or filter is fine.
+/// or NetworkPolicy put one) if the device still exists; a missing device or filter is fine.
 /// True when the ingress one was there.
 fn detach_netlink_slot(device: &str) -> bool {
     detach_netlink_side(device, TcAttachType::Egress);

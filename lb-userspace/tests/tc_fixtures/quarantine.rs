@@ -307,7 +307,7 @@ fn every_program_verifies_with_quarantine_on() {
         &mut ebpf,
         loader::TcAttach::Tcx,
         loader::XdpAttach::Native,
-        true,
+        &settings,
     )
     .unwrap_or_else(|e| panic!("{e}"));
 }

@@ -33,11 +33,13 @@ pub fn kernel_object(path: Option<&Path>) -> Result<Vec<u8>, LoadError> {
 /// any: the agent does this while the first sync is still being read, so the
 /// verifier's time is off the path to serving, and a rejection stops the start
 /// before a single map write. `attach` loads whatever this did not.
+/// `settings` are those the object was loaded with: the egress side's programs
+/// are verified when masquerading or NetworkPolicy will attach them.
 pub fn verify(
     ebpf: &mut Ebpf,
     tc: TcAttach,
     xdp: XdpAttach,
-    masquerade: bool,
+    settings: &ProgramSettings,
 ) -> Result<(), LoadError> {
     for program in program_names::ALL {
         cgroup_program(ebpf, program)?;
@@ -47,8 +49,11 @@ pub fn verify(
         for program in [program_names::TC_EXTERNAL, program_names::TC_INTERNAL] {
             tc_program(ebpf, program)?;
         }
-        if masquerade {
+        if settings.masquerade.enabled != 0 {
             tc_program(ebpf, program_names::TC_EGRESS)?;
+        }
+        if settings.policy.is_enabled() {
+            tc_program(ebpf, program_names::TC_TO_POD)?;
         }
         if xdp != XdpAttach::Off {
             xdp_program(ebpf)?;
