@@ -3,7 +3,7 @@
 //! for `lb services` by [`table`]), the pinned maps ([`maps`]), conntrack and source
 //! ranges, the per-packet links on devices ([`device_links`]), how remote backends
 //! are reached ([`forwarding`]: SNAT or DSR), loading and attaching ([`loader`]) and
-//! the pin directory ([`pins`]).
+//! the pin directory ([`pins`]); NetworkPolicy's maps ([`policy`]).
 
 pub mod codec;
 pub mod conntrack;
@@ -13,6 +13,7 @@ pub mod loader;
 pub mod maps;
 pub mod masquerade;
 pub mod pins;
+pub mod policy;
 pub mod snapshot;
 pub mod source_ranges;
 pub mod table;

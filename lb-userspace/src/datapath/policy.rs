@@ -1,0 +1,164 @@
+//! NetworkPolicy's pinned maps (`lb_common::policy`): the four the agent writes
+//! (local pods' endpoints, every pod's identity, the CIDR classes, the allows)
+//! and the per-pod drop counters it reads. What goes in them is the compiler's
+//! (`control::policy`); this is only the writing and reading, one entry at a
+//! time, so a change touches exactly the entries it names.
+
+use std::path::PathBuf;
+
+use aya::maps::lpm_trie::{Key, LpmTrie};
+use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray};
+use lb_common::{
+    map_names, IpAddrBe, PolicyAllow, PolicyCidrKey, PolicyCounters, PolicyEndpoint, PolicyKey,
+};
+
+use crate::datapath::maps::{found, ignore_missing, MapsError};
+use crate::datapath::pins::PinLayout;
+
+/// The pinned policy maps.
+pub struct PolicyMaps {
+    endpoints: HashMap<MapData, IpAddrBe, PolicyEndpoint>,
+    identities: HashMap<MapData, IpAddrBe, u32>,
+    cidrs: LpmTrie<MapData, PolicyCidrKey, u32>,
+    allows: LpmTrie<MapData, PolicyKey, PolicyAllow>,
+    drops: PerCpuArray<MapData, PolicyCounters>,
+}
+
+/// One pinned map, of the kind `T` wraps.
+fn open<T: TryFrom<Map, Error = MapError>>(
+    layout: &PinLayout,
+    name: &'static str,
+) -> Result<T, MapsError> {
+    let path: PathBuf = layout.map_path(name);
+    let wrap = |source| MapsError::Open {
+        path: path.clone(),
+        source,
+    };
+    let data = MapData::from_pin(&path).map_err(wrap)?;
+    let map = Map::from_map_data(data).map_err(wrap)?;
+    T::try_from(map).map_err(wrap)
+}
+
+fn write_error(map: &'static str, op: String) -> impl FnOnce(MapError) -> MapsError {
+    move |source| MapsError::Write { map, op, source }
+}
+
+impl PolicyMaps {
+    pub fn open(layout: &PinLayout) -> Result<Self, MapsError> {
+        Ok(Self {
+            endpoints: open(layout, map_names::POLICY_ENDPOINTS)?,
+            identities: open(layout, map_names::POLICY_IDENTITY)?,
+            cidrs: open(layout, map_names::POLICY_CIDRS)?,
+            allows: open(layout, map_names::POLICY)?,
+            drops: open(layout, map_names::POLICY_DROPS)?,
+        })
+    }
+
+    pub fn put_endpoint(&mut self, addr: IpAddrBe, value: PolicyEndpoint) -> Result<(), MapsError> {
+        self.endpoints.insert(addr, value, 0).map_err(write_error(
+            map_names::POLICY_ENDPOINTS,
+            format!("write the endpoint of {}", std::net::IpAddr::from(addr)),
+        ))
+    }
+
+    pub fn delete_endpoint(&mut self, addr: IpAddrBe) -> Result<(), MapsError> {
+        ignore_missing(self.endpoints.remove(&addr)).map_err(write_error(
+            map_names::POLICY_ENDPOINTS,
+            format!("delete the endpoint of {}", std::net::IpAddr::from(addr)),
+        ))
+    }
+
+    pub fn put_identity(&mut self, addr: IpAddrBe, identity: u32) -> Result<(), MapsError> {
+        self.identities
+            .insert(addr, identity, 0)
+            .map_err(write_error(
+                map_names::POLICY_IDENTITY,
+                format!(
+                    "write identity {identity} of {}",
+                    std::net::IpAddr::from(addr)
+                ),
+            ))
+    }
+
+    pub fn delete_identity(&mut self, addr: IpAddrBe) -> Result<(), MapsError> {
+        ignore_missing(self.identities.remove(&addr)).map_err(write_error(
+            map_names::POLICY_IDENTITY,
+            format!("delete the identity of {}", std::net::IpAddr::from(addr)),
+        ))
+    }
+
+    pub fn put_cidr(
+        &mut self,
+        prefix_len: u32,
+        key: PolicyCidrKey,
+        class: u32,
+    ) -> Result<(), MapsError> {
+        self.cidrs
+            .insert(&Key::new(prefix_len, key), class, 0)
+            .map_err(write_error(
+                map_names::POLICY_CIDRS,
+                format!("write CIDR class {class:#x}"),
+            ))
+    }
+
+    pub fn delete_cidr(&mut self, prefix_len: u32, key: PolicyCidrKey) -> Result<(), MapsError> {
+        ignore_missing(self.cidrs.remove(&Key::new(prefix_len, key))).map_err(write_error(
+            map_names::POLICY_CIDRS,
+            "delete a CIDR class range".to_owned(),
+        ))
+    }
+
+    pub fn put_allow(
+        &mut self,
+        prefix_len: u32,
+        key: PolicyKey,
+        allow: PolicyAllow,
+    ) -> Result<(), MapsError> {
+        self.allows
+            .insert(&Key::new(prefix_len, key), allow, 0)
+            .map_err(write_error(
+                map_names::POLICY,
+                format!(
+                    "write an allow of endpoint {} (rule {}); a full map needs a larger \
+                     --policy-map-size",
+                    key.endpoint, allow.rule
+                ),
+            ))
+    }
+
+    pub fn delete_allow(&mut self, prefix_len: u32, key: PolicyKey) -> Result<(), MapsError> {
+        ignore_missing(self.allows.remove(&Key::new(prefix_len, key))).map_err(write_error(
+            map_names::POLICY,
+            format!("delete an allow of endpoint {}", key.endpoint),
+        ))
+    }
+
+    /// The drops of endpoint `id`, summed over CPUs; `None` past the array.
+    pub fn drops(&self, id: u32) -> Result<Option<PolicyCounters>, MapsError> {
+        let per_cpu = found(self.drops.get(&id, 0), map_names::POLICY_DROPS)?;
+        Ok(per_cpu.map(|values| {
+            values
+                .iter()
+                .fold(PolicyCounters::default(), |sum, c| PolicyCounters {
+                    ingress_drops: sum.ingress_drops + c.ingress_drops,
+                    egress_drops: sum.egress_drops + c.egress_drops,
+                })
+        }))
+    }
+
+    /// The endpoint entry of `addr`, as the programs read it.
+    pub fn endpoint(&self, addr: IpAddrBe) -> Result<Option<PolicyEndpoint>, MapsError> {
+        found(self.endpoints.get(&addr, 0), map_names::POLICY_ENDPOINTS)
+    }
+
+    /// Every endpoint entry (for the consistency check and `lb policy`).
+    pub fn endpoints(&self) -> Result<Vec<(IpAddrBe, PolicyEndpoint)>, MapsError> {
+        self.endpoints
+            .iter()
+            .collect::<Result<_, _>>()
+            .map_err(|source| MapsError::Read {
+                map: map_names::POLICY_ENDPOINTS,
+                source,
+            })
+    }
+}
