@@ -17,6 +17,12 @@
 #![no_std]
 
 pub mod maglev;
+pub mod policy;
+
+pub use policy::{
+    PolicyAllow, PolicyCidrKey, PolicyCounters, PolicyCtKey, PolicyCtValue, PolicyEndpoint,
+    PolicyKey, PolicyLookup,
+};
 
 /// Bumped whenever a map's key or value layout changes. Maps are pinned under
 /// `<pin-dir>/v<PIN_LAYOUT_VERSION>/` so an agent never reuses a map with another layout.
@@ -1078,4 +1084,11 @@ mod user {
     unsafe impl aya::Pod for DsrConfig {}
     unsafe impl aya::Pod for MasqCidrKey {}
     unsafe impl aya::Pod for MasqSettings {}
+    unsafe impl aya::Pod for PolicyEndpoint {}
+    unsafe impl aya::Pod for PolicyCidrKey {}
+    unsafe impl aya::Pod for PolicyKey {}
+    unsafe impl aya::Pod for PolicyAllow {}
+    unsafe impl aya::Pod for PolicyCtKey {}
+    unsafe impl aya::Pod for PolicyCtValue {}
+    unsafe impl aya::Pod for PolicyCounters {}
 }
