@@ -394,10 +394,16 @@ mod tests {
 
     impl PolicyLookup for Tables {
         fn endpoint(&self, addr: &IpAddrBe) -> Option<PolicyEndpoint> {
-            self.endpoints.iter().find(|(a, _)| a == addr).map(|(_, e)| *e)
+            self.endpoints
+                .iter()
+                .find(|(a, _)| a == addr)
+                .map(|(_, e)| *e)
         }
         fn identity(&self, addr: &IpAddrBe) -> Option<u32> {
-            self.identities.iter().find(|(a, _)| a == addr).map(|(_, i)| *i)
+            self.identities
+                .iter()
+                .find(|(a, _)| a == addr)
+                .map(|(_, i)| *i)
         }
         fn cidr_class(&self, addr: &IpAddrBe) -> Option<u32> {
             let want = addr_bytes(addr);
@@ -537,7 +543,13 @@ mod tests {
             );
         }
         assert_eq!(
-            judge(&t, POLICY_DIR_EGRESS, [192, 168, 0, 1], crate::IPPROTO_TCP, 22),
+            judge(
+                &t,
+                POLICY_DIR_EGRESS,
+                [192, 168, 0, 1],
+                crate::IPPROTO_TCP,
+                22
+            ),
             Verdict::Allowed { rule: 11 }
         );
     }
