@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use lb_common::policy::{PolicyCidrKey, POLICY_CIDR_CLASS};
 
-use super::compile::Tracked;
+use super::tracked::Tracked;
 use super::Lpm;
 use crate::model::policy::{IpBlock, Prefix};
 

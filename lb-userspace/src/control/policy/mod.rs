@@ -32,6 +32,7 @@ mod cidr;
 mod compile;
 mod eval;
 pub mod ports;
+mod tracked;
 
 use std::collections::BTreeMap;
 
