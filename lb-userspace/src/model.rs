@@ -8,6 +8,8 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
+pub mod policy;
+
 /// L4 protocol of a Service port. Only the ones the socket hooks translate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "UPPERCASE")]

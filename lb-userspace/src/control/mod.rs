@@ -14,6 +14,7 @@ pub mod maglev_tables;
 pub mod masquerade;
 pub mod options;
 pub mod plan;
+pub mod policy;
 pub mod topology;
 
 pub use interpret::build_desired;

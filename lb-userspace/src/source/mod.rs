@@ -11,6 +11,8 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Node;
 
+use crate::model::policy::{NetworkPolicy, PolicyNamespace, PolicyPod};
+
 pub mod changes;
 pub mod files;
 pub mod intern;
@@ -18,6 +20,7 @@ pub mod kube;
 pub mod labels;
 pub mod lean;
 pub mod masq_config;
+pub mod policy;
 pub mod problem;
 mod store;
 pub mod yaml;
@@ -35,6 +38,10 @@ pub struct Objects {
     pub slices: Vec<Arc<EndpointSlice>>,
     /// Nodes in the files: their zone label and addresses are read.
     pub nodes: Vec<Arc<Node>>,
+    /// NetworkPolicies, Pods and Namespaces, as policy reads them.
+    pub network_policies: Vec<Arc<NetworkPolicy>>,
+    pub pods: Vec<Arc<PolicyPod>>,
+    pub namespaces: Vec<Arc<PolicyNamespace>>,
     pub errors: Vec<ObjectError>,
 }
 

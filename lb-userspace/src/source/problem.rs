@@ -245,6 +245,15 @@ pub enum Problem {
         address: String,
         family: &'static str,
     },
+
+    #[error(
+        "{field}: {}; the NetworkPolicy is not enforced until it is fixed (the pods it \
+         selects are judged by the other policies only)",
+        Capped(.message)
+    )]
+    InvalidNetworkPolicy { field: String, message: String },
+    #[error("{field}: {}; the Pod is left out of network policy until it is fixed", Capped(.message))]
+    InvalidPod { field: String, message: String },
 }
 
 #[cfg(test)]

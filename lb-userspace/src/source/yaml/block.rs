@@ -12,7 +12,7 @@ use k8s_openapi::api::core::v1::Node;
 use lb_yaml::block as block_yaml;
 use serde::de::{self, DeserializeSeed, IgnoredAny, VariantAccess};
 
-use super::kinds::{classify, unnamed, Kind, Ours};
+use super::kinds::{classify, unnamed, ApiObject, Kind, Ours, PolicyObject};
 use crate::source::lean::{EndpointSlice, Service};
 use crate::source::Objects;
 
@@ -25,6 +25,7 @@ pub(super) enum Manifest {
     Service(Arc<Service>),
     Slice(Arc<EndpointSlice>),
     Node(Arc<Node>),
+    Policy(PolicyObject),
     List(Vec<Manifest>),
     /// Not ours to proxy, read through only to check it is well-formed.
     Other,
@@ -36,6 +37,7 @@ impl Manifest {
             Manifest::Service(service) => objects.services.push(service),
             Manifest::Slice(slice) => objects.slices.push(slice),
             Manifest::Node(node) => objects.nodes.push(node),
+            Manifest::Policy(object) => object.add_to(objects),
             Manifest::List(items) => items.into_iter().for_each(|i| i.add_to(objects)),
             Manifest::Other => {}
         }
@@ -102,6 +104,11 @@ impl<'de> de::Visitor<'de> for Place {
                 Manifest::Slice(Arc::new(slice))
             }
             Kind::Ours(Ours::Node) => Manifest::Node(Arc::new(object.newtype_variant()?)),
+            Kind::Ours(ours @ (Ours::NetworkPolicy | Ours::Pod | Ours::Namespace)) => {
+                let api = object.newtype_variant_seed(ReadApi(ours))?;
+                // A policy object that makes no sense is reported by the general path.
+                Manifest::Policy(PolicyObject::from_api(api).map_err(|_| not_clean())?)
+            }
             Kind::OtherVersion(_) | Kind::Missing => return Err(not_clean()),
             Kind::List { item } if self == Place::Document => {
                 object.newtype_variant_seed(List { item })?
@@ -204,5 +211,16 @@ impl<'de> de::Visitor<'de> for Items {
             items.push(item);
         }
         Ok(items)
+    }
+}
+
+/// Reads the API type of a policy kind.
+struct ReadApi(Ours);
+
+impl<'de> DeserializeSeed<'de> for ReadApi {
+    type Value = ApiObject;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<ApiObject, D::Error> {
+        ApiObject::read(self.0, d)?.ok_or_else(|| de::Error::custom("not a policy kind"))
     }
 }

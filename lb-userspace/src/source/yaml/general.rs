@@ -234,5 +234,19 @@ fn take_object(value: Value, location: &Location, objects: &mut Objects) {
             Ok(node) => objects.nodes.push(Arc::new(node)),
             Err(e) => objects.errors.push(error(kind, schema(e))),
         },
+        Ours::NetworkPolicy | Ours::Pod | Ours::Namespace => {
+            match super::kinds::policy_object(ours, value) {
+                Ok(object) => object.add_to(objects),
+                Err(super::kinds::PolicyObjectError::Schema(e)) => {
+                    objects.errors.push(error(kind, schema(e)))
+                }
+                Err(super::kinds::PolicyObjectError::Invalid(e)) => {
+                    objects.errors.push(ObjectError {
+                        location: Some(location.clone()),
+                        ..e
+                    })
+                }
+            }
+        }
     }
 }

@@ -125,6 +125,9 @@ fn take_json_document(json: &str, objects: &mut Objects) -> bool {
     objects.services.extend(found.services);
     objects.slices.extend(found.slices);
     objects.nodes.extend(found.nodes);
+    objects.network_policies.extend(found.network_policies);
+    objects.pods.extend(found.pods);
+    objects.namespaces.extend(found.namespaces);
     true
 }
 
@@ -143,6 +146,15 @@ fn take_json_object(json: &str, head: Head, objects: &mut Objects) -> bool {
             Ok(node) => objects.nodes.push(Arc::new(node)),
             Err(_) => return false,
         },
+        Kind::Ours(ours @ (Ours::NetworkPolicy | Ours::Pod | Ours::Namespace)) => {
+            return serde_json::from_str::<serde_json::Value>(json)
+                .ok()
+                .and_then(|value| super::kinds::policy_object(ours, value).ok())
+                .is_some_and(|object| {
+                    object.add_to(objects);
+                    true
+                })
+        }
         Kind::OtherVersion(_) | Kind::Missing => return false,
         // Not ours to proxy; nor is a list inside a list.
         Kind::List { .. } | Kind::Other => {}

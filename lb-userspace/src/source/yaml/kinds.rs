@@ -4,12 +4,23 @@
 //! another way as JSON or flow YAML, and the fast paths would stop being mere
 //! shortcuts of the general one.
 
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::networking::v1::NetworkPolicy as NetworkPolicyApi;
+
+use crate::model::policy::{NetworkPolicy, PolicyNamespace, PolicyPod};
+use crate::source::{policy, ObjectError, Objects};
+
 /// A kind lb proxies (or, for Node, reads the zone and addresses of).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Ours {
     Service,
     EndpointSlice,
     Node,
+    NetworkPolicy,
+    Pod,
+    Namespace,
 }
 
 impl Ours {
@@ -18,6 +29,9 @@ impl Ours {
             Ours::Service => "Service",
             Ours::EndpointSlice => "EndpointSlice",
             Ours::Node => "Node",
+            Ours::NetworkPolicy => "NetworkPolicy",
+            Ours::Pod => "Pod",
+            Ours::Namespace => "Namespace",
         }
     }
 
@@ -25,8 +39,9 @@ impl Ours {
     /// one as the fix.
     pub(super) const fn api_version(self) -> &'static str {
         match self {
-            Ours::Service | Ours::Node => "v1",
+            Ours::Service | Ours::Node | Ours::Pod | Ours::Namespace => "v1",
             Ours::EndpointSlice => "discovery.k8s.io/v1",
+            Ours::NetworkPolicy => "networking.k8s.io/v1",
         }
     }
 }
@@ -59,6 +74,9 @@ pub(super) fn classify(api_version: Option<&str>, kind: Option<&str>) -> Kind {
         Some("Service") => Ours::Service,
         Some("EndpointSlice") => Ours::EndpointSlice,
         Some("Node") => Ours::Node,
+        Some("NetworkPolicy") => Ours::NetworkPolicy,
+        Some("Pod") => Ours::Pod,
+        Some("Namespace") => Ours::Namespace,
         Some("List") => return Kind::List { item: None },
         Some("ServiceList") => {
             return Kind::List {
@@ -68,6 +86,21 @@ pub(super) fn classify(api_version: Option<&str>, kind: Option<&str>) -> Kind {
         Some("EndpointSliceList") => {
             return Kind::List {
                 item: Some(Ours::EndpointSlice),
+            }
+        }
+        Some("NetworkPolicyList") => {
+            return Kind::List {
+                item: Some(Ours::NetworkPolicy),
+            }
+        }
+        Some("PodList") => {
+            return Kind::List {
+                item: Some(Ours::Pod),
+            }
+        }
+        Some("NamespaceList") => {
+            return Kind::List {
+                item: Some(Ours::Namespace),
             }
         }
         Some(_) => return Kind::Other,
@@ -83,6 +116,74 @@ pub(super) fn classify(api_version: Option<&str>, kind: Option<&str>) -> Kind {
 /// one cannot be told apart from others in messages or matched to its slices.
 pub(super) fn unnamed(meta: &crate::source::lean::Meta) -> bool {
     meta.name.as_deref().is_none_or(str::is_empty)
+}
+
+/// A NetworkPolicy, Pod or Namespace, read into the policy model.
+pub(super) enum PolicyObject {
+    Policy(Arc<NetworkPolicy>),
+    Pod(Arc<PolicyPod>),
+    Namespace(Arc<PolicyNamespace>),
+}
+
+impl PolicyObject {
+    pub(super) fn add_to(self, objects: &mut Objects) {
+        match self {
+            PolicyObject::Policy(p) => objects.network_policies.push(p),
+            PolicyObject::Pod(p) => objects.pods.push(p),
+            PolicyObject::Namespace(n) => objects.namespaces.push(n),
+        }
+    }
+
+    /// From the API type `ours` names, already read; `None` for another kind.
+    pub(super) fn from_api(api: ApiObject) -> Result<Self, ObjectError> {
+        Ok(match api {
+            ApiObject::Policy(p) => PolicyObject::Policy(Arc::new(policy::network_policy(&p)?)),
+            ApiObject::Pod(p) => PolicyObject::Pod(Arc::new(policy::pod(&p)?)),
+            ApiObject::Namespace(n) => PolicyObject::Namespace(Arc::new(policy::namespace(&n)?)),
+        })
+    }
+}
+
+/// The API types of the policy kinds.
+pub(super) enum ApiObject {
+    Policy(NetworkPolicyApi),
+    Pod(Pod),
+    Namespace(Namespace),
+}
+
+impl ApiObject {
+    /// Reads the API type of `ours` (one of the policy kinds) from `d`.
+    pub(super) fn read<'de, D: serde::Deserializer<'de>>(
+        ours: Ours,
+        d: D,
+    ) -> Result<Option<Self>, D::Error> {
+        use serde::Deserialize;
+        Ok(Some(match ours {
+            Ours::NetworkPolicy => ApiObject::Policy(NetworkPolicyApi::deserialize(d)?),
+            Ours::Pod => ApiObject::Pod(Pod::deserialize(d)?),
+            Ours::Namespace => ApiObject::Namespace(Namespace::deserialize(d)?),
+            Ours::Service | Ours::EndpointSlice | Ours::Node => return Ok(None),
+        }))
+    }
+}
+
+/// Why a policy kind did not load: it does not fit its schema, or it does not make
+/// sense (named by [`policy`]'s decoders).
+pub(super) enum PolicyObjectError {
+    Schema(serde_json::Error),
+    Invalid(ObjectError),
+}
+
+/// A policy kind from a generic value (the general and JSON paths).
+pub(super) fn policy_object(
+    ours: Ours,
+    value: serde_json::Value,
+) -> Result<PolicyObject, PolicyObjectError> {
+    match ApiObject::read(ours, value) {
+        Ok(Some(api)) => PolicyObject::from_api(api).map_err(PolicyObjectError::Invalid),
+        Ok(None) => unreachable!("only called for the policy kinds"),
+        Err(e) => Err(PolicyObjectError::Schema(e)),
+    }
 }
 
 #[cfg(test)]

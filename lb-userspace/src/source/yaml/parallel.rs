@@ -84,5 +84,8 @@ fn append(objects: &mut Objects, part: Objects) {
     objects.services.extend(part.services);
     objects.slices.extend(part.slices);
     objects.nodes.extend(part.nodes);
+    objects.network_policies.extend(part.network_policies);
+    objects.pods.extend(part.pods);
+    objects.namespaces.extend(part.namespaces);
     objects.errors.extend(part.errors);
 }

@@ -733,3 +733,136 @@ fn a_file_read_in_pieces_reads_as_a_whole() {
         );
     }
 }
+
+const POLICY_OBJECTS: &str = "\
+apiVersion: v1
+kind: Namespace
+metadata:
+  name: prod
+  labels: {team: a}
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: db-0
+  namespace: prod
+  labels: {app: db}
+spec:
+  nodeName: node-1
+  containers:
+  - name: db
+    image: postgres
+    ports:
+    - {name: pg, containerPort: 5432}
+status:
+  podIP: 10.0.0.7
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata:
+  name: db
+  namespace: prod
+spec:
+  podSelector:
+    matchLabels: {app: db}
+  ingress:
+  - from:
+    - podSelector:
+        matchLabels: {app: api}
+    ports:
+    - port: pg
+";
+
+#[test]
+fn loads_policy_kinds_from_block_yaml_flow_yaml_and_json() {
+    let o = parse(POLICY_OBJECTS);
+    assert!(o.errors.is_empty(), "{:?}", o.errors);
+    assert_eq!(
+        (o.namespaces.len(), o.pods.len(), o.network_policies.len()),
+        (1, 1, 1)
+    );
+    assert_eq!(o.namespaces[0].labels.get("team"), Some("a"));
+    assert_eq!(
+        o.pods[0].ips,
+        ["10.0.0.7".parse::<std::net::IpAddr>().unwrap()]
+    );
+    assert_eq!(&*o.network_policies[0].name, "db");
+
+    // The same policy in flow style takes the general path.
+    let flow = "{apiVersion: networking.k8s.io/v1, kind: NetworkPolicy, \
+                metadata: {name: f, namespace: x}, spec: {podSelector: {}}}";
+    let o = parse(flow);
+    assert!(o.errors.is_empty(), "{:?}", o.errors);
+    assert_eq!(o.network_policies.len(), 1);
+
+    let json = r#"{"apiVersion":"v1","kind":"PodList","items":[
+        {"metadata":{"name":"a","namespace":"x"},"spec":{"containers":[]},
+         "status":{"podIP":"10.0.0.1"}}]}"#;
+    let o = parse_str(Path::new("pods.json"), json);
+    assert!(o.errors.is_empty(), "{:?}", o.errors);
+    assert_eq!(o.pods.len(), 1);
+}
+
+#[test]
+fn malformed_policy_objects_are_reported_by_name_and_skipped() {
+    let text = "\
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: bad, namespace: prod}
+spec:
+  podSelector: {}
+  ingress:
+  - ports:
+    - port: 99999
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: good, namespace: prod}
+spec:
+  podSelector: {}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: p, namespace: prod}
+spec: {containers: []}
+status: {podIP: not-an-ip}
+---
+apiVersion: networking.k8s.io/v1beta1
+kind: NetworkPolicy
+metadata: {name: old, namespace: prod}
+";
+    for (file, text) in [
+        ("objs.yaml", text.to_owned()),
+        (
+            "objs.json",
+            // One JSON document per object, as a List.
+            serde_json::json!({
+                "apiVersion": "v1", "kind": "List",
+                "items": lb_yaml::split_documents(text)
+                    .iter()
+                    .map(|d| serde_norway::from_str::<serde_json::Value>(&d.text).unwrap())
+                    .collect::<Vec<_>>(),
+            })
+            .to_string(),
+        ),
+    ] {
+        let o = parse_str(Path::new(file), &text);
+        let names: Vec<&str> = o.network_policies.iter().map(|p| &*p.name).collect();
+        assert_eq!(names, ["good"], "{file}");
+        assert!(o.pods.is_empty(), "{file}");
+        let messages: Vec<String> = o.errors.iter().map(|e| e.to_string()).collect();
+        assert_eq!(messages.len(), 3, "{file}: {messages:?}");
+        assert!(
+            messages[0].contains("NetworkPolicy prod/bad: spec.ingress[0].ports[0].port"),
+            "{file}: {messages:?}"
+        );
+        assert!(
+            messages[1].contains("Pod prod/p: status.podIP"),
+            "{file}: {messages:?}"
+        );
+        assert!(
+            messages[2].contains("export it as networking.k8s.io/v1"),
+            "{file}: {messages:?}"
+        );
+    }
+}
