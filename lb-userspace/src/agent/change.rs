@@ -107,6 +107,9 @@ impl Agent {
             self.nodes = nodes.clone();
             self.masquerade.sync(&self.nodes);
         }
+        if let (Some(objects), Some(policy)) = (&changes.policy, &mut self.policy) {
+            policy.sync(objects);
+        }
         if let Some(errors) = &changes.errors {
             // Reported when the list changes, not on every change.
             for error in errors.iter().filter(|e| !self.source_errors.contains(e)) {

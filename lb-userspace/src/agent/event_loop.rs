@@ -105,6 +105,9 @@ pub(super) async fn follow(
                     continue;
                 }
                 agent.net = inputs.node_net.borrow_and_update().clone();
+                if let Some(policy) = &mut agent.policy {
+                    policy.set_node_addresses(agent.net.addresses());
+                }
                 if !agent.attached {
                     // No table written yet: the first change reads these addresses.
                     // A resync now would program the objects known so far, none

@@ -12,6 +12,7 @@ mod event_loop;
 mod masquerade;
 mod names;
 mod node_objects;
+mod policy;
 mod start;
 mod writes;
 
@@ -109,6 +110,8 @@ pub struct AgentConfig {
     /// `--backend-quarantine`: passive health, a backend that refuses a new
     /// connection is skipped by the new connections of that frontend for a while.
     pub backend_quarantine: bool,
+    /// `--network-policy`: NetworkPolicy enforced on this node's pods.
+    pub network_policy: bool,
 }
 
 #[derive(Debug, thiserror::Error)]

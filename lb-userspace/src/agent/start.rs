@@ -28,7 +28,7 @@ use crate::source::changes::ChangeReceiver;
 use crate::source::{files, kube, FileError, ObjectError};
 use crate::stale_sockets;
 use k8s_openapi::api::core::v1::Node;
-use lb_common::{MasqSettings, QuarantineSettings};
+use lb_common::{MasqSettings, PolicySettings, QuarantineSettings};
 
 /// A running agent: what it holds between changes.
 pub(super) struct Agent {
@@ -69,6 +69,8 @@ pub(super) struct Agent {
     /// The masquerading address sets (the cluster set always; egress
     /// masquerading's with `--masquerade bpf`).
     pub(super) masquerade: super::masquerade::Masquerade,
+    /// NetworkPolicy's compiler and maps (`--network-policy on`).
+    pub(super) policy: Option<super::policy::Policy>,
     /// Held until the listeners are closed (see [`Agent::stop`]).
     pin_lock: Option<PinLock>,
     listeners: Vec<tokio::task::JoinHandle<()>>,
@@ -153,6 +155,9 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
         quarantine: QuarantineSettings {
             enabled: u32::from(config.backend_quarantine),
         },
+        policy: PolicySettings {
+            enabled: u32::from(config.network_policy),
+        },
         ..ProgramSettings::default()
     };
     let mut ebpf = loader::load_with(
@@ -211,6 +216,13 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
         config.cluster_cidrs.clone(),
         config.node_name.clone(),
     )?;
+    let policy = if config.network_policy {
+        let mut policy = super::policy::Policy::open(&config.pin, &config.node_name)?;
+        policy.set_node_addresses(net.addresses());
+        Some(policy)
+    } else {
+        None
+    };
     let index = DesiredIndex::new(SourceOptions {
         node_name: config.node_name.clone(),
         node_ips: config.node_ips.clone(),
@@ -241,6 +253,7 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
         created_pins,
         retired,
         masquerade,
+        policy,
         pin_lock: Some(pin_lock),
         listeners,
     };

@@ -298,6 +298,12 @@ struct AgentArgs {
     /// when every backend is quarantined they are used anyway.
     #[arg(long, value_enum, default_value_t = Switch::On)]
     backend_quarantine: Switch,
+    /// NetworkPolicy (networking.k8s.io/v1) enforced on this node's pods, at
+    /// their veths, after Service translation. Off by default: a node whose CNI
+    /// enforces policy already must not enforce it twice; turn that off first.
+    /// Traffic from the node itself to its pods (kubelet probes) is always allowed.
+    #[arg(long, value_enum, default_value_t = Switch::Off)]
+    network_policy: Switch,
     /// ip-masq-agent's config file (YAML or JSON: nonMasqueradeCIDRs, masqLinkLocal,
     /// masqLinkLocalIPv6), followed for changes; a bad file is reported and the last
     /// good one kept. Without it: ip-masq-agent's defaults (the private and
@@ -727,6 +733,7 @@ fn run_agent(args: AgentArgs, layout: PinLayout) -> Result<()> {
         terminate_tcp: args.terminate_tcp_to_removed_endpoints,
         lb_algorithm: args.lb_algorithm,
         backend_quarantine: args.backend_quarantine == Switch::On,
+        network_policy: args.network_policy == Switch::On,
         maglev_seed: args.maglev_seed,
         masquerade: args.masquerade,
         masquerade_all: args.masquerade_all,
@@ -777,6 +784,17 @@ mod tests {
             "no",
         ];
         assert!(Cli::try_parse_from(args).is_err());
+    }
+
+    /// NetworkPolicy is off unless `--network-policy on`: a CNI may enforce it
+    /// already.
+    #[test]
+    fn network_policy_defaults_to_off_and_takes_on() {
+        assert_eq!(agent_args(&[]).network_policy, Switch::Off);
+        assert_eq!(
+            agent_args(&["--network-policy", "on"]).network_policy,
+            Switch::On
+        );
     }
 
     /// Random stays the default; the flag turns Maglev on and can name random

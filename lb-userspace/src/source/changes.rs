@@ -23,6 +23,7 @@ use super::intern::{intern, Shared};
 use super::lean::{EndpointSlice, Meta, Service};
 use super::problem::ObjectError;
 use super::yaml::FileError;
+use crate::model::policy::{NetworkPolicy, PolicyNamespace, PolicyPod};
 
 /// `(namespace, name)`; objects without a namespace are in `default`. Allocated
 /// once per arriving object and shared by the source and every map of the index
@@ -132,6 +133,26 @@ fn merge<T>(
     }
 }
 
+/// Every NetworkPolicy, Pod and Namespace a source holds, as policy reads them.
+#[derive(Clone, Debug, Default)]
+pub struct PolicyObjects {
+    pub policies: Vec<Arc<NetworkPolicy>>,
+    pub pods: Vec<Arc<PolicyPod>>,
+    pub namespaces: Vec<Arc<PolicyNamespace>>,
+}
+
+impl PolicyObjects {
+    /// The same objects (not merely equal ones) in the same order.
+    pub fn same(&self, other: &PolicyObjects) -> bool {
+        fn same<T>(a: &[Arc<T>], b: &[Arc<T>]) -> bool {
+            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| Arc::ptr_eq(x, y))
+        }
+        same(&self.policies, &other.policies)
+            && same(&self.pods, &other.pods)
+            && same(&self.namespaces, &other.namespaces)
+    }
+}
+
 /// Changes recorded since they were last taken.
 #[derive(Debug, Default)]
 pub struct Changes {
@@ -140,6 +161,9 @@ pub struct Changes {
     /// Every Node the source holds (this node's, or the files'), when they changed:
     /// few, and read whole.
     pub nodes: Option<Vec<Arc<Node>>>,
+    /// What NetworkPolicy reads (the file source's NetworkPolicies, Pods and
+    /// Namespaces), whole, when any changed; the agent finds which by key.
+    pub policy: Option<PolicyObjects>,
     /// Problems found while reading the objects (the file source), whole, when
     /// they changed.
     pub errors: Option<Vec<ObjectError>>,
@@ -174,6 +198,7 @@ impl Changes {
         self.services.is_empty()
             && self.slices.is_empty()
             && self.nodes.is_none()
+            && self.policy.is_none()
             && self.errors.is_none()
             && self.unreadable.is_none()
     }
@@ -188,6 +213,9 @@ impl Changes {
         }
         if later.nodes.is_some() {
             self.nodes = later.nodes;
+        }
+        if later.policy.is_some() {
+            self.policy = later.policy;
         }
         if later.errors.is_some() {
             self.errors = later.errors;

@@ -19,7 +19,7 @@ use notify::{RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
-use super::changes::{self, ChangeReceiver, Changes, ObjectKey};
+use super::changes::{self, ChangeReceiver, Changes, ObjectKey, PolicyObjects};
 use super::lean::{EndpointSlice, Meta, Service};
 use super::yaml;
 use super::{FileError, ObjectError, Objects, Problem, SourceError};
@@ -213,6 +213,8 @@ struct FileCache {
     slices: Defined<EndpointSlice>,
     /// The nodes, problems and unreadable files last handed on (`None`: never).
     handed_on: Option<HandedOn>,
+    /// NetworkPolicy's objects last handed on.
+    policy_handed_on: Option<PolicyObjects>,
 }
 
 /// The nodes, the problems, and the unreadable files (path, problem) as handed on.
@@ -358,6 +360,7 @@ impl FileCache {
         self.slices
             .settle(&self.files, &reread, &mut |k, p, c| changes.slice(k, p, c));
         let (mut nodes, mut errors, mut unreadable) = (Vec::new(), Vec::new(), Vec::new());
+        let mut policy = PolicyObjects::default();
         for cached in self.files.values() {
             if let Some(e) = &cached.error {
                 unreadable.push(e.clone());
@@ -365,7 +368,20 @@ impl FileCache {
             if let Some(objects) = &cached.objects {
                 nodes.extend(objects.nodes.iter().cloned());
                 errors.extend(objects.errors.iter().cloned());
+                policy
+                    .policies
+                    .extend(objects.network_policies.iter().cloned());
+                policy.pods.extend(objects.pods.iter().cloned());
+                policy.namespaces.extend(objects.namespaces.iter().cloned());
             }
+        }
+        if !self
+            .policy_handed_on
+            .as_ref()
+            .is_some_and(|last| last.same(&policy))
+        {
+            changes.policy = Some(policy.clone());
+            self.policy_handed_on = Some(policy);
         }
         errors.extend(self.services.problems("Service", &self.files));
         errors.extend(self.slices.problems("EndpointSlice", &self.files));

@@ -50,4 +50,3 @@ impl<K: Ord + Hash + Copy, V: Copy + PartialEq> Tracked<K, V> {
         diff
     }
 }
-
