@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use lb_tests::probe::{
-    BulkReport, FollowEvent, HoldHello, PatternStream, Tally, TcpReport, UdpConnectedReport,
-    UdpEchoReport, UdpReport, WhoamiAnswer, WhoamiReport,
+    BulkReport, FollowEvent, HoldHello, PatternStream, ReachReport, ReachResult, Tally, TcpReport,
+    UdpConnectedReport, UdpEchoReport, UdpReport, WhoamiAnswer, WhoamiReport,
 };
 use lb_tests::util::io_error_name;
 
@@ -111,6 +111,19 @@ enum Mode {
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65_000))]
         size: u32,
     },
+    /// One attempt to each target at once (a thread each), for reachability
+    /// matrices: a TCP connect and lb-echo's greeting, or a connected UDP socket's
+    /// datagram and lb-echo's answer (sent again halfway through the timeout,
+    /// should the first be lost). Each attempt gives up after TIMEOUT_MS: a
+    /// dropped SYN or datagram costs that long, not the usual seconds.
+    Reach {
+        #[arg(long)]
+        tcp: Vec<SocketAddr>,
+        #[arg(long)]
+        udp: Vec<SocketAddr>,
+        #[arg(long, default_value_t = 400)]
+        timeout_ms: u64,
+    },
     /// One TCP connection to an lb-echo `--bulk-port`: sends BYTES of a pseudo-random
     /// stream while reading the echo back, and compares every byte.
     Bulk {
@@ -169,6 +182,11 @@ fn main() -> ExitCode {
             };
             report.and_then(|r| print_json(&r))
         }
+        Mode::Reach {
+            tcp,
+            udp,
+            timeout_ms,
+        } => print_json(&reach(&tcp, &udp, Duration::from_millis(timeout_ms))),
         Mode::UdpEcho { to, count, size } => {
             udp_echo(to, count, size as usize).and_then(|r| print_json(&r))
         }
@@ -483,6 +501,72 @@ fn udp_follow(to: SocketAddr, interval: Duration, max: Duration) -> Result<()> {
         std::thread::sleep(interval);
     }
     Ok(())
+}
+
+fn reach(tcp: &[SocketAddr], udp: &[SocketAddr], timeout: Duration) -> ReachReport {
+    let targets = tcp
+        .iter()
+        .map(|&to| (to, false))
+        .chain(udp.iter().map(|&to| (to, true)));
+    let results = std::thread::scope(|scope| {
+        let attempts: Vec<_> = targets
+            .map(|(to, is_udp)| {
+                scope.spawn(move || {
+                    let start = Instant::now();
+                    let outcome = match is_udp {
+                        true => reach_udp(to, timeout),
+                        false => reach_tcp(to, timeout),
+                    };
+                    let (answer, error) = match outcome {
+                        Ok(name) => (Some(name), None),
+                        Err((op, e)) => (None, Some(format!("{op} {}", io_error_name(&e)))),
+                    };
+                    ReachResult {
+                        protocol: if is_udp { "udp" } else { "tcp" }.into(),
+                        to,
+                        answer,
+                        error,
+                        ms: start.elapsed().as_secs_f64() * 1000.0,
+                    }
+                })
+            })
+            .collect();
+        attempts
+            .into_iter()
+            .map(|a| a.join().expect("a reach attempt panicked"))
+            .collect()
+    });
+    ReachReport { results }
+}
+
+type Attempt = std::result::Result<String, (&'static str, io::Error)>;
+
+fn reach_tcp(to: SocketAddr, timeout: Duration) -> Attempt {
+    let stream = TcpStream::connect_timeout(&to, timeout).map_err(|e| ("connect", e))?;
+    stream
+        .set_read_timeout(Some(timeout))
+        .map_err(|e| ("setsockopt", e))?;
+    read_line(&mut BufReader::new(&stream)).map_err(|e| ("read", e))
+}
+
+fn reach_udp(to: SocketAddr, timeout: Duration) -> Attempt {
+    let socket = UdpSocket::bind(SocketAddr::new(unspecified(to), 0)).map_err(|e| ("bind", e))?;
+    socket.connect(to).map_err(|e| ("connect", e))?;
+    let half = (timeout / 2).max(Duration::from_millis(1));
+    socket
+        .set_read_timeout(Some(half))
+        .map_err(|e| ("setsockopt", e))?;
+    let mut buf = [0u8; 2048];
+    let mut last = None;
+    for _ in 0..2 {
+        socket.send(b"ping").map_err(|e| ("send", e))?;
+        match socket.recv(&mut buf) {
+            Ok(n) => return Ok(String::from_utf8_lossy(&buf[..n]).trim().to_string()),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => last = Some(e),
+            Err(e) => return Err(("recv", e)),
+        }
+    }
+    Err(("recv", last.expect("two rounds ran")))
 }
 
 /// Split a whoami answer `<name> <ip:port>`.
