@@ -10,7 +10,7 @@ use ipnet::IpNet;
 use netlink_packet_core::NetlinkPayload;
 use netlink_packet_route::address::{AddressAttribute, AddressMessage};
 use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkMessage};
-use netlink_packet_route::RouteNetlinkMessage;
+use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
 use netlink_sys::AsyncSocket as _;
 use rtnetlink::MulticastGroup;
 use tokio::sync::watch;
@@ -130,6 +130,16 @@ impl View {
     fn apply(&mut self, message: &RouteNetlinkMessage) -> bool {
         let before = (self.links.clone(), self.addresses.clone());
         match message {
+            // A bridge speaks for its ports in AF_BRIDGE link messages (a port's
+            // STP state, e.g. forwarding once the forward delay has passed; a port
+            // leaving the bridge is an AF_BRIDGE RTM_DELLINK). They carry no link
+            // kind, so taken as the device's own they would turn a pod's veth
+            // into an unknown device, or delete it.
+            RouteNetlinkMessage::NewLink(m) | RouteNetlinkMessage::DelLink(m)
+                if m.header.interface_family == AddressFamily::Bridge =>
+            {
+                return false
+            }
             RouteNetlinkMessage::NewLink(m) => self.new_link(m),
             RouteNetlinkMessage::DelLink(m) => self.del_link(m),
             RouteNetlinkMessage::NewAddress(m) => self.new_address(m),
@@ -215,6 +225,22 @@ mod tests {
             .attributes
             .push(AddressAttribute::Local(ip.parse().unwrap()));
         message
+    }
+
+    /// The bridge's messages about its port (no link kind) leave the veth as it was.
+    #[test]
+    fn bridge_port_messages_do_not_replace_the_device() {
+        let mut view = View::default();
+        let mut veth = link(4, "vpod");
+        veth.attributes
+            .push(LinkAttribute::LinkInfo(vec![LinkInfo::Kind(InfoKind::Veth)]));
+        assert!(view.apply(&RouteNetlinkMessage::NewLink(veth)));
+        let mut port = link(4, "vpod");
+        port.header.interface_family = AddressFamily::Bridge;
+        assert!(!view.apply(&RouteNetlinkMessage::NewLink(port.clone())));
+        assert!(!view.apply(&RouteNetlinkMessage::DelLink(port)));
+        let net = view.node_net();
+        assert!(net.links[&4].pair, "{:?}", net.links[&4]);
     }
 
     #[test]
