@@ -52,15 +52,23 @@ pub const SERVED_PORTS: [u16; 2] = [80, 81];
 /// A Service port is its target port plus this.
 pub const SERVICE_PORT_OFFSET: u16 = 1000;
 
-/// How long one attempt of a probe waits (TCP connect and greeting; the two UDP
-/// datagrams together): long for a local network, short enough for a matrix of
-/// denied pairs to take half a second.
+/// How long one attempt of a probe waits (TCP connect, then the greeting; a UDP
+/// datagram sent again every 100 ms until an answer): long for a local network,
+/// short enough for a matrix of denied pairs to take half a second.
 pub const PROBE_TIMEOUT: Duration = Duration::from_millis(400);
 /// How long [`Netpol::expect`] polls for the matrix to match.
 pub const MATCH_DEADLINE: Duration = Duration::from_secs(20);
 /// How long [`Netpol::start`] waits for the agents to serve every Service and
 /// the whole matrix to answer.
 pub const SERVED_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Client ports of the probes by pod address, and through Services: apart, since
+/// a Service flow's reverse-translation entry (kept a while after the flow)
+/// would claim the replies of a later flow from the same client port straight
+/// to the backend, which the client then never sees (kube-proxy's conntrack
+/// would refuse that second flow the same way).
+const POD_PROBE_PORTS: (u16, u16) = (33_000, 45_999);
+const SERVICE_PROBE_PORTS: (u16, u16) = (46_000, 58_999);
 
 const POD_COUNT: usize = NAMESPACES.len() * POD_NAMES.len();
 
@@ -373,6 +381,9 @@ impl Setup {
     }
 }
 
+/// A client, its probe's arguments, and the probe each target stands for.
+type ProbePlan = (PodRef, Vec<String>, HashMap<(Protocol, SocketAddr), Probe>);
+
 /// One probe of a matrix round.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 struct Probe {
@@ -655,42 +666,54 @@ impl Netpol {
         self.cluster.hold(client.netns(), addr)
     }
 
+    /// One `lb-probe reach` of client `from`: its targets `via`, the probe's
+    /// arguments, and which probe each (protocol, address) answers.
+    fn plan(&self, from: PodRef, via: Via) -> Result<ProbePlan> {
+        let mut by_target = HashMap::new();
+        let (mut tcp, mut udp) = (Vec::new(), Vec::new());
+        for to in PodRef::all().filter(|&to| to != from) {
+            for &family in &self.families {
+                for case in CASES {
+                    let addr = self.target(to, case, family, via)?;
+                    match case.protocol {
+                        Protocol::Tcp => tcp.push(addr),
+                        Protocol::Udp => udp.push(addr),
+                    }
+                    let probe = Probe {
+                        family,
+                        via,
+                        case,
+                        from,
+                        to,
+                    };
+                    by_target.insert((case.protocol, addr), probe);
+                }
+            }
+        }
+        let (lo, hi) = match via {
+            Via::PodIp => POD_PROBE_PORTS,
+            Via::Service => SERVICE_PROBE_PORTS,
+        };
+        let mut args = vec![
+            "reach".to_string(),
+            "--timeout-ms".into(),
+            PROBE_TIMEOUT.as_millis().to_string(),
+            "--local-ports".into(),
+            format!("{lo}-{hi}"),
+        ];
+        args.extend(tcp.iter().flat_map(|a| ["--tcp".into(), a.to_string()]));
+        args.extend(udp.iter().flat_map(|a| ["--udp".into(), a.to_string()]));
+        Ok((from, args, by_target))
+    }
+
     /// Probe the whole matrix once: all client pods at once, each trying all its
-    /// targets at once.
+    /// targets at once (one probe process for pod addresses, one for Services).
     pub fn observe(&self) -> Result<Observation> {
         let mut plans = Vec::new();
         for from in PodRef::all() {
-            let mut by_target = HashMap::new();
-            let (mut tcp, mut udp) = (Vec::new(), Vec::new());
-            for to in PodRef::all().filter(|&to| to != from) {
-                for &family in &self.families {
-                    for via in [Via::PodIp, Via::Service] {
-                        for case in CASES {
-                            let addr = self.target(to, case, family, via)?;
-                            match case.protocol {
-                                Protocol::Tcp => tcp.push(addr),
-                                Protocol::Udp => udp.push(addr),
-                            }
-                            let probe = Probe {
-                                family,
-                                via,
-                                case,
-                                from,
-                                to,
-                            };
-                            by_target.insert((case.protocol, addr), probe);
-                        }
-                    }
-                }
+            for via in [Via::PodIp, Via::Service] {
+                plans.push(self.plan(from, via)?);
             }
-            let mut args = vec![
-                "reach".to_string(),
-                "--timeout-ms".into(),
-                PROBE_TIMEOUT.as_millis().to_string(),
-            ];
-            args.extend(tcp.iter().flat_map(|a| ["--tcp".into(), a.to_string()]));
-            args.extend(udp.iter().flat_map(|a| ["--udp".into(), a.to_string()]));
-            plans.push((from, args, by_target));
         }
         let reports: Vec<Result<ReachReport>> = std::thread::scope(|scope| {
             let running: Vec<_> = plans
