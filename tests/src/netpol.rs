@@ -18,13 +18,15 @@
 //! every other pod, by pod address and through the server's Service, for every
 //! protocol and port, in each address family of the test) until it equals the
 //! expectation or a bounded deadline passes, and otherwise fails with both
-//! matrices side by side. One probe process per client pod tries all its
-//! targets at once with a short timeout, so a round costs about half a second
-//! whatever is denied.
+//! matrices side by side. Two probe processes per client pod (pod addresses,
+//! Services) try all their targets at once with a short timeout, so a round
+//! costs about half a second whatever is denied.
 //!
 //! A pod reaching itself is left out, as upstream leaves it out: by its own
 //! address the traffic never leaves the pod, and through its Service it comes
-//! back from the node's address (hairpin masquerade), which policy lets in.
+//! back from the node's address (hairpin masquerade), which policy lets in on
+//! ingress while the pod's egress policy still judges it: a verdict the matrix
+//! of one boolean per pair cannot state.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
