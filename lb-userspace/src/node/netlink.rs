@@ -233,7 +233,9 @@ mod tests {
         let mut view = View::default();
         let mut veth = link(4, "vpod");
         veth.attributes
-            .push(LinkAttribute::LinkInfo(vec![LinkInfo::Kind(InfoKind::Veth)]));
+            .push(LinkAttribute::LinkInfo(vec![LinkInfo::Kind(
+                InfoKind::Veth,
+            )]));
         assert!(view.apply(&RouteNetlinkMessage::NewLink(veth)));
         let mut port = link(4, "vpod");
         port.header.interface_family = AddressFamily::Bridge;
