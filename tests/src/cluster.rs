@@ -198,6 +198,9 @@ struct PodSpec {
     name: String,
     node: usize,
     role: Role,
+    /// A backend serving lb-echo's plain echo on exactly these ports (TCP and UDP)
+    /// instead of the usual echo, whoami and bulk ports.
+    echo_ports: Option<Vec<u16>>,
 }
 
 /// What to build; see [`Cluster::builder`].
@@ -252,6 +255,21 @@ impl ClusterBuilder {
             name: name.into(),
             node,
             role: Role::Backend,
+            echo_ports: None,
+        });
+        self
+    }
+
+    /// A backend pod `name` on node `node` whose lb-echo serves only its plain
+    /// echo (TCP greeting and UDP name), on each of `ports`, TCP and UDP: a pod
+    /// with container ports of its own, such as the NetworkPolicy tests' servers
+    /// on 80 and 81.
+    pub fn echo_server(mut self, name: &str, node: usize, ports: &[u16]) -> Self {
+        self.pods.push(PodSpec {
+            name: name.into(),
+            node,
+            role: Role::Backend,
+            echo_ports: Some(ports.to_vec()),
         });
         self
     }
@@ -262,6 +280,7 @@ impl ClusterBuilder {
             name: name.into(),
             node,
             role: Role::Client,
+            echo_ports: None,
         });
         self
     }
@@ -624,7 +643,9 @@ impl Cluster {
         if self.xdp_ready {
             crate::xdp::tx_checksum_off(p.netns(), "eth0")?;
         }
-        if pod.role == Role::Backend {
+        if let Some(ports) = &pod.echo_ports {
+            p.start_echo(&self.tools.echo, ports)?;
+        } else if pod.role == Role::Backend {
             p.start_echo_with(
                 &self.tools.echo,
                 &[ECHO_TCP_PORT, ECHO_UDP_PORT],
@@ -708,6 +729,7 @@ impl Cluster {
             name: name.into(),
             node,
             role,
+            echo_ports: None,
         };
         let pod = self.create_pod(&self.nodes[node], &spec)?;
         self.nodes[node].ns.sysctls(&[

@@ -22,6 +22,7 @@ pub mod lines;
 pub mod load;
 pub mod manifests;
 pub mod netns;
+pub mod netpol;
 pub mod podman;
 pub mod probe;
 pub mod process;

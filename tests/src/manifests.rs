@@ -55,6 +55,8 @@ impl ServicePort {
 #[derive(Clone, Debug)]
 pub struct Service {
     pub name: String,
+    /// `metadata.namespace` (default [`NAMESPACE`]).
+    pub namespace: String,
     pub cluster_ip: String,
     /// `spec.clusterIPs` after `cluster_ip` (dual-stack: the other family's).
     pub more_cluster_ips: Vec<String>,
@@ -87,6 +89,7 @@ impl Service {
     pub fn new(name: &str, cluster_ip: Ipv4Addr, ports: Vec<ServicePort>) -> Self {
         Service {
             name: name.into(),
+            namespace: NAMESPACE.into(),
             cluster_ip: cluster_ip.to_string(),
             more_cluster_ips: Vec::new(),
             ip_families: vec!["IPv4"],
@@ -102,6 +105,13 @@ impl Service {
             ip_mode: "VIP",
             annotations: Vec::new(),
         }
+    }
+
+    /// In namespace `namespace` instead of [`NAMESPACE`] (its EndpointSlices
+    /// follow it).
+    pub fn in_namespace(mut self, namespace: &str) -> Self {
+        self.namespace = namespace.into();
+        self
     }
 
     /// An annotation, e.g. `service.lb/algorithm: maglev`.
@@ -189,7 +199,7 @@ impl Service {
     pub fn to_yaml(&self) -> String {
         let mut y = String::new();
         y += "apiVersion: v1\nkind: Service\n";
-        y += &metadata(&self.name, &[("app", &self.name)]);
+        y += &metadata_in(&self.namespace, &self.name, &[("app", &self.name)]);
         if !self.annotations.is_empty() {
             y += "  annotations:\n";
             for (k, v) in &self.annotations {
@@ -365,6 +375,8 @@ impl SlicePort {
 pub struct EndpointSlice {
     pub name: String,
     pub service: String,
+    /// The Service's namespace, which the slice and its pods' references share.
+    pub namespace: String,
     pub endpoints: Vec<Endpoint>,
     pub ports: Vec<SlicePort>,
     /// `addressType: IPv6` (else IPv4).
@@ -378,6 +390,7 @@ impl EndpointSlice {
         EndpointSlice {
             name: format!("{}-x7k2p", svc.name),
             service: svc.name.clone(),
+            namespace: svc.namespace.clone(),
             endpoints,
             ports: svc.ports.iter().map(SlicePort::for_service_port).collect(),
             ipv6: false,
@@ -422,8 +435,9 @@ impl EndpointSlice {
             let _ = writeln!(y, "  nodeName: {}", e.node);
             let _ = writeln!(
                 y,
-                "  targetRef:\n    kind: Pod\n    name: {}\n    namespace: {NAMESPACE}\n    uid: {}",
+                "  targetRef:\n    kind: Pod\n    name: {}\n    namespace: {}\n    uid: {}",
                 e.pod,
+                self.namespace,
                 fake_uid(&e.pod)
             );
             if let Some(zone) = &e.zone {
@@ -431,7 +445,8 @@ impl EndpointSlice {
             }
         }
         y += "kind: EndpointSlice\n";
-        y += &metadata(
+        y += &metadata_in(
+            &self.namespace,
             &self.name,
             &[
                 (
@@ -454,6 +469,207 @@ impl EndpointSlice {
             );
         }
         y
+    }
+}
+
+/// `labels:` at `indent`, every value quoted: `ns: y` unquoted is a boolean to
+/// the API's YAML 1.1 reader, so kubectl prints such values quoted too.
+fn labels_yaml(indent: &str, labels: &[(String, String)]) -> String {
+    let mut y = String::new();
+    if labels.is_empty() {
+        return y;
+    }
+    let _ = writeln!(y, "{indent}labels:");
+    for (k, v) in labels {
+        let _ = writeln!(y, "{indent}  {k}: \"{v}\"");
+    }
+    y
+}
+
+/// `metadata:` of a namespaced object with quoted label values (see
+/// [`labels_yaml`]).
+fn object_metadata(namespace: Option<&str>, name: &str, labels: &[(String, String)]) -> String {
+    static VERSION: AtomicU32 = AtomicU32::new(500_000);
+    let mut y = String::from("metadata:\n  creationTimestamp: \"2024-05-01T10:00:00Z\"\n");
+    y += &labels_yaml("  ", labels);
+    let _ = writeln!(y, "  name: {name}");
+    if let Some(namespace) = namespace {
+        let _ = writeln!(y, "  namespace: {namespace}");
+    }
+    let _ = writeln!(
+        y,
+        "  resourceVersion: \"{}\"",
+        VERSION.fetch_add(1, Ordering::Relaxed)
+    );
+    let uid_seed = format!("{}/{name}", namespace.unwrap_or(""));
+    let _ = writeln!(y, "  uid: {}", fake_uid(&uid_seed));
+    y
+}
+
+/// A Namespace object `name` with `labels`, as `kubectl get namespace -o yaml`
+/// prints it (the API server adds `kubernetes.io/metadata.name` itself: give it
+/// in `labels` to have it).
+pub fn namespace_yaml(name: &str, labels: &[(String, String)]) -> String {
+    let mut y = String::from("apiVersion: v1\nkind: Namespace\n");
+    y += &object_metadata(None, name, labels);
+    y += "spec:\n  finalizers:\n  - kubernetes\nstatus:\n  phase: Active\n";
+    y
+}
+
+/// A named container port of a [`PodManifest`].
+#[derive(Clone, Debug)]
+pub struct ContainerPort {
+    /// The port's `name` (what a NetworkPolicy's named port refers to).
+    pub name: String,
+    pub port: u16,
+    /// `TCP`, `UDP` or `SCTP`.
+    pub protocol: &'static str,
+}
+
+/// A running Pod as `kubectl get pod -o yaml` prints it (trimmed to what a proxy
+/// or a policy engine reads): labels, node, named container ports (one container
+/// per port, as the netpol e2e pods have), host network or not, and its addresses.
+#[derive(Clone, Debug)]
+pub struct PodManifest {
+    pub namespace: String,
+    pub name: String,
+    pub labels: Vec<(String, String)>,
+    /// `spec.nodeName`.
+    pub node: String,
+    /// `status.hostIP`: the node's address.
+    pub host_ip: std::net::IpAddr,
+    /// `status.podIPs` (the first is `status.podIP`).
+    pub ips: Vec<std::net::IpAddr>,
+    pub ports: Vec<ContainerPort>,
+    /// `spec.hostNetwork`.
+    pub host_network: bool,
+}
+
+impl PodManifest {
+    pub fn to_yaml(&self) -> String {
+        let mut y = String::from("apiVersion: v1\nkind: Pod\n");
+        y += &object_metadata(Some(&self.namespace), &self.name, &self.labels);
+        y += "spec:\n  containers:\n";
+        for p in &self.ports {
+            let container = p.name.replacen("serve", "cont", 1);
+            let _ = writeln!(
+                y,
+                "  - image: lb-echo\n    name: {container}\n    ports:\n    - containerPort: {}\n      name: {}\n      protocol: {}",
+                p.port, p.name, p.protocol
+            );
+        }
+        if self.host_network {
+            y += "  hostNetwork: true\n";
+        }
+        let _ = writeln!(y, "  nodeName: {}", self.node);
+        let _ = writeln!(y, "status:\n  hostIP: {}\n  phase: Running", self.host_ip);
+        if let Some(first) = self.ips.first() {
+            let _ = writeln!(y, "  podIP: {}", quoted_ip(*first));
+            y += "  podIPs:\n";
+            for ip in &self.ips {
+                let _ = writeln!(y, "  - ip: {}", quoted_ip(*ip));
+            }
+        }
+        y
+    }
+}
+
+/// IPv6 addresses quoted, as kubectl prints them.
+fn quoted_ip(ip: std::net::IpAddr) -> String {
+    match ip {
+        std::net::IpAddr::V6(_) => format!("\"{ip}\""),
+        std::net::IpAddr::V4(_) => ip.to_string(),
+    }
+}
+
+/// A `networking.k8s.io/v1` NetworkPolicy `namespace/name` whose `spec` is given as
+/// JSON (the shape of the API's NetworkPolicySpec), written as block YAML.
+pub fn network_policy_yaml(namespace: &str, name: &str, spec: &serde_json::Value) -> String {
+    let mut y = String::from("apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\n");
+    y += &object_metadata(Some(namespace), name, &[]);
+    y += &block_yaml("spec", spec, 0);
+    y
+}
+
+/// `key: value` as block YAML at `indent` spaces, nested maps and lists on lines
+/// of their own, empty ones as `{}` and `[]`. Every string is double-quoted (a
+/// JSON string is a valid YAML double-quoted scalar): unquoted, `y` or `on` would
+/// be a boolean to the API's YAML 1.1 reader, `80` a number.
+fn block_yaml(key: &str, value: &serde_json::Value, indent: usize) -> String {
+    use serde_json::Value;
+    let pad = " ".repeat(indent);
+    let key = yaml_key(key);
+    match value {
+        Value::Object(map) if !map.is_empty() => {
+            let mut y = format!("{pad}{key}:\n");
+            for (k, v) in map {
+                y += &block_yaml(k, v, indent + 2);
+            }
+            y
+        }
+        Value::Array(items) if !items.is_empty() => {
+            let mut y = format!("{pad}{key}:\n");
+            for item in items {
+                y += &list_item(item, indent);
+            }
+            y
+        }
+        scalar => format!("{pad}{key}: {}\n", flow_scalar(scalar)),
+    }
+}
+
+/// One `- item` of a block list at `indent` (kubectl writes a list at its key's
+/// indentation).
+fn list_item(item: &serde_json::Value, indent: usize) -> String {
+    use serde_json::Value;
+    let pad = " ".repeat(indent);
+    match item {
+        Value::Object(map) if !map.is_empty() => {
+            let mut y = String::new();
+            for (i, (k, v)) in map.iter().enumerate() {
+                let line = block_yaml(k, v, indent + 2);
+                if i == 0 {
+                    // The first key rides on the dash.
+                    y += &format!("{pad}- {}", &line[indent + 2..]);
+                } else {
+                    y += &line;
+                }
+            }
+            y
+        }
+        Value::Array(inner) if !inner.is_empty() => {
+            let mut y = format!("{pad}-\n");
+            for i in inner {
+                y += &list_item(i, indent + 2);
+            }
+            y
+        }
+        scalar => format!("{pad}- {}\n", flow_scalar(scalar)),
+    }
+}
+
+/// A scalar, or an empty map or list, on one line.
+fn flow_scalar(value: &serde_json::Value) -> String {
+    use serde_json::Value;
+    match value {
+        Value::Object(_) => "{}".into(),
+        Value::Array(_) => "[]".into(),
+        // A JSON string is a YAML double-quoted scalar.
+        other => other.to_string(),
+    }
+}
+
+/// A map key bare when it is a plain name (label keys included), else quoted.
+fn yaml_key(key: &str) -> String {
+    let plain = !key.is_empty()
+        && key.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
+        && key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c));
+    if plain {
+        key.to_string()
+    } else {
+        serde_json::Value::from(key).to_string()
     }
 }
 
@@ -483,8 +699,13 @@ pub fn node_yaml_with_pod_cidrs(name: &str, cidrs: &[&str]) -> String {
     y
 }
 
-/// `metadata:` as the API server returns it.
+/// `metadata:` as the API server returns it, in namespace [`NAMESPACE`].
 fn metadata(name: &str, labels: &[(&str, &str)]) -> String {
+    metadata_in(NAMESPACE, name, labels)
+}
+
+/// `metadata:` as the API server returns it, in `namespace`.
+fn metadata_in(namespace: &str, name: &str, labels: &[(&str, &str)]) -> String {
     static VERSION: AtomicU32 = AtomicU32::new(1000);
     let mut y = String::from("metadata:\n  creationTimestamp: \"2024-05-01T10:00:00Z\"\n");
     if !labels.is_empty() {
@@ -493,7 +714,7 @@ fn metadata(name: &str, labels: &[(&str, &str)]) -> String {
             let _ = writeln!(y, "    {k}: {v}");
         }
     }
-    let _ = writeln!(y, "  name: {name}\n  namespace: {NAMESPACE}");
+    let _ = writeln!(y, "  name: {name}\n  namespace: {namespace}");
     let _ = writeln!(
         y,
         "  resourceVersion: \"{}\"",
@@ -645,6 +866,60 @@ mod tests {
         }
         let empty = EndpointSlice::for_service(&web(), vec![]).to_yaml();
         assert!(empty.contains("\nendpoints: null\n"), "{empty}");
+    }
+
+    #[test]
+    fn pod_namespace_and_policy_yaml_have_kubectl_shape() {
+        let labels = vec![("ns".to_string(), "y".to_string())];
+        let ns = namespace_yaml("y", &labels);
+        assert!(ns.contains("kind: Namespace\n"), "{ns}");
+        assert!(ns.contains("  labels:\n    ns: \"y\"\n  name: y\n"), "{ns}");
+        assert!(!ns.contains("namespace:"), "{ns}");
+        let pod = PodManifest {
+            namespace: "x".into(),
+            name: "a".into(),
+            labels: vec![("pod".into(), "a".into())],
+            node: "node1".into(),
+            host_ip: Ipv4Addr::new(192, 168, 50, 1).into(),
+            ips: vec![
+                Ipv4Addr::new(10, 244, 1, 11).into(),
+                "fd00:244:1::11".parse().unwrap(),
+            ],
+            ports: vec![ContainerPort {
+                name: "serve-80-udp".into(),
+                port: 80,
+                protocol: "UDP",
+            }],
+            host_network: false,
+        }
+        .to_yaml();
+        for needle in [
+            "kind: Pod\n",
+            "  name: a\n  namespace: x\n",
+            "    name: cont-80-udp\n    ports:\n    - containerPort: 80\n      name: serve-80-udp\n      protocol: UDP\n",
+            "  nodeName: node1\n",
+            "  podIP: 10.244.1.11\n  podIPs:\n  - ip: 10.244.1.11\n  - ip: \"fd00:244:1::11\"\n",
+        ] {
+            assert!(pod.contains(needle), "{needle:?} missing in\n{pod}");
+        }
+        assert!(!pod.contains("hostNetwork"), "{pod}");
+        let spec = serde_json::json!({
+            "podSelector": {},
+            "ingress": [{ "from": [{ "namespaceSelector": { "matchLabels": { "ns": "y" } } }] }],
+        });
+        let policy = network_policy_yaml("x", "from-y", &spec);
+        assert!(policy.starts_with("apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\n"));
+        assert!(
+            policy.contains("  name: from-y\n  namespace: x\n"),
+            "{policy}"
+        );
+        assert!(policy.contains("spec:\n  ingress:\n"), "{policy}");
+        // Read back, the policy is the spec given (a YAML 1.1 reader included:
+        // `y` must be quoted or it is a boolean).
+        let doc: serde_json::Value = serde_norway::from_str(&policy).unwrap();
+        assert_eq!(doc["spec"], spec);
+        assert!(policy.contains("          ns: \"y\"\n"), "{policy}");
+        assert!(policy.contains("  podSelector: {}\n"), "{policy}");
     }
 
     #[test]

@@ -157,6 +157,28 @@ impl WhoamiReport {
     }
 }
 
+/// One target of `lb-probe reach`: who answered, or why nothing did.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ReachResult {
+    /// `tcp` or `udp`.
+    pub protocol: String,
+    pub to: SocketAddr,
+    /// The name the server gave (lb-echo's greeting or UDP answer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer: Option<String>,
+    /// The failed call and its errno name (`connect ETIMEDOUT`, `recv EAGAIN`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// How long the attempt took, in milliseconds.
+    pub ms: f64,
+}
+
+/// `lb-probe reach`: one attempt per target, all at once, in the order given.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ReachReport {
+    pub results: Vec<ReachResult>,
+}
+
 /// `lb-probe bulk`: one TCP connection that sends a pseudo-random stream and checks
 /// that exactly the same bytes come back.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

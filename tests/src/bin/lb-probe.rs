@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use lb_tests::probe::{
-    BulkReport, FollowEvent, HoldHello, PatternStream, SeqAttempt, SeqReport, Tally, TcpReport,
-    UdpConnectedReport, UdpEchoReport, UdpReport, WhoamiAnswer, WhoamiReport,
+    BulkReport, FollowEvent, HoldHello, PatternStream, ReachReport, ReachResult, SeqAttempt,
+    SeqReport, Tally, TcpReport, UdpConnectedReport, UdpEchoReport, UdpReport, WhoamiAnswer,
+    WhoamiReport,
 };
 use lb_tests::util::io_error_name;
 
@@ -128,6 +129,22 @@ enum Mode {
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65_000))]
         size: u32,
     },
+    /// One attempt to each target at once (a thread each), for reachability
+    /// matrices: a TCP connect and lb-echo's greeting, or a connected UDP socket's
+    /// datagram and lb-echo's answer (sent again every 100 ms while none came).
+    /// With LOCAL_PORTS (`LO-HI`) every socket takes a free port of that range at
+    /// random instead of the kernel's pick. Each attempt gives up after TIMEOUT_MS: a
+    /// dropped SYN or datagram costs that long, not the usual seconds.
+    Reach {
+        #[arg(long)]
+        tcp: Vec<SocketAddr>,
+        #[arg(long)]
+        udp: Vec<SocketAddr>,
+        #[arg(long, default_value_t = 400)]
+        timeout_ms: u64,
+        #[arg(long, value_parser = parse_port_range)]
+        local_ports: Option<(u16, u16)>,
+    },
     /// One TCP connection to an lb-echo `--bulk-port`: sends BYTES of a pseudo-random
     /// stream while reading the echo back, and compares every byte.
     Bulk {
@@ -199,6 +216,17 @@ fn main() -> ExitCode {
             };
             report.and_then(|r| print_json(&r))
         }
+        Mode::Reach {
+            tcp,
+            udp,
+            timeout_ms,
+            local_ports,
+        } => print_json(&reach(
+            &tcp,
+            &udp,
+            Duration::from_millis(timeout_ms),
+            local_ports,
+        )),
         Mode::UdpEcho { to, count, size } => {
             udp_echo(to, count, size as usize).and_then(|r| print_json(&r))
         }
@@ -559,6 +587,130 @@ fn udp_follow(to: SocketAddr, interval: Duration, max: Duration) -> Result<()> {
         std::thread::sleep(interval);
     }
     Ok(())
+}
+
+/// `LO-HI`, both inclusive, LO <= HI.
+fn parse_port_range(text: &str) -> std::result::Result<(u16, u16), String> {
+    let (lo, hi) = text
+        .split_once('-')
+        .ok_or_else(|| format!("{text}: expected LO-HI"))?;
+    let port = |p: &str| p.parse::<u16>().map_err(|e| format!("{text}: {p}: {e}"));
+    let (lo, hi) = (port(lo)?, port(hi)?);
+    if lo == 0 || lo > hi {
+        return Err(format!("{text}: expected 1 <= LO <= HI"));
+    }
+    Ok((lo, hi))
+}
+
+fn reach(
+    tcp: &[SocketAddr],
+    udp: &[SocketAddr],
+    timeout: Duration,
+    local_ports: Option<(u16, u16)>,
+) -> ReachReport {
+    let targets = tcp
+        .iter()
+        .map(|&to| (to, false))
+        .chain(udp.iter().map(|&to| (to, true)));
+    let results = std::thread::scope(|scope| {
+        let attempts: Vec<_> = targets
+            .map(|(to, is_udp)| {
+                scope.spawn(move || {
+                    let start = Instant::now();
+                    let outcome = match is_udp {
+                        true => reach_udp(to, timeout, local_ports),
+                        false => reach_tcp(to, timeout, local_ports),
+                    };
+                    let (answer, error) = match outcome {
+                        Ok(name) => (Some(name), None),
+                        Err((op, e)) => (None, Some(format!("{op} {}", io_error_name(&e)))),
+                    };
+                    ReachResult {
+                        protocol: if is_udp { "udp" } else { "tcp" }.into(),
+                        to,
+                        answer,
+                        error,
+                        ms: start.elapsed().as_secs_f64() * 1000.0,
+                    }
+                })
+            })
+            .collect();
+        attempts
+            .into_iter()
+            .map(|a| a.join().expect("a reach attempt panicked"))
+            .collect()
+    });
+    ReachReport { results }
+}
+
+type Attempt = std::result::Result<String, (&'static str, io::Error)>;
+
+/// A socket of `to`'s family bound to a free port of `range` picked at random
+/// (the kernel's pick without a range).
+fn bound_socket(
+    to: SocketAddr,
+    udp: bool,
+    range: Option<(u16, u16)>,
+) -> std::result::Result<socket2::Socket, (&'static str, io::Error)> {
+    use socket2::{Domain, Socket, Type};
+    let kind = if udp { Type::DGRAM } else { Type::STREAM };
+    let socket = Socket::new(Domain::for_address(to), kind, None).map_err(|e| ("socket", e))?;
+    let Some((lo, hi)) = range else {
+        return Ok(socket);
+    };
+    // std's hasher is randomly keyed per process: a random number without a crate.
+    let random = |salt: u32| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(salt);
+        h.finish()
+    };
+    let span = u64::from(hi - lo) + 1;
+    let mut last = None;
+    for salt in 0..64 {
+        let port = lo + u16::try_from(random(salt) % span).expect("within the range");
+        match socket.bind(&SocketAddr::new(unspecified(to), port).into()) {
+            Ok(()) => return Ok(socket),
+            Err(e) if e.kind() == io::ErrorKind::AddrInUse => last = Some(e),
+            Err(e) => return Err(("bind", e)),
+        }
+    }
+    Err(("bind", last.expect("64 tries ran")))
+}
+
+fn reach_tcp(to: SocketAddr, timeout: Duration, range: Option<(u16, u16)>) -> Attempt {
+    let socket = bound_socket(to, false, range)?;
+    socket
+        .connect_timeout(&to.into(), timeout)
+        .map_err(|e| ("connect", e))?;
+    let stream = TcpStream::from(socket);
+    stream
+        .set_read_timeout(Some(timeout))
+        .map_err(|e| ("setsockopt", e))?;
+    read_line(&mut BufReader::new(&stream)).map_err(|e| ("read", e))
+}
+
+/// How often `reach` sends its UDP datagram again while no answer came.
+const REACH_UDP_RESEND: Duration = Duration::from_millis(100);
+
+fn reach_udp(to: SocketAddr, timeout: Duration, range: Option<(u16, u16)>) -> Attempt {
+    let socket = UdpSocket::from(bound_socket(to, true, range)?);
+    socket.connect(to).map_err(|e| ("connect", e))?;
+    let deadline = Instant::now() + timeout;
+    let mut buf = [0u8; 2048];
+    loop {
+        socket.send(b"ping").map_err(|e| ("send", e))?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        let wait = left.min(REACH_UDP_RESEND).max(Duration::from_millis(1));
+        socket
+            .set_read_timeout(Some(wait))
+            .map_err(|e| ("setsockopt", e))?;
+        match socket.recv(&mut buf) {
+            Ok(n) => return Ok(String::from_utf8_lossy(&buf[..n]).trim().to_string()),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && Instant::now() < deadline => {}
+            Err(e) => return Err(("recv", e)),
+        }
+    }
 }
 
 /// Split a whoami answer `<name> <ip:port>`.
