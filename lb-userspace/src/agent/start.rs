@@ -120,6 +120,7 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
                     // sources, as kube-proxy's --detect-local-mode=NodeCIDR.
                     node_name: (config.masquerade == MasqueradeMode::Off)
                         .then(|| config.node_name.clone()),
+                    network_policy: config.network_policy,
                     ..Default::default()
                 },
             )

@@ -23,7 +23,8 @@ use std::time::Duration;
 
 use futures::stream::{self, BoxStream};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::api::Api;
 use kube::config::{Config, InClusterError, KubeConfigOptions, Kubeconfig, KubeconfigError};
 use kube::runtime::{watcher, WatchStreamExt};
@@ -32,10 +33,11 @@ use serde::de::DeserializeOwned;
 use tokio::time::{Instant, Sleep};
 use tracing::{debug, info, warn};
 
-use super::changes::{ChangeReceiver, ChangeSender, Changes, ObjectKey};
+use super::changes::{ChangeReceiver, ChangeSender, Changes, ObjectKey, PolicyObjects};
 use super::labels::{SERVICE_LABEL_SELECTOR, SLICE_LABEL_SELECTOR};
-use super::lean::{trim_node, EndpointSlice, Meta, Service, Wire};
+use super::lean::{trim_node, trim_pod, EndpointSlice, Meta, Service, Wire};
 use super::store::{Cached, Replaced, Store};
+use crate::model::policy::{NetworkPolicy as PolicyModel, PolicyNamespace, PolicyPod};
 
 /// How the API server is followed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -48,6 +50,9 @@ pub struct KubeWatchOptions {
     /// Only this Node is cached (`fieldSelector=metadata.name=NAME`, as kube-proxy
     /// does); `None` caches every Node.
     pub node_name: Option<String>,
+    /// Follow what NetworkPolicy reads: NetworkPolicies, Pods and Namespaces
+    /// (`--network-policy on`).
+    pub network_policy: bool,
 }
 
 impl Default for KubeWatchOptions {
@@ -56,6 +61,7 @@ impl Default for KubeWatchOptions {
             coalesce_max: Duration::from_millis(100),
             page_size: Some(500),
             node_name: None,
+            network_policy: false,
         }
     }
 }
@@ -176,7 +182,7 @@ pub fn watch(client: Client, options: KubeWatchOptions) -> ChangeReceiver {
     if let Some(name) = &options.node_name {
         node_config = node_config.fields(&format!("metadata.name={name}"));
     }
-    let events = stream::select_all([
+    let mut watched = vec![
         events(
             Api::<Wire<Service>>::all(client.clone()),
             list(SERVICE_LABEL_SELECTOR),
@@ -185,9 +191,20 @@ pub fn watch(client: Client, options: KubeWatchOptions) -> ChangeReceiver {
             Api::<Wire<EndpointSlice>>::all(client.clone()),
             list(SLICE_LABEL_SELECTOR),
         ),
-        events(Api::<Node>::all(client), node_config),
-    ]);
-    tokio::spawn(follow(events, tx, options.coalesce_max));
+        events(Api::<Node>::all(client.clone()), node_config),
+    ];
+    if options.network_policy {
+        watched.push(events(Api::<Pod>::all(client.clone()), paged.clone()));
+        watched.push(events(Api::<Namespace>::all(client.clone()), paged.clone()));
+        watched.push(events(Api::<NetworkPolicy>::all(client), paged.clone()));
+    }
+    let events = stream::select_all(watched);
+    tokio::spawn(follow(
+        events,
+        tx,
+        options.coalesce_max,
+        options.network_policy,
+    ));
     rx
 }
 
@@ -196,10 +213,25 @@ enum Kind {
     Services,
     EndpointSlices,
     Nodes,
+    Pods,
+    Namespaces,
+    NetworkPolicies,
 }
 
 impl Kind {
-    const ALL: [Kind; 3] = [Kind::Services, Kind::EndpointSlices, Kind::Nodes];
+    const ALL: [Kind; 6] = [
+        Kind::Services,
+        Kind::EndpointSlices,
+        Kind::Nodes,
+        Kind::Pods,
+        Kind::Namespaces,
+        Kind::NetworkPolicies,
+    ];
+
+    /// Followed only with `--network-policy on`.
+    fn for_policy(self) -> bool {
+        matches!(self, Kind::Pods | Kind::Namespaces | Kind::NetworkPolicies)
+    }
 
     fn index(self) -> usize {
         self as usize
@@ -212,6 +244,9 @@ enum Update {
     Service(Box<watcher::Event<Service>>),
     Slice(Box<watcher::Event<EndpointSlice>>),
     Node(Box<watcher::Event<Node>>),
+    Pod(Box<watcher::Event<Pod>>),
+    Namespace(Box<watcher::Event<Namespace>>),
+    Policy(Box<watcher::Event<NetworkPolicy>>),
 }
 
 impl Update {
@@ -220,6 +255,9 @@ impl Update {
             Update::Service(_) => Kind::Services,
             Update::Slice(_) => Kind::EndpointSlices,
             Update::Node(_) => Kind::Nodes,
+            Update::Pod(_) => Kind::Pods,
+            Update::Namespace(_) => Kind::Namespaces,
+            Update::Policy(_) => Kind::NetworkPolicies,
         }
     }
 }
@@ -275,6 +313,36 @@ impl Watched for Node {
     const KIND: Kind = Kind::Nodes;
     fn update(event: watcher::Event<Self>) -> Update {
         Update::Node(Box::new(event.modify(trim_node)))
+    }
+}
+
+/// Pods come trimmed to what NetworkPolicy reads.
+impl Watched for Pod {
+    const KIND: Kind = Kind::Pods;
+    fn update(event: watcher::Event<Self>) -> Update {
+        Update::Pod(Box::new(event.modify(trim_pod)))
+    }
+}
+
+impl Watched for Namespace {
+    const KIND: Kind = Kind::Namespaces;
+    fn update(event: watcher::Event<Self>) -> Update {
+        Update::Namespace(Box::new(event.modify(|ns| {
+            ns.metadata.managed_fields = None;
+            ns.metadata.annotations = None;
+            ns.spec = None;
+            ns.status = None;
+        })))
+    }
+}
+
+impl Watched for NetworkPolicy {
+    const KIND: Kind = Kind::NetworkPolicies;
+    fn update(event: watcher::Event<Self>) -> Update {
+        Update::Policy(Box::new(event.modify(|p| {
+            p.metadata.managed_fields = None;
+            p.metadata.annotations = None;
+        })))
     }
 }
 
@@ -460,6 +528,61 @@ struct Caches {
     services: Store<Service>,
     slices: Store<EndpointSlice>,
     nodes: Store<Node>,
+    pods: Store<Pod>,
+    namespaces: Store<Namespace>,
+    policies: Store<NetworkPolicy>,
+    /// What NetworkPolicy reads of them, decoded once per change of an object.
+    decoded: DecodedPolicy,
+}
+
+/// The policy kinds' objects, decoded, by key (a malformed one is reported and
+/// left out).
+#[derive(Default)]
+struct DecodedPolicy {
+    pods: std::collections::BTreeMap<(String, String), Arc<PolicyPod>>,
+    namespaces: std::collections::BTreeMap<(String, String), Arc<PolicyNamespace>>,
+    policies: std::collections::BTreeMap<(String, String), Arc<PolicyModel>>,
+}
+
+impl DecodedPolicy {
+    fn objects(&self) -> PolicyObjects {
+        PolicyObjects {
+            policies: self.policies.values().cloned().collect(),
+            pods: self.pods.values().cloned().collect(),
+            namespaces: self.namespaces.values().cloned().collect(),
+        }
+    }
+}
+
+/// Keeps `decoded` equal to the changed objects' decoding.
+fn decode_changed<K: kube::Resource, D>(
+    changed: Vec<Replaced<K>>,
+    decoded: &mut std::collections::BTreeMap<(String, String), Arc<D>>,
+    decode: impl Fn(&K) -> Result<D, super::ObjectError>,
+) {
+    for (previous, current) in changed {
+        let object = current
+            .as_ref()
+            .or(previous.as_ref())
+            .expect("a change has one side");
+        let meta = object.meta();
+        let key = (
+            meta.namespace.clone().unwrap_or_default(),
+            meta.name.clone().unwrap_or_default(),
+        );
+        match current.as_deref().map(&decode) {
+            Some(Ok(d)) => {
+                decoded.insert(key, Arc::new(d));
+            }
+            Some(Err(e)) => {
+                warn!("skipped: {e}");
+                decoded.remove(&key);
+            }
+            None => {
+                decoded.remove(&key);
+            }
+        }
+    }
 }
 
 impl Caches {
@@ -497,6 +620,48 @@ impl Caches {
                 }
                 step
             }
+            Update::Pod(event) => {
+                let mut changed = Vec::new();
+                let step = apply(&mut self.pods, *event, &mut changed);
+                self.policy_changed(changed, changes, handing_on, |c, d| {
+                    decode_changed(c, &mut d.pods, super::policy::pod)
+                });
+                step
+            }
+            Update::Namespace(event) => {
+                let mut changed = Vec::new();
+                let step = apply(&mut self.namespaces, *event, &mut changed);
+                self.policy_changed(changed, changes, handing_on, |c, d| {
+                    decode_changed(c, &mut d.namespaces, super::policy::namespace)
+                });
+                step
+            }
+            Update::Policy(event) => {
+                let mut changed = Vec::new();
+                let step = apply(&mut self.policies, *event, &mut changed);
+                self.policy_changed(changed, changes, handing_on, |c, d| {
+                    decode_changed(c, &mut d.policies, super::policy::network_policy)
+                });
+                step
+            }
+        }
+    }
+
+    /// A policy kind's objects changed: decoded, and (once handing on) the
+    /// policy objects handed on whole.
+    fn policy_changed<K>(
+        &mut self,
+        changed: Vec<Replaced<K>>,
+        changes: &mut Changes,
+        handing_on: bool,
+        decode: impl FnOnce(Vec<Replaced<K>>, &mut DecodedPolicy),
+    ) {
+        if changed.is_empty() {
+            return;
+        }
+        decode(changed, &mut self.decoded);
+        if handing_on {
+            changes.policy = Some(self.decoded.objects());
         }
     }
 
@@ -514,6 +679,7 @@ impl Caches {
             changes.slice(ObjectKey::of(&slice.metadata), None, Some(slice.clone()));
         }
         changes.nodes = Some(self.all_nodes());
+        changes.policy = Some(self.decoded.objects());
         changes
     }
 
@@ -538,9 +704,15 @@ fn key_of<K>(
 }
 
 /// Drives the watchers and hands changes on until the consumer is gone.
-async fn follow(mut events: stream::SelectAll<Events>, tx: ChangeSender, coalesce_max: Duration) {
+async fn follow(
+    mut events: stream::SelectAll<Events>,
+    tx: ChangeSender,
+    coalesce_max: Duration,
+    network_policy: bool,
+) {
     let mut caches = Caches::default();
-    let mut listed = [false; Kind::ALL.len()];
+    // The kinds not followed count as listed.
+    let mut listed = Kind::ALL.map(|kind| kind.for_policy() && !network_policy);
     let mut handing_on = false;
     let mut coalescer = Coalescer::new(coalesce_max);
     // Set while changes wait to be handed on: at once (`Now`), or at a time.
@@ -749,5 +921,95 @@ mod tests {
         assert!(SERVICE_LABEL_SELECTOR
             .split(',')
             .all(|r| SLICE_LABEL_SELECTOR.contains(r)));
+    }
+}
+
+#[cfg(test)]
+mod policy_tests {
+    use k8s_openapi::api::core::v1::{PodIP, PodSpec, PodStatus};
+    use k8s_openapi::api::networking::v1::NetworkPolicySpec;
+    use kube::api::ObjectMeta;
+
+    use super::*;
+
+    fn meta(namespace: Option<&str>, name: &str, version: &str) -> ObjectMeta {
+        ObjectMeta {
+            namespace: namespace.map(str::to_owned),
+            name: Some(name.to_owned()),
+            resource_version: Some(version.to_owned()),
+            labels: Some([("app".to_owned(), name.to_owned())].into()),
+            ..ObjectMeta::default()
+        }
+    }
+
+    fn pod(name: &str, ip: &str, version: &str) -> Pod {
+        Pod {
+            metadata: meta(Some("x"), name, version),
+            spec: Some(PodSpec {
+                node_name: Some("node1".to_owned()),
+                ..PodSpec::default()
+            }),
+            status: Some(PodStatus {
+                pod_ip: Some(ip.to_owned()),
+                pod_ips: Some(vec![PodIP { ip: ip.to_owned() }]),
+                ..PodStatus::default()
+            }),
+        }
+    }
+
+    /// Pods, Namespaces and NetworkPolicies from the API server reach the agent
+    /// decoded, whole, after each change once every kind has listed; a malformed
+    /// one is left out and the others stay.
+    #[test]
+    fn policy_kinds_are_decoded_and_handed_on_whole() {
+        let mut caches = Caches::default();
+        let mut changes = Changes::default();
+        // Before the lists are done nothing is handed on.
+        let a = pod("a", "10.244.1.11", "1");
+        caches.apply(
+            Pod::update(watcher::Event::Apply(a.clone())),
+            &mut changes,
+            false,
+        );
+        assert!(changes.policy.is_none());
+        let ns = Namespace {
+            metadata: meta(None, "x", "1"),
+            ..Namespace::default()
+        };
+        let deny = NetworkPolicy {
+            metadata: meta(Some("x"), "deny", "1"),
+            spec: Some(NetworkPolicySpec::default()),
+        };
+        caches.apply(
+            Namespace::update(watcher::Event::Apply(ns)),
+            &mut changes,
+            true,
+        );
+        caches.apply(
+            NetworkPolicy::update(watcher::Event::Apply(deny)),
+            &mut changes,
+            true,
+        );
+        let objects = changes.policy.take().expect("handed on");
+        assert_eq!(objects.pods.len(), 1);
+        assert_eq!(&*objects.pods[0].name, "a");
+        assert_eq!(
+            objects.pods[0].ips,
+            vec!["10.244.1.11".parse::<std::net::IpAddr>().unwrap()]
+        );
+        assert_eq!(objects.namespaces.len(), 1);
+        assert_eq!(objects.policies.len(), 1);
+        assert_eq!(&*objects.policies[0].name, "deny");
+        // A pod whose address is no address is reported and left out.
+        let mut bad = pod("b", "not-an-ip", "1");
+        bad.status.as_mut().unwrap().pod_ips = Some(vec![PodIP {
+            ip: "not-an-ip".to_owned(),
+        }]);
+        caches.apply(Pod::update(watcher::Event::Apply(bad)), &mut changes, true);
+        let objects = changes.policy.take().expect("handed on");
+        assert_eq!(objects.pods.len(), 1, "{:?}", objects.pods);
+        // Deleted: gone from what is handed on.
+        caches.apply(Pod::update(watcher::Event::Delete(a)), &mut changes, true);
+        assert!(changes.policy.take().expect("handed on").pods.is_empty());
     }
 }

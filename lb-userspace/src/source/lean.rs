@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use k8s_openapi::api::core::v1::{Node, NodeSpec, NodeStatus};
+use k8s_openapi::api::core::v1::{Container, Node, NodeSpec, NodeStatus, Pod, PodSpec, PodStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
@@ -526,6 +526,37 @@ pub fn trim_node(node: &mut Node) {
     node.status = node.status.take().map(|status| NodeStatus {
         addresses: status.addresses,
         ..NodeStatus::default()
+    });
+}
+
+/// Drops what NetworkPolicy never reads of a Pod as it arrives (10k Pods are
+/// held): its labels, node, host networking, named container ports and addresses
+/// stay.
+pub fn trim_pod(pod: &mut Pod) {
+    let meta = &mut pod.metadata;
+    meta.managed_fields = None;
+    meta.owner_references = None;
+    meta.finalizers = None;
+    meta.annotations = None;
+    pod.spec = pod.spec.take().map(|spec| PodSpec {
+        node_name: spec.node_name,
+        host_network: spec.host_network,
+        containers: spec
+            .containers
+            .into_iter()
+            .map(|c| Container {
+                name: c.name,
+                ports: c.ports,
+                ..Container::default()
+            })
+            .collect(),
+        ..PodSpec::default()
+    });
+    pod.status = pod.status.take().map(|status| PodStatus {
+        pod_ip: status.pod_ip,
+        pod_ips: status.pod_ips,
+        phase: status.phase,
+        ..PodStatus::default()
     });
 }
 

@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use hashbrown::HashTable;
 
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 
 use super::lean::{EndpointSlice, Service};
 
@@ -38,6 +39,9 @@ macro_rules! cached {
 cached!(Service);
 cached!(EndpointSlice);
 cached!(Node);
+cached!(Pod);
+cached!(Namespace);
+cached!(NetworkPolicy);
 
 fn hash_of<K: Cached>(object: &K) -> u64 {
     let mut hasher = rustc_hash::FxHasher::default();
