@@ -270,6 +270,11 @@ impl PolicyCompiler {
         )
     }
 
+    /// Distinct pod identities in use.
+    pub fn identity_count(&self) -> usize {
+        self.identities.by_id.len()
+    }
+
     /// Which rule an allow's `rule` id names.
     pub fn rule(&self, id: u32) -> Option<&RuleRef> {
         self.rule_refs.get(&id)
@@ -439,10 +444,10 @@ impl PolicyCompiler {
         }
         // The new identity is taken before the old one is let go, so that a pod
         // keeping its identity does not make it disappear and come back.
-        let new_identity = match pod.as_deref().and_then(|p| self.identity_desc(p)) {
-            Some(desc) => Some(self.hold_identity(desc)),
-            None => None,
-        };
+        let new_identity = pod
+            .as_deref()
+            .and_then(|p| self.identity_desc(p))
+            .map(|desc| self.hold_identity(desc));
         if let Some(entry) = self.pods.get_mut(&key) {
             entry.1 = new_identity;
         }
@@ -478,10 +483,9 @@ impl PolicyCompiler {
         let Some((pod, old)) = self.pods.get(key).cloned() else {
             return;
         };
-        let new = match self.identity_desc(&pod) {
-            Some(desc) => Some(self.hold_identity(desc)),
-            None => None,
-        };
+        let new = self
+            .identity_desc(&pod)
+            .map(|desc| self.hold_identity(desc));
         if let Some(entry) = self.pods.get_mut(key) {
             entry.1 = new;
         }

@@ -1175,7 +1175,8 @@ fn policy_scale() {
             ),
             &[("http", tcp, 8080), ("metrics", tcp, 9100)],
         );
-        if i % 100 != 0 {
+        // One pod in a hundred is local, spread over the namespaces.
+        if i % 100 != (i / 100) % 100 {
             p.node_name = format!("node-{}", 2 + i % 99).into();
         }
         pods.push(Arc::new(p));
@@ -1216,8 +1217,13 @@ fn policy_scale() {
     let compile = start.elapsed();
     let counts = c.counts();
     println!(
-        "full compile: {compile:?}; entries endpoints {} identities {} cidrs {} policy {}",
-        counts.0, counts.1, counts.2, counts.3
+        "full compile: {compile:?}; entries endpoints {} identities {} cidrs {} policy {}; \
+         {} distinct identities",
+        counts.0,
+        counts.1,
+        counts.2,
+        counts.3,
+        c.identity_count()
     );
 
     fn measure(
@@ -1262,7 +1268,7 @@ fn policy_scale() {
     // A local pod relabelled.
     let mut local_relabel = Default::default();
     for i in 0..20 {
-        let mut p = (*pods[i * 100]).clone();
+        let mut p = (*pods[i * 101]).clone();
         p.labels = p.labels.with("app", "app19");
         measure(
             &mut c,

@@ -44,8 +44,8 @@ impl<K: Ord + Hash + Copy, V: Copy + PartialEq> Tracked<K, V> {
                 _ => {}
             }
         }
-        diff.inserts.sort_by(|a, b| a.0.cmp(&b.0));
-        diff.updates.sort_by(|a, b| a.0.cmp(&b.0));
+        diff.inserts.sort_by_key(|a| a.0);
+        diff.updates.sort_by_key(|a| a.0);
         diff.deletes.sort();
         diff
     }

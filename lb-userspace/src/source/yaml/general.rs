@@ -243,7 +243,7 @@ fn take_object(value: Value, location: &Location, objects: &mut Objects) {
                 Err(super::kinds::PolicyObjectError::Invalid(e)) => {
                     objects.errors.push(ObjectError {
                         location: Some(location.clone()),
-                        ..e
+                        ..*e
                     })
                 }
             }

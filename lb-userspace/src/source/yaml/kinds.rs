@@ -135,7 +135,7 @@ impl PolicyObject {
     }
 
     /// From the API type `ours` names, already read; `None` for another kind.
-    pub(super) fn from_api(api: ApiObject) -> Result<Self, ObjectError> {
+    pub(super) fn from_api(api: ApiObject) -> Result<Self, Box<ObjectError>> {
         Ok(match api {
             ApiObject::Policy(p) => PolicyObject::Policy(Arc::new(policy::network_policy(&p)?)),
             ApiObject::Pod(p) => PolicyObject::Pod(Arc::new(policy::pod(&p)?)),
@@ -146,9 +146,9 @@ impl PolicyObject {
 
 /// The API types of the policy kinds.
 pub(super) enum ApiObject {
-    Policy(NetworkPolicyApi),
-    Pod(Pod),
-    Namespace(Namespace),
+    Policy(Box<NetworkPolicyApi>),
+    Pod(Box<Pod>),
+    Namespace(Box<Namespace>),
 }
 
 impl ApiObject {
@@ -159,9 +159,9 @@ impl ApiObject {
     ) -> Result<Option<Self>, D::Error> {
         use serde::Deserialize;
         Ok(Some(match ours {
-            Ours::NetworkPolicy => ApiObject::Policy(NetworkPolicyApi::deserialize(d)?),
-            Ours::Pod => ApiObject::Pod(Pod::deserialize(d)?),
-            Ours::Namespace => ApiObject::Namespace(Namespace::deserialize(d)?),
+            Ours::NetworkPolicy => ApiObject::Policy(Box::new(NetworkPolicyApi::deserialize(d)?)),
+            Ours::Pod => ApiObject::Pod(Box::new(Pod::deserialize(d)?)),
+            Ours::Namespace => ApiObject::Namespace(Box::new(Namespace::deserialize(d)?)),
             Ours::Service | Ours::EndpointSlice | Ours::Node => return Ok(None),
         }))
     }
@@ -171,7 +171,7 @@ impl ApiObject {
 /// sense (named by [`policy`]'s decoders).
 pub(super) enum PolicyObjectError {
     Schema(serde_json::Error),
-    Invalid(ObjectError),
+    Invalid(Box<ObjectError>),
 }
 
 /// A policy kind from a generic value (the general and JSON paths).
