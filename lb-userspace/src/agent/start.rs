@@ -159,7 +159,6 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
         policy: PolicySettings {
             enabled: u32::from(config.network_policy),
         },
-        ..ProgramSettings::default()
     };
     let mut ebpf = loader::load_with(
         &object,

@@ -163,7 +163,7 @@ pub struct Changes {
     pub nodes: Option<Vec<Arc<Node>>>,
     /// What NetworkPolicy reads (the file source's NetworkPolicies, Pods and
     /// Namespaces), whole, when any changed; the agent finds which by key.
-    pub policy: Option<PolicyObjects>,
+    pub policy: Option<Arc<PolicyObjects>>,
     /// Problems found while reading the objects (the file source), whole, when
     /// they changed.
     pub errors: Option<Vec<ObjectError>>,

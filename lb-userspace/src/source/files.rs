@@ -214,7 +214,7 @@ struct FileCache {
     /// The nodes, problems and unreadable files last handed on (`None`: never).
     handed_on: Option<HandedOn>,
     /// NetworkPolicy's objects last handed on.
-    policy_handed_on: Option<PolicyObjects>,
+    policy_handed_on: Option<Arc<PolicyObjects>>,
 }
 
 /// The nodes, the problems, and the unreadable files (path, problem) as handed on.
@@ -380,6 +380,7 @@ impl FileCache {
             .as_ref()
             .is_some_and(|last| last.same(&policy))
         {
+            let policy = Arc::new(policy);
             changes.policy = Some(policy.clone());
             self.policy_handed_on = Some(policy);
         }

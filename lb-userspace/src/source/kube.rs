@@ -558,7 +558,7 @@ impl DecodedPolicy {
 fn decode_changed<K: kube::Resource, D>(
     changed: Vec<Replaced<K>>,
     decoded: &mut std::collections::BTreeMap<(String, String), Arc<D>>,
-    decode: impl Fn(&K) -> Result<D, super::ObjectError>,
+    decode: impl Fn(&K) -> Result<D, Box<super::ObjectError>>,
 ) {
     for (previous, current) in changed {
         let object = current
@@ -661,7 +661,7 @@ impl Caches {
         }
         decode(changed, &mut self.decoded);
         if handing_on {
-            changes.policy = Some(self.decoded.objects());
+            changes.policy = Some(Arc::new(self.decoded.objects()));
         }
     }
 
@@ -679,7 +679,7 @@ impl Caches {
             changes.slice(ObjectKey::of(&slice.metadata), None, Some(slice.clone()));
         }
         changes.nodes = Some(self.all_nodes());
-        changes.policy = Some(self.decoded.objects());
+        changes.policy = Some(Arc::new(self.decoded.objects()));
         changes
     }
 
