@@ -129,52 +129,20 @@ impl PolicyLookup for Maps {
 #[inline(never)]
 pub fn to_pod(skb: *mut __sk_buff) -> bool {
     let ctx = TcContext::new(skb);
-    let Some(seen) = read(&ctx) else {
+    let Some((seen, key)) = flow_of_pod(&ctx, true) else {
         return true;
     };
-    if seen.kind == KIND_ALWAYS {
-        return true;
-    }
-    // An error's quoted packet is one the pod sent; anything else comes to it.
-    let pod = if seen.kind == KIND_ERROR {
-        seen.saddr
-    } else {
-        seen.daddr
-    };
-    if !tracked(&pod) {
-        return true;
-    }
-    let Some(s) = LB_POLICY_SCRATCH.get_ptr_mut(0) else {
-        return true;
-    };
-    // SAFETY: this CPU's entry, used by nothing else until the program ends.
-    let key = unsafe { &mut *s };
-    if seen.kind == KIND_ERROR {
-        // The quoted packet is one the pod sent (`seen` holds it as it went).
-        pod_side(
-            key,
-            &seen.saddr,
-            &seen.daddr,
-            seen.sport,
-            seen.dport,
-            seen.proto,
-        );
-        return known(key) || !Maps.endpoint(&pod).is_some_and(|e| e.enforces_ingress());
-    }
-    pod_side(
-        key,
-        &seen.daddr,
-        &seen.saddr,
-        seen.dport,
-        seen.sport,
-        seen.proto,
-    );
     if known(key) {
         return true;
     }
+    let pod = key.pod;
+    if seen.kind == KIND_ERROR {
+        // About no flow the pod has: only an enforced pod refuses it.
+        return !Maps.endpoint(&pod).is_some_and(|e| e.enforces_ingress());
+    }
     let verdict = rules::verdict(
         &Maps,
-        &seen.daddr,
+        &pod,
         POLICY_DIR_INGRESS,
         &seen.saddr,
         seen.proto,
@@ -191,50 +159,37 @@ pub fn to_pod(skb: *mut __sk_buff) -> bool {
 #[inline(never)]
 pub fn from_pod_first(skb: *mut __sk_buff) -> i32 {
     let ctx = TcContext::new(skb);
-    let Some(seen) = read(&ctx) else {
-        return PASS;
-    };
-    if seen.kind == KIND_ALWAYS {
-        return PASS;
+    match flow_of_pod(&ctx, false) {
+        Some((_, key)) if !known(key) => JUDGE_AFTER,
+        _ => PASS,
     }
-    // An error's quoted packet came to the pod; anything else leaves it.
-    let pod = if seen.kind == KIND_ERROR {
-        seen.daddr
+}
+
+/// The packet, and its flow as the local pod at one end sees it, written into
+/// this CPU's scratch key; `None` when policy has nothing to say (not IP, a kind
+/// always passed, a pod no policy selects). `to_pod`: the packet goes to the
+/// pod, else it leaves it; an ICMP error's quoted packet went the other way.
+#[inline(always)]
+fn flow_of_pod(ctx: &TcContext, to_pod: bool) -> Option<(Seen, &'static mut PolicyCtKey)> {
+    let seen = read(ctx)?;
+    if seen.kind == KIND_ALWAYS {
+        return None;
+    }
+    let pod_is_destination = to_pod != (seen.kind == KIND_ERROR);
+    let (pod, peer, pod_port, peer_port) = if pod_is_destination {
+        (seen.daddr, seen.saddr, seen.dport, seen.sport)
     } else {
-        seen.saddr
+        (seen.saddr, seen.daddr, seen.sport, seen.dport)
     };
     if !tracked(&pod) {
-        return PASS;
+        return None;
     }
-    let Some(s) = LB_POLICY_SCRATCH.get_ptr_mut(0) else {
-        return PASS;
-    };
-    // SAFETY: this CPU's entry, used by nothing else until the program ends.
+    let s = LB_POLICY_SCRATCH.get_ptr_mut(0)?;
+    // SAFETY: this CPU's entry, used by nothing else until the program ends (or,
+    // for `from_pod_then`, until the same program run reads it back).
     let key = unsafe { &mut *s };
-    if seen.kind == KIND_ERROR {
-        // The quoted packet came to the pod: an error about a flow it has.
-        pod_side(
-            key,
-            &seen.daddr,
-            &seen.saddr,
-            seen.dport,
-            seen.sport,
-            seen.proto,
-        );
-        return if known(key) { PASS } else { JUDGE_AFTER };
-    }
-    pod_side(
-        key,
-        &seen.saddr,
-        &seen.daddr,
-        seen.sport,
-        seen.dport,
-        seen.proto,
-    );
-    if known(key) {
-        return PASS;
-    }
-    JUDGE_AFTER
+    pod_side(key, &pod, &peer, pod_port, peer_port, seen.proto);
+    Some((seen, key))
 }
 
 /// `lb_tc_internal`, after the Service path let the packet on: the pod's egress
