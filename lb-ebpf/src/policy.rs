@@ -295,7 +295,7 @@ fn decided(key: &PolicyCtKey, verdict: Verdict, direction: u8) -> bool {
         _pad: [0; 3],
         rule,
     };
-    if LB_POLICY_CT.insert(key, &value, 0).is_ok() {
+    if LB_POLICY_CT.insert(key, value, 0).is_ok() {
         stats::bump(stat::POLICY_ALLOWED);
     } else {
         stats::bump(stat::POLICY_CT_FULL);
