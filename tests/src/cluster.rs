@@ -702,9 +702,33 @@ impl Cluster {
         interval: Duration,
         window: Option<Duration>,
     ) -> Result<crate::probe::SeqReport> {
-        let to: SocketAddr = to.into();
+        self.seq("tcp-seq", ns, to.into(), count, interval, window)
+    }
+
+    /// [`Cluster::tcp_seq`] with UDP datagrams to an echo port, each from a new
+    /// connected socket (`lb-probe udp-seq`: a closed port is ECONNREFUSED).
+    pub fn udp_seq(
+        &self,
+        ns: &NetNs,
+        to: impl Into<SocketAddr>,
+        count: u32,
+        interval: Duration,
+        window: Option<Duration>,
+    ) -> Result<crate::probe::SeqReport> {
+        self.seq("udp-seq", ns, to.into(), count, interval, window)
+    }
+
+    fn seq(
+        &self,
+        mode: &str,
+        ns: &NetNs,
+        to: SocketAddr,
+        count: u32,
+        interval: Duration,
+        window: Option<Duration>,
+    ) -> Result<crate::probe::SeqReport> {
         let mut args = vec![
-            "tcp-seq".to_string(),
+            mode.to_string(),
             "--to".into(),
             to.to_string(),
             "--count".into(),

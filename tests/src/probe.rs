@@ -277,20 +277,25 @@ mod tests {
     }
 }
 
-/// One connection of `lb-probe tcp-seq`.
+/// One attempt of `lb-probe tcp-seq` (a connection) or `udp-seq` (a datagram
+/// from a new connected socket).
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct SeqAttempt {
-    /// When the connect began, in milliseconds since the probe's first.
+    /// When the attempt began, in milliseconds since the probe's first.
     pub at_ms: f64,
-    /// How long the connect took (failed ones included), in milliseconds.
+    /// How long it took to learn the outcome, failed ones included, in
+    /// milliseconds: the connect (tcp-seq), or from the send to the answer or the
+    /// error (udp-seq, where a closed port shows as ECONNREFUSED on the receive).
     pub connect_ms: f64,
-    /// The backend that greeted the connection.
+    /// The backend that answered (its greeting, or its UDP answer).
     pub backend: Option<String>,
-    /// The errno name of the call that failed (`ECONNREFUSED`, ...).
+    /// The errno name of the call that failed (`ECONNREFUSED`; `EAGAIN` for a
+    /// UDP answer that did not come in time, ...).
     pub error: Option<String>,
 }
 
-/// `lb-probe tcp-seq`: TCP connections one after another, each reported in order.
+/// `lb-probe tcp-seq` / `udp-seq`: attempts one after another, each reported in
+/// order.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct SeqReport {
     pub attempts: Vec<SeqAttempt>,

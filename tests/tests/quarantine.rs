@@ -11,6 +11,14 @@
 //! node (its RST comes back through node1's `lb_tc_external`, SNAT undone) and
 //! once for a local one (through its veth's `lb_tc_internal`).
 //!
+//! UDP on the per-packet path, the same scenario: a datagram per attempt from a
+//! new connected socket, so the backend's ICMP port unreachable (ICMPv6 port
+//! unreachable), translated back by the node, reaches the client as ECONNREFUSED
+//! on the receive, and the node quarantines the backend on seeing it; the
+//! backend's first answer after it listens again clears it. Through the same
+//! NodePort number as the TCP port (a Service with both), once remote over IPv4
+//! and once local over IPv6, as for TCP.
+//!
 //! Needs root and the lb binary with its embedded eBPF object (`cargo xtask test`
 //! builds it; or set LB_BIN).
 
@@ -23,7 +31,7 @@ use lb_tests::agent::{find_frontend, ServiceEntry, SYNC_TIMEOUT};
 use lb_tests::cluster::{node_ip, node_ip6, Cluster};
 use lb_tests::manifests::{documents, Endpoint, EndpointSlice, Service, ServicePort};
 use lb_tests::probe::{SeqAttempt, SeqReport};
-use lb_tests::{cargo_tools, lb_binary, Testbed, ECHO_TCP_PORT};
+use lb_tests::{cargo_tools, lb_binary, Testbed, ECHO_TCP_PORT, ECHO_UDP_PORT};
 
 /// How long after the first refusal the client keeps connecting while the
 /// backend must be skipped: well inside the first quarantine (1 s), with room for
@@ -40,6 +48,31 @@ const VIP4: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 70);
 const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x70);
 const NODE_PORT: u16 = 30470;
 const PODS: [&str; 3] = ["pod-a", "pod-b", "pod-c"];
+
+/// What the per-packet path's client sends: TCP connections or UDP datagrams.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Proto {
+    Tcp,
+    Udp,
+}
+
+impl Proto {
+    /// As `lb services` names it.
+    fn name(self) -> &'static str {
+        match self {
+            Proto::Tcp => "TCP",
+            Proto::Udp => "UDP",
+        }
+    }
+
+    /// The backends' (lb-echo's) port of this protocol.
+    fn backend_port(self) -> u16 {
+        match self {
+            Proto::Tcp => ECHO_TCP_PORT,
+            Proto::Udp => ECHO_UDP_PORT,
+        }
+    }
+}
 
 /// What the scenario needs of a datapath under test.
 trait Bed {
@@ -318,29 +351,46 @@ fn socket_path_skips_a_refusing_backend_ipv6() -> Result<()> {
 struct PacketPath {
     cluster: Cluster,
     to: SocketAddr,
+    proto: Proto,
 }
 
 impl PacketPath {
     /// pod-a and pod-b on node1, pod-c on node2; a dual-stack NodePort Service
-    /// over all three, reached through node1 by the external client.
-    fn new(v6: bool) -> Result<Self> {
-        Self::with_args(v6, "on")
+    /// over all three (a TCP and a UDP port, both on `NODE_PORT`), reached
+    /// through node1 by the external client with `proto`.
+    fn new(v6: bool, proto: Proto) -> Result<Self> {
+        Self::with_args(v6, proto, "on")
     }
 
     /// [`PacketPath::new`] with the agents' `--backend-quarantine` set to
     /// `quarantine`.
-    fn with_args(v6: bool, quarantine: &str) -> Result<Self> {
+    fn with_args(v6: bool, proto: Proto, quarantine: &str) -> Result<Self> {
         let lb = lb_binary()?;
         let mut cluster = Cluster::builder()
             .backend("pod-a", 0)
             .backend("pod-b", 0)
             .backend("pod-c", 1)
             .build(cargo_tools!())?;
+        if proto == Proto::Udp {
+            // A closed UDP port answers with an ICMP error, which the backend's
+            // kernel rate-limits per destination (a burst of 6, then one a
+            // second; ICMPv6 likewise): with every backend closed, most datagrams
+            // would get no error at all, whatever the node does. What is under
+            // test is the node's handling of the errors that are sent, so the
+            // backends send one for each.
+            for pod in PODS {
+                cluster.pod(pod)?.netns().sysctls(&[
+                    ("net/ipv4/icmp_ratelimit", "0"),
+                    ("net/ipv6/icmp/ratelimit", "0"),
+                ])?;
+            }
+        }
         let svc = Service::new(
             "web",
             VIP4,
             vec![
-                ServicePort::tcp("http", 80, ECHO_TCP_PORT.into()).with_node_port(NODE_PORT.into())
+                ServicePort::tcp("http", 80, ECHO_TCP_PORT.into()).with_node_port(NODE_PORT.into()),
+                ServicePort::udp("dns", 53, ECHO_UDP_PORT.into()).with_node_port(NODE_PORT.into()),
             ],
         )
         .dual_stack(VIP6)
@@ -363,19 +413,22 @@ impl PacketPath {
                 } else {
                     pod.ip().into()
                 };
-                Ok(SocketAddr::new(ip, ECHO_TCP_PORT))
+                Ok(SocketAddr::new(ip, proto.backend_port()))
             })
             .collect::<Result<_>>()?;
         let to = SocketAddr::new(node, NODE_PORT);
-        cluster.wait_frontend(0, to, "TCP", "internal", &want)?;
-        Ok(PacketPath { cluster, to })
+        cluster.wait_frontend(0, to, proto.name(), "internal", &want)?;
+        Ok(PacketPath { cluster, to, proto })
     }
 }
 
 impl Bed for PacketPath {
     fn seq(&self, count: u32, window: Option<Duration>) -> Result<SeqReport> {
-        self.cluster
-            .tcp_seq(self.cluster.client(), self.to, count, PACE, window)
+        let client = self.cluster.client();
+        match self.proto {
+            Proto::Tcp => self.cluster.tcp_seq(client, self.to, count, PACE, window),
+            Proto::Udp => self.cluster.udp_seq(client, self.to, count, PACE, window),
+        }
     }
 
     fn stop(&mut self, pod: &str) -> Result<()> {
@@ -391,7 +444,7 @@ impl Bed for PacketPath {
         entries
             .into_iter()
             .find(|e| {
-                e.is(self.to.ip(), self.to.port(), "TCP")
+                e.is(self.to.ip(), self.to.port(), self.proto.name())
                     && (e.frontend.scope.is_empty() || e.frontend.scope == "internal")
             })
             .context("the NodePort left lb services")
@@ -410,14 +463,29 @@ impl Bed for PacketPath {
 /// by node1's `lb_tc_external`.
 #[test]
 fn packet_path_skips_a_refusing_remote_backend_ipv4() -> Result<()> {
-    a_refusing_backend_is_skipped(&mut PacketPath::new(false)?, "pod-c")
+    a_refusing_backend_is_skipped(&mut PacketPath::new(false, Proto::Tcp)?, "pod-c")
 }
 
 /// pod-a is on node1: its RST is seen where it enters the node, by its veth's
 /// `lb_tc_internal`.
 #[test]
 fn packet_path_skips_a_refusing_local_backend_ipv6() -> Result<()> {
-    a_refusing_backend_is_skipped(&mut PacketPath::new(true)?, "pod-a")
+    a_refusing_backend_is_skipped(&mut PacketPath::new(true, Proto::Tcp)?, "pod-a")
+}
+
+/// UDP, pod-c on node2: its ICMP port unreachable, about a datagram from node1's
+/// address (SNAT), is seen by node1's `lb_tc_external`, which quarantines pod-c
+/// and translates the error back to the client.
+#[test]
+fn packet_path_skips_a_refusing_remote_udp_backend_ipv4() -> Result<()> {
+    a_refusing_backend_is_skipped(&mut PacketPath::new(false, Proto::Udp)?, "pod-c")
+}
+
+/// UDP, pod-a on node1: its ICMPv6 port unreachable is seen by its veth's
+/// `lb_tc_internal`.
+#[test]
+fn packet_path_skips_a_refusing_local_udp_backend_ipv6() -> Result<()> {
+    a_refusing_backend_is_skipped(&mut PacketPath::new(true, Proto::Udp)?, "pod-a")
 }
 
 // ---- The failure rate, measured ---------------------------------------------------
@@ -450,7 +518,7 @@ fn failure_share_with_one_dead_backend() -> Result<()> {
         ));
         drop(socket);
         // The per-packet path, IPv4, the dead backend on the other node.
-        let mut packet = PacketPath::with_args(false, quarantine)?;
+        let mut packet = PacketPath::with_args(false, Proto::Tcp, quarantine)?;
         packet.stop("pod-c")?;
         let (failed, total) = measure(&mut |n| packet.seq(n, None))?;
         rows.push(format!(

@@ -19,6 +19,7 @@ mod kubeproxy;
 mod masq;
 mod netio;
 mod pps;
+mod quarantine;
 mod report;
 mod run;
 mod xdp_bulk;
@@ -54,8 +55,9 @@ enum Cmd {
         #[arg(long, value_delimiter = ',')]
         scales: Vec<usize>,
         /// Only these datapaths (comma-separated: iptables, nftables, socket-lb, socket-lb6,
-        /// tc-nodeport, tc-nodeport6, socket-lb-api, pps, dsr, xdp-bulk, masquerade). pps,
-        /// dsr, xdp-bulk and masquerade run once, after the scales (they hold no S Services).
+        /// tc-nodeport, tc-nodeport6, socket-lb-api, pps, dsr, xdp-bulk, masquerade,
+        /// quarantine). pps, dsr, xdp-bulk, masquerade and quarantine run once, after the
+        /// scales (they hold no S Services).
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
         /// Time endpoint changes under churn at every scale (200, 1000 from 10k up; on in full runs).
@@ -86,7 +88,8 @@ enum Cmd {
     Client {
         #[arg(long)]
         to: SocketAddr,
-        /// lat | rate | bulk | watch | paired-lat | paired-bulk | paired-cpu
+        /// lat | rate | bulk | watch | paired-lat | paired-bulk | paired-cpu | paced
+        /// (COUNT connections, one every SECS / COUNT, failures counted)
         #[arg(long)]
         mode: String,
         #[arg(long, default_value_t = 2000)]

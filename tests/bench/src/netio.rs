@@ -162,6 +162,12 @@ pub struct ClientReport {
     pub cpu: Option<PairedCpu>,
     /// Names of the backends that answered (first few).
     pub backends: Vec<String>,
+    /// Paced mode: failed connections whose connect was refused (ECONNREFUSED).
+    #[serde(default)]
+    pub refused: u64,
+    /// Paced mode: when each failed connection began, ms after the first began.
+    #[serde(default)]
+    pub failed_at_ms: Vec<f64>,
 }
 
 /// One side of a paired CPU run: the sums over its blocks.
@@ -213,6 +219,13 @@ fn one_rr_reset(to: SocketAddr, req: &[u8; REQ_LEN], resp: &mut [u8; RESP_LEN]) 
     s.write_all(req)?;
     s.read_exact(resp)?;
     Ok(())
+}
+
+/// Whether a connection failed because its connect was refused (a RST to the SYN).
+fn refused(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<std::io::Error>()
+        .and_then(std::io::Error::raw_os_error)
+        == Some(libc::ECONNREFUSED)
 }
 
 fn name_of(resp: &[u8]) -> String {
@@ -375,6 +388,31 @@ pub fn client(a: &ClientArgs) -> Result<ClientReport> {
             report.count = a.count * a.rounds;
             one_rr(a.to, &req, &mut resp)?;
             note(&mut report, &resp);
+        }
+        "paced" => {
+            // `count` connections over `secs`, each due at its own slot from the
+            // start (a slow one does not shift the rest), and no warm-up: every
+            // connection counts, the first included.
+            let count = a.count.max(1);
+            let start = Instant::now();
+            for i in 0..count {
+                let due = start + Duration::from_secs_f64(a.secs * i as f64 / count as f64);
+                std::thread::sleep(due.saturating_duration_since(Instant::now()));
+                let began = start.elapsed();
+                match one_rr(a.to, &req, &mut resp) {
+                    Ok(()) => {
+                        report.count += 1;
+                        note(&mut report, &resp);
+                    }
+                    Err(e) => {
+                        report.errors += 1;
+                        if refused(&e) {
+                            report.refused += 1;
+                        }
+                        report.failed_at_ms.push(began.as_secs_f64() * 1000.0);
+                    }
+                }
+            }
         }
         "watch" => {
             let until = a.until.clone().context("watch needs --until")?;

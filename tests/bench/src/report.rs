@@ -261,6 +261,7 @@ one real endpoint (pod-a) so that every connection reaches the same server.\n\n"
     o += &pps_table(res);
     o += &entry_tables(res);
     o += &masq_table(res);
+    o += &quarantine_table(res);
     o += &targets(res);
     o += "### Caveats\n\n\
 - One sequential client and single-threaded servers on one vCPU: every figure includes \
@@ -747,6 +748,7 @@ fn targets(res: &Results) -> String {
     o += &pps_target(res);
     o += &xdp_bulk_target(res);
     o += &masq_targets(res);
+    o += &quarantine_targets(res);
     o += "\n";
     if p10k.into_iter().chain(tc10k).any(|v| v >= 0.5) {
         o += "Where the start goes is in the control-plane table's \"of which\" column, from the \
@@ -1036,6 +1038,103 @@ fn masq_targets(res: &Results) -> String {
         verdict(med(&m.rate_ratio).map(|r| r >= 1.2)),
         fmt_ratio(&m.bulk_ratio),
         verdict(med(&m.bulk_ratio).map(|r| r >= 0.98)),
+    )
+}
+
+/// The `quarantine` row (quarantine.rs): a dead backend's share of failed
+/// connections through lb and through iptables mode.
+fn quarantine_table(res: &Results) -> String {
+    let Some(q) = &res.quarantine else {
+        return String::new();
+    };
+    let mut o = format!(
+        "## A dead backend (passive health)\n\n\
+         One of {} backends dead (its server killed, so it refuses) while one client \
+         opens {} connections, one every {:.0} ms (connect, request, response, close), \
+         through each path (tests/bench/src/quarantine.rs); a fresh agent each \
+         repetition. Failed connections per repetition, and the median share \
+         [min–max]:\n\n\
+         | path | failed | share | / iptables |\n|---|---|---|---|\n",
+        q.backends, q.connections, q.interval_ms
+    );
+    let failed = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(", ");
+    let pct = |s: &Option<Stat>| match s {
+        Some(s) => format!(
+            "{:.2}% [{:.2}–{:.2}%]",
+            100.0 * s.median,
+            100.0 * s.min,
+            100.0 * s.max
+        ),
+        None => "–".into(),
+    };
+    for (what, runs, ratio) in [
+        ("lb, socket hooks (ClusterIP)", &q.socket, &q.socket_ratio),
+        (
+            "lb, NodePort (per-packet path)",
+            &q.nodeport,
+            &q.nodeport_ratio,
+        ),
+        ("kube-proxy iptables mode (ClusterIP)", &q.iptables, &None),
+    ] {
+        if runs.failed.is_empty() {
+            continue;
+        }
+        let _ = writeln!(
+            o,
+            "| {what} | {} | {} | {} |",
+            failed(&runs.failed),
+            pct(&runs.share),
+            fmt_ratio(ratio)
+        );
+    }
+    let times = |runs: &crate::quarantine::PathRuns| {
+        runs.failed_at_s.first().map(|at| {
+            at.iter()
+                .map(|s| format!("{s:.2}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        })
+    };
+    for (what, runs) in [("socket hooks", &q.socket), ("NodePort", &q.nodeport)] {
+        if let Some(at) = times(runs) {
+            let _ = writeln!(
+                o,
+                "\nlb's failed connections through the {what} began at (first repetition): \
+                 {at} s."
+            );
+        }
+    }
+    let _ = writeln!(
+        o,
+        "\nlb's backoff lets {} refusals through in a run this long (one per quarantine \
+         period: at 0, 1, 3, 7, 15 s, ...). Checked: every failure was a refusal \
+         (ECONNREFUSED, none timed out), the killed backend never answered, and lb's \
+         counters grew by a quarantine and a skip on each path.\n",
+        q.allowed_failures
+    );
+    o
+}
+
+/// The passive-health target: at most one failed connection per client per
+/// quarantine period through lb (issue 26).
+fn quarantine_targets(res: &Results) -> String {
+    let Some(q) = &res.quarantine else {
+        return String::new();
+    };
+    let worst = q.socket.failed.iter().chain(&q.nodeport.failed).max();
+    format!(
+        "| A dead backend: ≤ 1 failed connection per client per quarantine period ({} in {:.0} s) | \
+         lb at most {} (iptables mode {}) | {} |\n",
+        q.allowed_failures,
+        q.connections as f64 * q.interval_ms / 1000.0,
+        worst.map_or("–".into(), u64::to_string),
+        q.iptables
+            .failed
+            .iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(", "),
+        verdict(worst.map(|w| *w <= q.allowed_failures))
     )
 }
 

@@ -410,6 +410,10 @@ pub struct Results {
     /// Egress masquerading, lb against iptables MASQUERADE (masq.rs).
     #[serde(default)]
     pub masq: Option<crate::masq::MasqResult>,
+    /// A dead backend's share of failed connections, lb against iptables mode
+    /// (quarantine.rs).
+    #[serde(default)]
+    pub quarantine: Option<crate::quarantine::QuarantineResult>,
 }
 
 /// The bench environment. Field order is teardown order.
@@ -484,7 +488,9 @@ pub fn paired_cpu_args(
     args
 }
 
-fn ns_exec(
+/// `program ARGS` in `ns` through `ip netns exec` (for iptables and nft, which
+/// need neither bpffs nor cgroups), stdin from `stdin_file`; how long it took.
+pub(crate) fn ns_exec(
     ns: &NetNs,
     program: &str,
     args: &[&str],
@@ -1648,6 +1654,7 @@ pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
         dsr: None,
         xdp_bulk: None,
         masq: None,
+        quarantine: None,
     };
     println!("direct (start)");
     res.direct_start = Some(env.direct()?);
@@ -1728,6 +1735,11 @@ pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
         println!("egress masquerading: lb against iptables MASQUERADE (pod to outside)");
         let row = crate::masq::run(&exe, &lb, &cfg);
         res.masq = recorded(&mut res.errors, "masquerade", row);
+    }
+    if cfg.wants("quarantine") {
+        println!("a dead backend: lb's quarantine against iptables mode");
+        let row = crate::quarantine::run(&exe, &lb, &cfg);
+        res.quarantine = recorded(&mut res.errors, "quarantine", row);
     }
     println!("direct (end)");
     res.direct_end = Some(env.direct()?);

@@ -75,6 +75,25 @@ enum Mode {
         #[arg(long, default_value_t = 2000)]
         connect_timeout_ms: u64,
     },
+    /// UDP requests one after another, each from a new connected socket (so a
+    /// closed port's ICMP error shows as ECONNREFUSED on the receive), one every
+    /// INTERVAL_MS: each reported in order (when it began, who answered or the
+    /// errno; EAGAIN when no answer came within RECV_TIMEOUT_MS). Stops after
+    /// COUNT, or WINDOW_MS after the first failure.
+    UdpSeq {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        #[arg(long, default_value_t = 10)]
+        interval_ms: u64,
+        /// Keep going this long after the first failure, then stop.
+        #[arg(long)]
+        window_ms: Option<u64>,
+        /// Wait this long for the answer (or the error).
+        #[arg(long, default_value_t = 500)]
+        recv_timeout_ms: u64,
+    },
     /// N connected UDP requests (connect/send/recv), each on a new socket.
     UdpConnected {
         #[arg(long)]
@@ -182,9 +201,26 @@ fn main() -> ExitCode {
         } => print_json(&tcp_seq(
             to,
             count,
-            Duration::from_millis(interval_ms),
-            window_ms.map(Duration::from_millis),
+            Pace {
+                interval: Duration::from_millis(interval_ms),
+                window: window_ms.map(Duration::from_millis),
+            },
             Duration::from_millis(connect_timeout_ms),
+        )),
+        Mode::UdpSeq {
+            to,
+            count,
+            interval_ms,
+            window_ms,
+            recv_timeout_ms,
+        } => print_json(&udp_seq(
+            to,
+            count,
+            Pace {
+                interval: Duration::from_millis(interval_ms),
+                window: window_ms.map(Duration::from_millis),
+            },
+            Duration::from_millis(recv_timeout_ms),
         )),
         Mode::UdpConnected { to, count } => udp_connected(to, count).and_then(|r| print_json(&r)),
         Mode::Hold { to } => hold(to),
@@ -356,50 +392,77 @@ fn tcp(to: SocketAddr, count: u32, connect_timeout: Duration) -> TcpReport {
     report
 }
 
-fn tcp_seq(
-    to: SocketAddr,
-    count: u32,
+/// How `tcp-seq` and `udp-seq` space their attempts: one every `interval` from the
+/// start, and with `window` only for that long after the first failure.
+struct Pace {
     interval: Duration,
     window: Option<Duration>,
-    connect_timeout: Duration,
+}
+
+/// `count` attempts paced as `pace` says; `attempt` makes one (given when it
+/// began, for its timing) and returns the backend's name or the failed call's
+/// error.
+fn seq(
+    count: u32,
+    pace: &Pace,
+    mut attempt: impl FnMut(Instant, &mut SeqAttempt) -> io::Result<String>,
 ) -> SeqReport {
     let mut report = SeqReport::default();
     let start = Instant::now();
     let mut failed_at: Option<Instant> = None;
     for i in 0..count {
-        if let (Some(at), Some(window)) = (failed_at, window) {
+        if let (Some(at), Some(window)) = (failed_at, pace.window) {
             if at.elapsed() >= window {
                 break;
             }
         }
         // Paced from the start, so a slow attempt does not shift the rest.
-        let due = start + interval * i;
+        let due = start + pace.interval * i;
         if let Some(wait) = due.checked_duration_since(Instant::now()) {
             std::thread::sleep(wait);
         }
         let began = Instant::now();
-        let mut attempt = SeqAttempt {
+        let mut one = SeqAttempt {
             at_ms: began.duration_since(start).as_secs_f64() * 1000.0,
             ..SeqAttempt::default()
         };
-        let outcome = TcpStream::connect_timeout(&to, connect_timeout).and_then(|stream| {
-            attempt.connect_ms = began.elapsed().as_secs_f64() * 1000.0;
-            stream.set_read_timeout(Some(TCP_READ_TIMEOUT))?;
-            read_line(&mut BufReader::new(&stream))
-        });
-        match outcome {
-            Ok(name) => attempt.backend = Some(name),
+        match attempt(began, &mut one) {
+            Ok(name) => one.backend = Some(name),
             Err(e) => {
-                if attempt.connect_ms == 0.0 {
-                    attempt.connect_ms = began.elapsed().as_secs_f64() * 1000.0;
-                }
-                attempt.error = Some(io_error_name(&e));
+                one.error = Some(io_error_name(&e));
                 failed_at.get_or_insert(began);
             }
         }
-        report.attempts.push(attempt);
+        if one.connect_ms == 0.0 {
+            one.connect_ms = began.elapsed().as_secs_f64() * 1000.0;
+        }
+        report.attempts.push(one);
     }
     report
+}
+
+fn tcp_seq(to: SocketAddr, count: u32, pace: Pace, connect_timeout: Duration) -> SeqReport {
+    seq(count, &pace, |began, attempt| {
+        let stream = TcpStream::connect_timeout(&to, connect_timeout);
+        attempt.connect_ms = began.elapsed().as_secs_f64() * 1000.0;
+        let stream = stream?;
+        stream.set_read_timeout(Some(TCP_READ_TIMEOUT))?;
+        read_line(&mut BufReader::new(&stream))
+    })
+}
+
+fn udp_seq(to: SocketAddr, count: u32, pace: Pace, recv_timeout: Duration) -> SeqReport {
+    let mut buf = [0u8; 2048];
+    seq(count, &pace, |_, _| {
+        // A new socket each time: a new flow for the datapath, and no error left
+        // over from an earlier datagram.
+        let socket = UdpSocket::bind(SocketAddr::new(unspecified(to), 0))?;
+        socket.set_read_timeout(Some(recv_timeout))?;
+        socket.connect(to)?;
+        socket.send(b"ping")?;
+        let n = socket.recv(&mut buf)?;
+        Ok(String::from_utf8_lossy(&buf[..n]).trim().to_string())
+    })
 }
 
 fn new_udp_socket(to: SocketAddr) -> Result<UdpSocket> {
