@@ -183,6 +183,15 @@ impl LbCli {
             .with_context(|| format!("`lb stats --json` printed unexpected output:\n{out}"))
     }
 
+    /// `lb policy --pin-dir DIR --json`: each local pod address NetworkPolicy is
+    /// enforced on (`address`, `endpoint`, `ingress_enforced`, `egress_enforced`,
+    /// `ingress_drops`, `egress_drops`).
+    pub fn policy(&self) -> Result<Vec<serde_json::Value>> {
+        let out = self.lb_command(&["policy", "--json"])?;
+        serde_json::from_str(&out)
+            .with_context(|| format!("`lb policy --json` printed unexpected output:\n{out}"))
+    }
+
     /// `lb stats --per-service --pin-dir DIR --json`: one row per frontend
     /// (`frontend`, `connections`, `no_backend`, `source_range_drops`).
     pub fn per_service_stats(&self) -> Result<Vec<serde_json::Value>> {

@@ -18,10 +18,10 @@
 //! Needs root and the lb binary with its embedded eBPF object (`cargo xtask test`
 //! builds it; or set LB_BIN).
 
-use anyhow::Result;
+use anyhow::{ensure, Result};
 use lb_tests::netpol::{
-    ns, pod, policy, Family, Netpol, Policy, Reachability, Setup, Via, ANY, TCP80, TCP81, UDP80,
-    UDP81,
+    ns, pod, policy, Family, Netpol, PodRef, Policy, Reachability, Setup, Via, ANY, TCP80, TCP81,
+    UDP80, UDP81,
 };
 use lb_tests::{cargo_tools, lb_binary};
 use serde_json::{json, Value};
@@ -125,7 +125,42 @@ fn policy_is_not_enforced_while_the_flag_is_off() -> Result<()> {
 fn default_deny_ingress() -> Result<()> {
     let np = enforcing()?;
     np.apply(&deny_ingress("x"))?;
-    np.expect(&Reachability::all_allowed().expect(ANY, ns("x"), false))
+    np.expect(&Reachability::all_allowed().expect(ANY, ns("x"), false))?;
+    // `lb policy` on each node: x's pods there enforced for ingress only, with
+    // the probes they turned away counted; the node's other pods not enforced.
+    for node in 0..2 {
+        let rows = np.cluster().node(node).agent().policy()?;
+        let mut x_pods: Vec<String> = PodRef::all()
+            .filter(|p| p.namespace() == "x" && p.node() == node)
+            .map(|p| {
+                np.cluster()
+                    .pod(&p.host_name())
+                    .map(|pod| pod.ip().to_string())
+            })
+            .collect::<Result<_>>()?;
+        x_pods.sort();
+        let enforced = |r: &&Value| r["ingress_enforced"] == true || r["egress_enforced"] == true;
+        let mut listed: Vec<String> = rows
+            .iter()
+            .filter(enforced)
+            .map(|r| r["address"].as_str().unwrap_or_default().to_owned())
+            .filter(|a| !a.contains(':'))
+            .collect();
+        listed.sort();
+        ensure!(
+            listed == x_pods,
+            "node {node}: lb policy lists {listed:?}, x's pods are {x_pods:?}"
+        );
+        for row in rows.iter().filter(enforced) {
+            ensure!(
+                row["ingress_enforced"] == true
+                    && row["egress_enforced"] == false
+                    && row["ingress_drops"].as_u64().unwrap_or(0) > 0,
+                "node {node}: {row}"
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Ingress and egress denied in x: nothing in or out of x, y and z untouched.

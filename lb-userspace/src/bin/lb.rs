@@ -14,6 +14,7 @@ use lb_userspace::datapath::loader::{TcAttach, XdpAttach};
 use lb_userspace::datapath::maps::{ConntrackMap, PinnedMaps, QuarantineMap};
 use lb_userspace::datapath::masquerade::{self, MasqMaps};
 use lb_userspace::datapath::pins::{self, MapSizes, PinLayout};
+use lb_userspace::datapath::policy::PolicyMaps;
 use lb_userspace::datapath::{conntrack, device_links, table};
 use lb_userspace::model::{Algorithm, Frontend, Protocol, Scope};
 use lb_userspace::node::host as sys;
@@ -93,6 +94,13 @@ enum Command {
     /// pod flow, its destination and the node address and port it left with, and
     /// how full the map is.
     Masquerade {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print this node's pods as NetworkPolicy sees them (`lb agent
+    /// --network-policy on`): each address, the directions a policy selects it
+    /// for (none: open), and the packets dropped each way.
+    Policy {
         #[arg(long)]
         json: bool,
     },
@@ -492,6 +500,14 @@ fn main() -> Result<()> {
                     entries.len(),
                     maps.capacity(),
                 ))
+            }
+        }
+        Command::Policy { json } => {
+            let rows = PolicyMaps::open(&layout)?.rows()?;
+            if json {
+                emit(&(serde_json::to_string_pretty(&rows)? + "\n"))
+            } else {
+                emit(&lb_userspace::datapath::policy::render_text(&rows))
             }
         }
         Command::Conntrack { json } => {
