@@ -315,7 +315,22 @@ pub fn verdict<L: PolicyLookup>(
     proto: u8,
     port_be: [u8; 2],
 ) -> Verdict {
-    let endpoint = match maps.endpoint(pod) {
+    verdict_of(maps, maps.endpoint(pod), direction, peer, proto, port_be)
+}
+
+/// [`verdict`] for a caller that has already read the pod's endpoint entry
+/// (`endpoint`: `LB_POLICY_ENDPOINTS[pod]`), so the kernel programs do not look
+/// it up twice for one packet.
+#[inline(always)]
+pub fn verdict_of<L: PolicyLookup>(
+    maps: &L,
+    endpoint: Option<PolicyEndpoint>,
+    direction: u8,
+    peer: &IpAddrBe,
+    proto: u8,
+    port_be: [u8; 2],
+) -> Verdict {
+    let endpoint = match endpoint {
         Some(endpoint) if endpoint.enforces(direction) => endpoint,
         _ => return Verdict::Open,
     };

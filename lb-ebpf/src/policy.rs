@@ -90,12 +90,20 @@ const KIND_FLOW: u8 = 0;
 const KIND_ALWAYS: u8 = 1;
 const KIND_ERROR: u8 = 2;
 
-/// The flow key of the packet being judged, per CPU: off the stack of programs
-/// near the kernel's 512 bytes, and carried from [`from_pod_first`] to
-/// [`from_pod_then`] across the Service path (a program runs to its end on one
-/// CPU, so no two packets share it at once).
+/// The packet being judged: its flow as the pod sees it, and the pod's endpoint
+/// entry as read once for it.
+#[repr(C)]
+struct Judged {
+    key: PolicyCtKey,
+    endpoint: PolicyEndpoint,
+}
+
+/// [`Judged`] per CPU: off the stack of programs near the kernel's 512 bytes,
+/// and carried from [`from_pod_first`] to [`from_pod_then`] across the Service
+/// path (a program runs to its end on one CPU, so no two packets share it at
+/// once).
 #[btf_map]
-static LB_POLICY_SCRATCH: PerCpuArray<PolicyCtKey, 1> = PerCpuArray::new();
+static LB_POLICY_SCRATCH: PerCpuArray<Judged, 1> = PerCpuArray::new();
 
 /// The maps behind `lb_common::policy::verdict`.
 struct Maps;
@@ -129,26 +137,25 @@ impl PolicyLookup for Maps {
 #[inline(never)]
 pub fn to_pod(skb: *mut __sk_buff) -> bool {
     let ctx = TcContext::new(skb);
-    let Some((seen, key)) = flow_of_pod(&ctx, true) else {
+    let Some((seen, judged)) = flow_of_pod(&ctx, true) else {
         return true;
     };
-    if known(key) {
+    if known(&judged.key) {
         return true;
     }
-    let pod = key.pod;
     if seen.kind == KIND_ERROR {
         // About no flow the pod has: only an enforced pod refuses it.
-        return !Maps.endpoint(&pod).is_some_and(|e| e.enforces_ingress());
+        return !judged.endpoint.enforces_ingress();
     }
-    let verdict = rules::verdict(
+    let verdict = rules::verdict_of(
         &Maps,
-        &pod,
+        Some(judged.endpoint),
         POLICY_DIR_INGRESS,
         &seen.saddr,
         seen.proto,
         seen.dport,
     );
-    decided(key, verdict, POLICY_DIR_INGRESS)
+    decided(&judged.key, verdict, POLICY_DIR_INGRESS)
 }
 
 /// `lb_tc_internal`, before the Service path: [`PASS`] when the packet needs no
@@ -160,17 +167,17 @@ pub fn to_pod(skb: *mut __sk_buff) -> bool {
 pub fn from_pod_first(skb: *mut __sk_buff) -> i32 {
     let ctx = TcContext::new(skb);
     match flow_of_pod(&ctx, false) {
-        Some((_, key)) if !known(key) => JUDGE_AFTER,
+        Some((_, judged)) if !known(&judged.key) => JUDGE_AFTER,
         _ => PASS,
     }
 }
 
-/// The packet, and its flow as the local pod at one end sees it, written into
-/// this CPU's scratch key; `None` when policy has nothing to say (not IP, a kind
+/// The packet, and its flow as the local pod at one end sees it with the pod's
+/// endpoint entry, written into this CPU's scratch entry; `None` when policy has nothing to say (not IP, a kind
 /// always passed, a pod no policy selects). `to_pod`: the packet goes to the
 /// pod, else it leaves it; an ICMP error's quoted packet went the other way.
 #[inline(always)]
-fn flow_of_pod(ctx: &TcContext, to_pod: bool) -> Option<(Seen, &'static mut PolicyCtKey)> {
+fn flow_of_pod(ctx: &TcContext, to_pod: bool) -> Option<(Seen, &'static mut Judged)> {
     let seen = read(ctx)?;
     if seen.kind == KIND_ALWAYS {
         return None;
@@ -181,15 +188,21 @@ fn flow_of_pod(ctx: &TcContext, to_pod: bool) -> Option<(Seen, &'static mut Poli
     } else {
         (seen.saddr, seen.daddr, seen.sport, seen.dport)
     };
-    if !tracked(&pod) {
-        return None;
-    }
+    let endpoint = tracked(&pod)?;
     let s = LB_POLICY_SCRATCH.get_ptr_mut(0)?;
     // SAFETY: this CPU's entry, used by nothing else until the program ends (or,
     // for `from_pod_then`, until the same program run reads it back).
-    let key = unsafe { &mut *s };
-    pod_side(key, &pod, &peer, pod_port, peer_port, seen.proto);
-    Some((seen, key))
+    let judged = unsafe { &mut *s };
+    pod_side(
+        &mut judged.key,
+        &pod,
+        &peer,
+        pod_port,
+        peer_port,
+        seen.proto,
+    );
+    judged.endpoint = endpoint;
+    Some((seen, judged))
 }
 
 /// `lb_tc_internal`, after the Service path let the packet on: the pod's egress
@@ -202,13 +215,13 @@ pub fn from_pod_then(skb: *mut __sk_buff) -> bool {
         return true;
     };
     // SAFETY: this CPU's entry, written by `from_pod_first` in this program run.
-    let key = unsafe { &mut *s };
+    let judged = unsafe { &*s };
     let Some(seen) = read(&ctx) else {
         return true;
     };
     // The Service path answered the pod itself (a reject for a Service without
     // endpoints): nothing leaves.
-    if seen.daddr == key.pod {
+    if seen.daddr == judged.key.pod {
         return true;
     }
     let (proto, dport) = if seen.kind == KIND_FLOW {
@@ -224,19 +237,27 @@ pub fn from_pod_then(skb: *mut __sk_buff) -> bool {
             [0; 2],
         )
     };
-    let pod = key.pod;
-    let verdict = rules::verdict(&Maps, &pod, POLICY_DIR_EGRESS, &seen.daddr, proto, dport);
-    decided(key, verdict, POLICY_DIR_EGRESS)
+    let endpoint = Some(judged.endpoint);
+    let verdict = rules::verdict_of(
+        &Maps,
+        endpoint,
+        POLICY_DIR_EGRESS,
+        &seen.daddr,
+        proto,
+        dport,
+    );
+    decided(&judged.key, verdict, POLICY_DIR_EGRESS)
 }
 
 /// A policy selects the local pod at `addr` in either direction. Its flows are
 /// then remembered whichever direction opened them, enforced or not: a pod whose
 /// ingress alone is enforced must still get the replies of the connections it
 /// opens, and the other way round.
+/// The pod's endpoint entry when it is so selected.
 #[inline(always)]
-fn tracked(addr: &IpAddrBe) -> bool {
+fn tracked(addr: &IpAddrBe) -> Option<PolicyEndpoint> {
     Maps.endpoint(addr)
-        .is_some_and(|e| e.enforces_ingress() || e.enforces_egress())
+        .filter(|e| e.enforces_ingress() || e.enforces_egress())
 }
 
 /// Writes the flow's key as the pod sees it into `key`.
