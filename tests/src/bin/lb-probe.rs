@@ -62,15 +62,8 @@ enum Mode {
     /// INTERVAL_MS: each reported in order (when it began, who answered or the
     /// errno). Stops after COUNT, or WINDOW_MS after the first failure.
     TcpSeq {
-        #[arg(long)]
-        to: SocketAddr,
-        #[arg(long, default_value_t = 1)]
-        count: u32,
-        #[arg(long, default_value_t = 10)]
-        interval_ms: u64,
-        /// Keep going this long after the first failure, then stop.
-        #[arg(long)]
-        window_ms: Option<u64>,
+        #[command(flatten)]
+        seq: SeqArgs,
         /// Give up a connect after this long (counted as ETIMEDOUT).
         #[arg(long, default_value_t = 2000)]
         connect_timeout_ms: u64,
@@ -81,15 +74,8 @@ enum Mode {
     /// errno; EAGAIN when no answer came within RECV_TIMEOUT_MS). Stops after
     /// COUNT, or WINDOW_MS after the first failure.
     UdpSeq {
-        #[arg(long)]
-        to: SocketAddr,
-        #[arg(long, default_value_t = 1)]
-        count: u32,
-        #[arg(long, default_value_t = 10)]
-        interval_ms: u64,
-        /// Keep going this long after the first failure, then stop.
-        #[arg(long)]
-        window_ms: Option<u64>,
+        #[command(flatten)]
+        seq: SeqArgs,
         /// Wait this long for the answer (or the error).
         #[arg(long, default_value_t = 500)]
         recv_timeout_ms: u64,
@@ -193,33 +179,21 @@ fn main() -> ExitCode {
             per_socket,
         } => udp(to, count, per_socket).and_then(|r| print_json(&r)),
         Mode::TcpSeq {
-            to,
-            count,
-            interval_ms,
-            window_ms,
+            seq,
             connect_timeout_ms,
         } => print_json(&tcp_seq(
-            to,
-            count,
-            Pace {
-                interval: Duration::from_millis(interval_ms),
-                window: window_ms.map(Duration::from_millis),
-            },
+            seq.to,
+            seq.count,
+            seq.pace(),
             Duration::from_millis(connect_timeout_ms),
         )),
         Mode::UdpSeq {
-            to,
-            count,
-            interval_ms,
-            window_ms,
+            seq,
             recv_timeout_ms,
         } => print_json(&udp_seq(
-            to,
-            count,
-            Pace {
-                interval: Duration::from_millis(interval_ms),
-                window: window_ms.map(Duration::from_millis),
-            },
+            seq.to,
+            seq.count,
+            seq.pace(),
             Duration::from_millis(recv_timeout_ms),
         )),
         Mode::UdpConnected { to, count } => udp_connected(to, count).and_then(|r| print_json(&r)),
@@ -397,6 +371,29 @@ fn tcp(to: SocketAddr, count: u32, connect_timeout: Duration) -> TcpReport {
 struct Pace {
     interval: Duration,
     window: Option<Duration>,
+}
+
+/// What `tcp-seq` and `udp-seq` share: the target and the pacing.
+#[derive(clap::Args)]
+struct SeqArgs {
+    #[arg(long)]
+    to: SocketAddr,
+    #[arg(long, default_value_t = 1)]
+    count: u32,
+    #[arg(long, default_value_t = 10)]
+    interval_ms: u64,
+    /// Keep going this long after the first failure, then stop.
+    #[arg(long)]
+    window_ms: Option<u64>,
+}
+
+impl SeqArgs {
+    fn pace(&self) -> Pace {
+        Pace {
+            interval: Duration::from_millis(self.interval_ms),
+            window: self.window_ms.map(Duration::from_millis),
+        }
+    }
 }
 
 /// `count` attempts paced as `pace` says; `attempt` makes one (given when it
