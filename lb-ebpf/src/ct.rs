@@ -112,15 +112,15 @@ impl Known {
 /// Service (the client reached the pod directly) passes untouched.
 #[inline(always)]
 pub fn follow(flow: &Flow) -> Option<Known> {
-    let key = key_of(flow);
-    let entry = LB_CT.get_ptr_mut(key)?;
+    let mut key = key_of(flow);
+    let entry = LB_CT.get_ptr_mut(&key)?;
     // SAFETY: the pointer is valid for this program run; concurrent updates of the
     // same entry from another CPU only race on the timestamp and state bits, which
     // are monotonic hints for the GC.
     let entry = unsafe { &mut *entry };
     let ended = entry.state & (CT_STATE_FIN | CT_STATE_RST) != 0;
     if ended && flow.proto == IPPROTO_TCP && flow.tcp_flags & TCP_FLAG_SYN != 0 {
-        let _ = LB_CT.remove(key);
+        let _ = LB_CT.remove(&key);
         return None;
     }
     let now = now();
@@ -131,8 +131,8 @@ pub fn follow(flow: &Flow) -> Option<Known> {
     }
     let state = state_of(flow);
     if entry.state & state != state {
-        if entry.dir == CT_DIR_REPLY && quarantine::enabled() {
-            first_answer(entry, flow, now);
+        if entry.dir == CT_DIR_REPLY && quarantine::enabled() && first_answer(entry, flow, now) {
+            forget(&mut key, entry);
         }
         entry.state |= state;
     }
@@ -148,27 +148,54 @@ pub fn follow(flow: &Flow) -> Option<Known> {
     })
 }
 
+/// A refused flow is forgotten on the client's side: its forward entry (keyed by
+/// what the client sent, which the reply entry `entry` rewrites back to) is
+/// removed, so a later packet on the same tuple is balanced afresh, past the
+/// quarantined backend, rather than following the dead pick. A new socket that
+/// happens to get the refused one's port (a random ephemeral port repeats about
+/// once in a few hundred) and a resolver retrying on the same socket both need
+/// that. The reply entry stays until the GC takes it: the packet at hand is still
+/// translated from it, and a backend has nothing more to send on a refused flow.
+///
+/// `key`, the reply entry's key, is rewritten into the forward one in place: the
+/// callers' frames are at the kernel's stack limit (`lb_xdp`'s within 8 bytes),
+/// with no room for a second key.
+#[inline(always)]
+fn forget(key: &mut CtKey, entry: &CtValue) {
+    key.src_addr = entry.nat_dst_addr;
+    key.dst_addr = entry.nat_src_addr;
+    key.src_port = entry.nat_dst_port;
+    key.dst_port = entry.nat_src_port;
+    // By reference on purpose, as everywhere on these paths.
+    #[allow(clippy::needless_borrows_for_generic_args)]
+    let _ = LB_CT.remove(&*key);
+}
+
 /// Passive health on the per-packet path: a backend's first answer to a new flow
 /// (its reply entry has seen nothing yet) says whether it took it. A RST refuses
 /// (the port is closed: quarantined for the frontend); a SYN-ACK, or a UDP
 /// datagram, accepts (any quarantine is cleared). Reached only when the reply entry's
-/// state bits change, so an established flow never comes here.
+/// state bits change, so an established flow never comes here. Returns whether the
+/// backend refused (the flow is then to be forgotten).
 #[inline(always)]
-fn first_answer(entry: &CtValue, flow: &Flow, now: u64) {
+fn first_answer(entry: &CtValue, flow: &Flow, now: u64) -> bool {
     if !unanswered(entry) {
-        return;
+        return false;
     }
     // A UDP backend's first datagram back is its acceptance.
     if flow.proto != IPPROTO_TCP {
         quarantine::accepted(entry.rev_nat_id, entry.backend_id);
-        return;
+        return false;
     }
     let f = flow.tcp_flags;
     if f & TCP_FLAG_RST != 0 {
         quarantine::refused(entry.rev_nat_id, entry.backend_id, now, 0);
-    } else if f & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN | TCP_FLAG_ACK {
+        return true;
+    }
+    if f & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN | TCP_FLAG_ACK {
         quarantine::accepted(entry.rev_nat_id, entry.backend_id);
     }
+    false
 }
 
 /// A reply entry that has seen nothing from its backend yet, of a flow a frontend
@@ -182,11 +209,14 @@ fn unanswered(entry: &CtValue) -> bool {
 
 /// Passive health from an ICMP error about a flow's packet (`entry`: the flow's
 /// reply entry): a host or port unreachable (`lb_common::quarantine::icmp_refuses`)
-/// before the backend answered anything refuses the new flow, TCP or UDP.
+/// before the backend answered anything refuses the new flow, TCP or UDP, and the
+/// flow is forgotten (see [`forget`]; `key` is the reply entry's, and is
+/// overwritten).
 #[inline(always)]
-pub fn refused_by_error(entry: &CtValue) {
+pub fn refused_by_error(key: &mut CtKey, entry: &CtValue) {
     if quarantine::enabled() && unanswered(entry) {
         quarantine::refused(entry.rev_nat_id, entry.backend_id, now(), 0);
+        forget(key, entry);
     }
 }
 

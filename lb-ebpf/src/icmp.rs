@@ -55,7 +55,7 @@ pub fn handle(ctx: &TcContext, error: &IcmpError) -> i32 {
 fn translate(ctx: &TcContext, e: &IcmpError) -> Result<Option<(u32, u32)>, i64> {
     // The quoted packet went from our side towards the backend; its answers carry
     // the reverse tuple, which is the flow's reply-direction conntrack key.
-    let key = CtKey {
+    let mut key = CtKey {
         src_addr: e.inner.daddr,
         dst_addr: e.inner.saddr,
         src_port: e.inner.dport,
@@ -76,7 +76,7 @@ fn translate(ctx: &TcContext, e: &IcmpError) -> Result<Option<(u32, u32)>, i64> 
         return Ok(None);
     }
     if e.refuses {
-        ct::refused_by_error(&entry);
+        ct::refused_by_error(&mut key, &entry);
     }
     // The reply entry rewrites to (frontend -> client); the quoted packet becomes
     // (client -> frontend), what the client sent.

@@ -129,7 +129,7 @@ fn translate(ctx: &TcContext) -> Result<i32, i64> {
     // With its code (see `Packet::read`).
     let [icmp_type, code]: [u8; 2] = ctx.load(ICMP6_OFF)?;
     if lb_common::quarantine::icmp6_refuses(icmp_type, code) {
-        ct::refused_by_error(entry);
+        ct::refused_by_error(&mut s.key, entry);
     }
     // The reply entry rewrites to (frontend -> client); the quoted packet becomes
     // (client -> frontend), what the client sent.

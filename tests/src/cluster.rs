@@ -702,11 +702,14 @@ impl Cluster {
         interval: Duration,
         window: Option<Duration>,
     ) -> Result<crate::probe::SeqReport> {
-        self.seq("tcp-seq", ns, to.into(), count, interval, window)
+        self.seq("tcp-seq", ns, to.into(), count, interval, window, &[])
     }
 
     /// [`Cluster::tcp_seq`] with UDP datagrams to an echo port, each from a new
-    /// connected socket (`lb-probe udp-seq`: a closed port is ECONNREFUSED).
+    /// connected socket (`lb-probe udp-seq`: a closed port is ECONNREFUSED),
+    /// attempt i from local port `first_port + i` (see `lb-probe udp-seq
+    /// --first-port`).
+    #[allow(clippy::too_many_arguments)]
     pub fn udp_seq(
         &self,
         ns: &NetNs,
@@ -714,8 +717,18 @@ impl Cluster {
         count: u32,
         interval: Duration,
         window: Option<Duration>,
+        first_port: u16,
     ) -> Result<crate::probe::SeqReport> {
-        self.seq("udp-seq", ns, to.into(), count, interval, window)
+        let first_port = ["--first-port".to_string(), first_port.to_string()];
+        self.seq(
+            "udp-seq",
+            ns,
+            to.into(),
+            count,
+            interval,
+            window,
+            &first_port,
+        )
     }
 
     fn seq(
@@ -726,6 +739,7 @@ impl Cluster {
         count: u32,
         interval: Duration,
         window: Option<Duration>,
+        extra: &[String],
     ) -> Result<crate::probe::SeqReport> {
         let mut args = vec![
             mode.to_string(),
@@ -739,6 +753,7 @@ impl Cluster {
         if let Some(window) = window {
             args.extend(["--window-ms".to_string(), window.as_millis().to_string()]);
         }
+        args.extend_from_slice(extra);
         self.probe_in(
             ns,
             &args,

@@ -292,6 +292,10 @@ pub struct SeqAttempt {
     /// The errno name of the call that failed (`ECONNREFUSED`; `EAGAIN` for a
     /// UDP answer that did not come in time, ...).
     pub error: Option<String>,
+    /// The client's own port for the attempt (0 when no socket got that far): a
+    /// failure on a port an earlier attempt used may have followed that flow.
+    #[serde(default)]
+    pub local_port: u16,
 }
 
 /// `lb-probe tcp-seq` / `udp-seq`: attempts one after another, each reported in

@@ -2,8 +2,8 @@
 //! quarantines its backend for the frontend; new flows skip it (random picks and
 //! Maglev alike, the latter down the flow's probe sequence as lb-common predicts);
 //! every backend quarantined keeps the first pick; the first SYN-ACK after a
-//! quarantine clears it; an established flow's RST, and the feature turned off,
-//! change nothing.
+//! quarantine clears it; a refused flow is forgotten, so its tuple is balanced
+//! afresh; an established flow's RST, and the feature turned off, change nothing.
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr};
@@ -150,6 +150,9 @@ fn a_rst_to_a_new_flow_quarantines_its_backend_and_new_flows_skip_it() {
     for pod in &others {
         assert_eq!(f.record(*pod), None, "{pod:?} never refused");
     }
+    // The refused flow is forgotten: a new connection that gets the same client
+    // port is balanced afresh, not sent after the dead pick.
+    assert!(others.contains(&f.syn(40_000)));
     // 60 new flows: none goes to the victim, both others get some.
     let picked: Vec<[u8; 4]> = (40_001..40_061).map(|sport| f.syn(sport)).collect();
     assert!(!picked.contains(&victim), "{picked:?}");
@@ -353,6 +356,9 @@ fn a_port_unreachable_to_a_new_udp_flow_quarantines_its_backend() {
     assert_eq!(f.stat(stat::QUARANTINED), 1);
     let record = f.record(victim).expect("the refusing backend has a record");
     assert!(record.is_active(monotonic_now_ns()) && record.strikes == 1);
+    // The refused flow is forgotten: the next datagram on its tuple (a retry on
+    // the same socket, or a new socket given the same port) is balanced afresh.
+    assert_ne!(f.datagram(45_000).0, victim);
     let picked: BTreeSet<[u8; 4]> = (45_001..45_061).map(|s| f.datagram(s).0).collect();
     assert!(!picked.contains(&victim), "{picked:?}");
     assert_eq!(
@@ -380,6 +386,11 @@ fn a_host_unreachable_refuses_but_other_errors_and_answered_flows_do_not() {
     f.internal(&Packet::udp(pod, UDP_PORT, CLIENT, 46_002).frame());
     f.unreachable(pod, &sent, 3);
     assert_eq!(f.record(pod).map(|r| r.strikes).unwrap_or(0), 0);
+    assert_eq!(
+        f.datagram(46_002).0,
+        pod,
+        "an answered flow keeps its backend"
+    );
     assert_eq!(f.stat(stat::QUARANTINED), 0);
     // A host unreachable to a new flow refuses it.
     let (pod, sent) = f.datagram(46_003);
@@ -411,4 +422,5 @@ fn turned_off_a_port_unreachable_leaves_no_record() {
     let (pod, sent) = f.datagram(48_000);
     f.unreachable(pod, &sent, 3);
     assert_eq!(f.record(pod), None);
+    assert_eq!(f.datagram(48_000).0, pod, "off, the flow keeps its pick");
 }

@@ -79,6 +79,11 @@ enum Mode {
         /// Wait this long for the answer (or the error).
         #[arg(long, default_value_t = 500)]
         recv_timeout_ms: u64,
+        /// Attempt i sends from local port FIRST_PORT + i, so that no attempt
+        /// lands on an earlier one's flow (the kernel's random pick repeats a port
+        /// about once in a few hundred). Without it, the kernel picks.
+        #[arg(long)]
+        first_port: Option<u16>,
     },
     /// N connected UDP requests (connect/send/recv), each on a new socket.
     UdpConnected {
@@ -190,11 +195,13 @@ fn main() -> ExitCode {
         Mode::UdpSeq {
             seq,
             recv_timeout_ms,
+            first_port,
         } => print_json(&udp_seq(
             seq.to,
             seq.count,
             seq.pace(),
             Duration::from_millis(recv_timeout_ms),
+            first_port,
         )),
         Mode::UdpConnected { to, count } => udp_connected(to, count).and_then(|r| print_json(&r)),
         Mode::Hold { to } => hold(to),
@@ -443,19 +450,30 @@ fn tcp_seq(to: SocketAddr, count: u32, pace: Pace, connect_timeout: Duration) ->
         let stream = TcpStream::connect_timeout(&to, connect_timeout);
         attempt.connect_ms = began.elapsed().as_secs_f64() * 1000.0;
         let stream = stream?;
+        attempt.local_port = stream.local_addr()?.port();
         stream.set_read_timeout(Some(TCP_READ_TIMEOUT))?;
         read_line(&mut BufReader::new(&stream))
     })
 }
 
-fn udp_seq(to: SocketAddr, count: u32, pace: Pace, recv_timeout: Duration) -> SeqReport {
+fn udp_seq(
+    to: SocketAddr,
+    count: u32,
+    pace: Pace,
+    recv_timeout: Duration,
+    first_port: Option<u16>,
+) -> SeqReport {
     let mut buf = [0u8; 2048];
-    seq(count, &pace, |_, _| {
+    let mut next_port = first_port;
+    seq(count, &pace, |_, attempt| {
         // A new socket each time: a new flow for the datapath, and no error left
         // over from an earlier datagram.
-        let socket = UdpSocket::bind(SocketAddr::new(unspecified(to), 0))?;
+        let port = next_port.unwrap_or(0);
+        next_port = next_port.map(|p| p.wrapping_add(1));
+        let socket = UdpSocket::bind(SocketAddr::new(unspecified(to), port))?;
         socket.set_read_timeout(Some(recv_timeout))?;
         socket.connect(to)?;
+        attempt.local_port = socket.local_addr()?.port();
         socket.send(b"ping")?;
         let n = socket.recv(&mut buf)?;
         Ok(String::from_utf8_lossy(&buf[..n]).trim().to_string())
