@@ -721,3 +721,59 @@ async fn healthz_survives_slow_and_malformed_clients() {
         }
     }
 }
+
+/// Every scrape hook runs (the service counters' and NetworkPolicy's), and the
+/// per-pod drops come out as `lb_policy_drops_total` by pod and direction.
+#[tokio::test]
+async fn every_scrape_hook_runs_and_policy_drops_are_per_pod() {
+    let status = Arc::new(AgentStatus::new());
+    status.on_scrape(|status| status.set_datapath_counters(&[("translated", 3)]));
+    status.on_scrape(|status| status.set_policy_drops(&[("x/a".to_owned(), 7, 0)]));
+    let addr = start(status, ServeConfig::new(Duration::from_secs(60))).await;
+    let samples = parse_exposition(&get(addr, "/metrics").await.body);
+    let event = [("event", "translated")];
+    assert_eq!(value(&samples, "lb_datapath_events_total", &event), 3.0);
+    let drops = |direction| {
+        value(
+            &samples,
+            "lb_policy_drops_total",
+            &[("pod", "x/a"), ("direction", direction)],
+        )
+    };
+    assert_eq!((drops("ingress"), drops("egress")), (7.0, 0.0));
+}
+
+/// `/policy/NS/NAME` (what `lb policy POD` asks): off unless NetworkPolicy is
+/// on, a pod it knows as JSON, anything else refused with the reason.
+#[tokio::test]
+async fn policy_queries_name_the_pod_or_say_why_not() {
+    use lb_userspace::control::policy::view::PodPolicies;
+    let status = Arc::new(AgentStatus::new());
+    let addr = start(status.clone(), ServeConfig::new(Duration::from_secs(60))).await;
+    let off = get(addr, "/policy/x/a").await;
+    assert_eq!(off.status, 404);
+    assert!(off.body.contains("--network-policy on"), "{}", off.body);
+    status.on_policy_query(|namespace, name| {
+        (namespace == "x" && name == "a").then(|| PodPolicies {
+            namespace: namespace.into(),
+            name: name.into(),
+            node: "node1".into(),
+            local: true,
+            host_network: false,
+            addresses: vec!["10.244.1.11".parse().unwrap()],
+            endpoint: Some(4),
+            policies: Vec::new(),
+            rules: Vec::new(),
+        })
+    });
+    let found = get(addr, "/policy/x/a").await;
+    assert_eq!(found.status, 200);
+    let pod: PodPolicies = serde_json::from_str(&found.body).unwrap();
+    assert_eq!((pod.endpoint, pod.addresses.len()), (Some(4), 1));
+    let unknown = get(addr, "/policy/x/zz").await;
+    assert_eq!(unknown.status, 404);
+    assert!(unknown.body.contains("no pod x/zz"), "{}", unknown.body);
+    for bad in ["/policy/x", "/policy//a", "/policy/x/a/b"] {
+        assert_eq!(get(addr, bad).await.status, 400, "{bad}");
+    }
+}

@@ -192,6 +192,25 @@ impl LbCli {
             .with_context(|| format!("`lb policy --json` printed unexpected output:\n{out}"))
     }
 
+    /// `lb policy NAMESPACE/NAME --json ARGS...` run in `ns`, the agent's network
+    /// namespace (its metrics listener is on that namespace's loopback): the
+    /// pod's policies, drops and (with `--from`/`--to PEER --port N`) verdict.
+    pub fn pod_policy(&self, ns: &NetNs, pod: &str, args: &[&str]) -> Result<serde_json::Value> {
+        let out = Spawner::new(&self.lb)
+            .label(format!("lb policy {pod}"))
+            .netns(ns)?
+            .arg("policy")
+            .arg("--pin-dir")
+            .arg(&self.pin_dir)
+            .arg(pod)
+            .arg("--json")
+            .args(args)
+            .output(Duration::from_secs(20))?
+            .checked_stdout()?;
+        serde_json::from_str(&out)
+            .with_context(|| format!("`lb policy {pod} --json` printed unexpected output:\n{out}"))
+    }
+
     /// `lb stats --per-service --pin-dir DIR --json`: one row per frontend
     /// (`frontend`, `connections`, `no_backend`, `source_range_drops`).
     pub fn per_service_stats(&self) -> Result<Vec<serde_json::Value>> {

@@ -702,7 +702,7 @@ impl Cluster {
         interval: Duration,
         window: Option<Duration>,
     ) -> Result<crate::probe::SeqReport> {
-        self.seq("tcp-seq", ns, to.into(), count, interval, window, &[])
+        self.seq("tcp-seq", ns, to.into(), count, (interval, window), &[])
     }
 
     /// [`Cluster::tcp_seq`] with UDP datagrams to an echo port, each from a new
@@ -725,8 +725,7 @@ impl Cluster {
             ns,
             to.into(),
             count,
-            interval,
-            window,
+            (interval, window),
             &first_port,
         )
     }
@@ -737,8 +736,7 @@ impl Cluster {
         ns: &NetNs,
         to: SocketAddr,
         count: u32,
-        interval: Duration,
-        window: Option<Duration>,
+        (interval, window): (Duration, Option<Duration>),
         extra: &[String],
     ) -> Result<crate::probe::SeqReport> {
         let mut args = vec![

@@ -347,7 +347,17 @@ impl Setup {
     /// Agents enforcing policy (`--network-policy on`), probing IPv4.
     pub fn enforcing() -> Self {
         Setup {
-            agent_args: vec!["--network-policy".into(), "on".into()],
+            // The metrics listener at its default address (the harness turns it
+            // off for agents side by side; each node here has its own loopback),
+            // where `lb policy POD` asks the agent.
+            agent_args: [
+                "--network-policy",
+                "on",
+                "--metrics-bind-address",
+                "127.0.0.1:10249",
+            ]
+            .map(String::from)
+            .to_vec(),
             families: vec![Family::V4],
             policies: Vec::new(),
         }
@@ -470,6 +480,14 @@ impl Netpol {
 
     pub fn cluster(&self) -> &Cluster {
         &self.cluster
+    }
+
+    /// `lb policy NS/NAME --json ARGS...` for pod `label` (`x/a`), run on its
+    /// node (in that node's namespace, where the agent's metrics listener is), as
+    /// an operator on the node would.
+    pub fn lb_policy(&self, label: &str, args: &[&str]) -> Result<serde_json::Value> {
+        let node = self.cluster.node(PodRef::parse(label).node());
+        node.agent().pod_policy(node.netns(), label, args)
     }
 
     /// Pod `label`'s (`x/a`) address in `family`.

@@ -184,7 +184,65 @@ fn allow_ingress_from_pod_in_same_namespace() -> Result<()> {
         "x-a-from-x-b",
         json!([{ "podSelector": pod_labelled("b") }]),
     ))?;
-    np.expect(&x_a_isolated().expect(pod("x/b"), pod("x/a"), true))
+    np.expect(&x_a_isolated().expect(pod("x/b"), pod("x/a"), true))?;
+    // `lb policy x/a` on x/a's node: the policy selecting it, and the verdicts
+    // the datapath gives, naming the rule that admits x/b.
+    let (x_b, y_b) = (
+        np.pod_ip("x/b", Family::V4)?.to_string(),
+        np.pod_ip("y/b", Family::V4)?.to_string(),
+    );
+    let from_x_b = np.lb_policy("x/a", &["--from", &x_b, "--port", "80"])?;
+    let selecting = &from_x_b["pod"]["policies"];
+    ensure!(
+        selecting.as_array().map(Vec::len) == Some(1)
+            && selecting[0]["name"] == "x-a-from-x-b"
+            && selecting[0]["ingress"] == true
+            && selecting[0]["egress"] == false,
+        "{from_x_b:#}"
+    );
+    let verdict = &from_x_b["verdict"];
+    ensure!(
+        verdict["allowed"] == true
+            && verdict["reason"] == "rule"
+            && verdict["rule"]["policy"] == "x-a-from-x-b"
+            && verdict["rule"]["direction"] == "ingress"
+            && verdict["rule"]["index"] == 0,
+        "{from_x_b:#}"
+    );
+    let from_y_b = np.lb_policy(
+        "x/a",
+        &["--from", &y_b, "--port", "80", "--protocol", "udp"],
+    )?;
+    ensure!(
+        from_y_b["verdict"]["allowed"] == false
+            && from_y_b["verdict"]["reason"] == "denied"
+            && from_y_b["ingress_drops"].as_u64().unwrap_or(0) > 0,
+        "{from_y_b:#}"
+    );
+    let to_y_b = np.lb_policy("x/a", &["--to", &y_b, "--port", "81"])?;
+    ensure!(
+        to_y_b["verdict"]["allowed"] == true && to_y_b["verdict"]["reason"] == "open",
+        "egress is not isolated: {to_y_b:#}"
+    );
+    // The agent's /metrics on x/a's node counts the same drops for x/a.
+    let node = np.cluster().node(PodRef::parse("x/a").node());
+    let metrics = node.netns().run_in(|| {
+        let mut reply = ureq::get("http://127.0.0.1:10249/metrics").call()?;
+        Ok(reply.body_mut().read_to_string()?)
+    })?;
+    let sample = |direction: &str| {
+        let prefix = format!("lb_policy_drops_total{{pod=\"x/a\",direction=\"{direction}\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    let ingress = sample("ingress");
+    ensure!(
+        ingress.is_some_and(|n| n > 0) && sample("egress") == Some(0),
+        "lb_policy_drops_total for x/a: ingress {ingress:?}:\n{metrics}"
+    );
+    Ok(())
 }
 
 /// x denies all ingress; a second policy opens x/a to every pod of every

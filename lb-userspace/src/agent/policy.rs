@@ -10,6 +10,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
+use parking_lot::Mutex;
 use tracing::{debug, warn};
 
 use crate::control::policy::{MapOps, PolicyChange, PolicyCompiler};
@@ -17,6 +18,7 @@ use crate::datapath::maps::MapsError;
 use crate::datapath::pins::PinLayout;
 use crate::datapath::policy::PolicyMaps;
 use crate::model::policy::{NetworkPolicy, PolicyNamespace, PolicyPod, Text};
+use crate::ops::AgentStatus;
 use crate::source::changes::PolicyObjects;
 
 /// The objects as last given to the compiler, by key.
@@ -28,7 +30,9 @@ struct Known {
 }
 
 pub(super) struct Policy {
-    compiler: PolicyCompiler,
+    /// Shared with the ops listener, which asks it about a pod for `lb policy
+    /// POD` (rarely: the lock is the agent's alone otherwise).
+    compiler: Arc<Mutex<PolicyCompiler>>,
     maps: PolicyMaps,
     known: Known,
     /// A write failed: the maps may lack what the compiler holds; the next
@@ -65,7 +69,7 @@ fn diff<K: Hash + Eq + Clone, T: PartialEq>(
 impl Policy {
     pub(super) fn open(layout: &PinLayout, node_name: &str) -> Result<Self, MapsError> {
         Ok(Policy {
-            compiler: PolicyCompiler::new(node_name),
+            compiler: Arc::new(Mutex::new(PolicyCompiler::new(node_name))),
             maps: PolicyMaps::open(layout)?,
             known: Known::default(),
             dirty: false,
@@ -112,7 +116,7 @@ impl Policy {
             return;
         }
         let count = changes.len();
-        let ops = self.compiler.apply_all(changes);
+        let ops = self.compiler.lock().apply_all(changes);
         let written = self.write(&ops);
         debug!(
             changes = count,
@@ -122,9 +126,37 @@ impl Policy {
         );
     }
 
+    /// Lets `status` answer `/policy/NS/NAME` from the compiler, and fill each
+    /// scrape's per-pod drops (`lb_policy_drops_total`) from the drop counters
+    /// (read through a handle of their own, `maps`).
+    pub(super) fn serve_queries(&self, status: &AgentStatus, maps: PolicyMaps) {
+        let compiler = self.compiler.clone();
+        status
+            .on_policy_query(move |namespace, name| compiler.lock().pod_policies(namespace, name));
+        let compiler = self.compiler.clone();
+        status.on_scrape(move |status| {
+            // The names under the lock, the counters after it.
+            let pods = compiler.lock().local_pods();
+            let mut rows = Vec::with_capacity(pods.len());
+            for (id, pod) in pods {
+                match maps.drops(id) {
+                    Ok(drops) => {
+                        let d = drops.unwrap_or_default();
+                        rows.push((pod, d.ingress_drops, d.egress_drops));
+                    }
+                    Err(e) => {
+                        debug!("reading the policy drop counters: {e}");
+                        return;
+                    }
+                }
+            }
+            status.set_policy_drops(&rows);
+        });
+    }
+
     /// This node's addresses: ingress from them is always admitted.
     pub(super) fn set_node_addresses(&mut self, addrs: impl IntoIterator<Item = IpAddr>) {
-        let ops = self.compiler.set_node_addresses(addrs);
+        let ops = self.compiler.lock().set_node_addresses(addrs);
         self.write(&ops);
     }
 
@@ -185,7 +217,7 @@ impl Policy {
     /// Everything the compiler holds, written over what the maps hold (entries
     /// it no longer holds stay until their key is written or removed again).
     fn rewrite(&mut self) -> Result<usize, MapsError> {
-        let all = self.compiler.maps();
+        let all = self.compiler.lock().maps();
         let m = &mut self.maps;
         for (addr, id) in &all.identities {
             m.put_identity(*addr, *id)?;

@@ -20,6 +20,7 @@ use crate::datapath::device_links::DeviceLinks;
 use crate::datapath::loader::{self, LoadError, ProgramSettings, TcAttach};
 use crate::datapath::maps::{PinnedMaps, QuarantineMap};
 use crate::datapath::pins::{self, CreatedPins, PinLock, PinLockError, Wait};
+use crate::datapath::policy::PolicyMaps;
 use crate::node::host;
 use crate::node::netlink;
 use crate::node::{NodeNet, Overrides};
@@ -219,6 +220,7 @@ pub(super) async fn start(config: AgentConfig) -> Result<(Agent, Inputs), AgentE
     let policy = if config.network_policy {
         let mut policy = super::policy::Policy::open(&config.pin, &config.node_name)?;
         policy.set_node_addresses(net.addresses());
+        policy.serve_queries(&status, PolicyMaps::open(&config.pin)?);
         Some(policy)
     } else {
         None

@@ -19,7 +19,7 @@ use lb_userspace::datapath::{conntrack, device_links, table};
 use lb_userspace::model::{Algorithm, Frontend, Protocol, Scope};
 use lb_userspace::node::host as sys;
 use lb_userspace::node::{NodePortAddresses, Overrides};
-use lb_userspace::ops::{self, BindAddress};
+use lb_userspace::ops::{self, pod_policy, BindAddress};
 
 /// The agent builds hundreds of thousands of small objects per full sync (the
 /// Kubernetes types, then the desired table); glibc's malloc spent about 60% of
@@ -81,9 +81,36 @@ struct Cli {
     command: Command,
 }
 
+#[derive(clap::Args)]
+struct PolicyArgs {
+    /// A pod, as NAMESPACE/NAME.
+    pod: Option<String>,
+    /// The verdict for a connection from this address to the pod (ingress).
+    #[arg(long, requires = "pod", conflicts_with = "to")]
+    from: Option<IpAddr>,
+    /// The verdict for a connection from the pod to this address (egress).
+    #[arg(long, requires = "pod")]
+    to: Option<IpAddr>,
+    /// The connection's destination port: the pod's with --from, the peer's
+    /// with --to.
+    #[arg(long)]
+    port: Option<u16>,
+    /// TCP, UDP or SCTP.
+    #[arg(long, default_value = "TCP")]
+    protocol: String,
+    #[arg(long)]
+    json: bool,
+    /// Where the agent serves /metrics (its --metrics-bind-address); a pod's
+    /// policies are asked for there.
+    #[arg(long, default_value = ops::DEFAULT_METRICS_ADDR)]
+    metrics_address: SocketAddr,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Load and attach the datapath, then keep the maps in sync with the manifests.
+    /// A flag given twice takes its last value, as kube-proxy's flags do.
+    #[command(args_override_self = true)]
     Agent(Box<AgentArgs>),
     /// Print the service table as the kernel programs see it.
     Services {
@@ -99,11 +126,10 @@ enum Command {
     },
     /// Print this node's pods as NetworkPolicy sees them (`lb agent
     /// --network-policy on`): each address, the directions a policy selects it
-    /// for (none: open), and the packets dropped each way.
-    Policy {
-        #[arg(long)]
-        json: bool,
-    },
+    /// for (none: open), and the packets dropped each way. With POD, that pod:
+    /// the policies selecting it (asked of the agent), its drops, and with
+    /// --from or --to the verdict the datapath gives a new connection now.
+    Policy(Box<PolicyArgs>),
     /// Print the flows of the per-packet path (NodePort, external IPs, ...).
     Conntrack {
         #[arg(long)]
@@ -502,9 +528,10 @@ fn main() -> Result<()> {
                 ))
             }
         }
-        Command::Policy { json } => {
+        Command::Policy(args) if args.pod.is_some() => pod_policy(&layout, &args),
+        Command::Policy(args) => {
             let rows = PolicyMaps::open(&layout)?.rows()?;
-            if json {
+            if args.json {
                 emit(&(serde_json::to_string_pretty(&rows)? + "\n"))
             } else {
                 emit(&lb_userspace::datapath::policy::render_text(&rows))
@@ -642,6 +669,57 @@ const AGENT_STATUS_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The agent's own view, or why it could not be had (the attachments are still
 /// shown then).
+/// `lb policy POD [--from|--to PEER --port N]`.
+fn pod_policy(layout: &PinLayout, args: &PolicyArgs) -> Result<()> {
+    let pod = args.pod.as_deref().unwrap_or_default();
+    let (namespace, name) = pod
+        .split_once('/')
+        .filter(|(ns, name)| !ns.is_empty() && !name.is_empty() && !name.contains('/'))
+        .with_context(|| format!("{pod:?}: name the pod as NAMESPACE/NAME"))?;
+    let protocol = pod_policy::protocol_number(&args.protocol)
+        .with_context(|| format!("--protocol {}: TCP, UDP or SCTP", args.protocol))?;
+    let probe = match (args.from, args.to) {
+        (None, None) => None,
+        (from, to) => Some(pod_policy::Probe {
+            ingress: from.is_some(),
+            peer: from.or(to).expect("one is set"),
+            protocol,
+            port: args.port.context("--from and --to need --port")?,
+        }),
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let found = runtime
+        .block_on(ops::fetch_pod_policies(
+            args.metrics_address,
+            namespace,
+            name,
+            AGENT_STATUS_TIMEOUT,
+        ))
+        .with_context(|| {
+            format!(
+                "asking the agent at {} about {pod} (pass its --metrics-bind-address as \
+                 --metrics-address)",
+                args.metrics_address
+            )
+        })?;
+    let maps = PolicyMaps::open(layout)?;
+    let drops = match found.endpoint {
+        Some(id) => maps.drops(id)?.unwrap_or_default(),
+        None => Default::default(),
+    };
+    let verdict = probe
+        .map(|probe| pod_policy::judge(&maps, &found, probe))
+        .transpose()?;
+    let report = pod_policy::PodReport::new(found, drops, verdict);
+    if args.json {
+        emit(&(serde_json::to_string_pretty(&report)? + "\n"))
+    } else {
+        emit(&report.render_text())
+    }
+}
+
 fn agent_status(addr: SocketAddr) -> Result<Result<ops::StatusReport, ops::FetchError>> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray};
+use lb_common::policy::{PolicyLookup, POLICY_CIDR_PREFIX_FULL, POLICY_PREFIX_FULL};
 use lb_common::{
     map_names, IpAddrBe, PolicyAllow, PolicyCidrKey, PolicyCounters, PolicyEndpoint, PolicyKey,
 };
@@ -160,6 +161,29 @@ impl PolicyMaps {
                 map: map_names::POLICY_ENDPOINTS,
                 source,
             })
+    }
+}
+
+/// The kernel programs' rule (`lb_common::policy::verdict`) run over the pinned
+/// maps, for `lb policy POD --from/--to`: the verdict the datapath gives a new
+/// flow now. A map that cannot be read counts as holding nothing (these are
+/// lookups of maps `open` just opened).
+impl PolicyLookup for PolicyMaps {
+    fn endpoint(&self, addr: &IpAddrBe) -> Option<PolicyEndpoint> {
+        self.endpoints.get(addr, 0).ok()
+    }
+
+    fn identity(&self, addr: &IpAddrBe) -> Option<u32> {
+        self.identities.get(addr, 0).ok()
+    }
+
+    fn cidr_class(&self, addr: &IpAddrBe) -> Option<u32> {
+        let key = Key::new(POLICY_CIDR_PREFIX_FULL, PolicyCidrKey { address: *addr });
+        self.cidrs.get(&key, 0).ok()
+    }
+
+    fn allow(&self, key: &PolicyKey) -> Option<PolicyAllow> {
+        self.allows.get(&Key::new(POLICY_PREFIX_FULL, *key), 0).ok()
     }
 }
 

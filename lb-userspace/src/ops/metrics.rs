@@ -288,6 +288,13 @@ impl Metrics {
             .collect();
     }
 
+    pub(super) fn set_policy_drops(&self, rows: &[(String, u64, u64)]) {
+        *self.kernel.policy_drops.lock() = rows
+            .iter()
+            .map(|(pod, ingress, egress)| (pod.clone(), (*ingress, *egress)))
+            .collect();
+    }
+
     pub(super) fn set_quarantine_counters(&self, rows: &[(String, String, QuarantineCounters)]) {
         *self.kernel.quarantine.lock() = rows
             .iter()
@@ -321,6 +328,8 @@ struct KernelCounters {
     services: Mutex<BTreeMap<String, (u64, u64)>>,
     /// (frontend, backend address) -> passive health's record of the backend.
     quarantine: Mutex<BTreeMap<(String, String), QuarantineCounters>>,
+    /// Local pod (`namespace/name`) -> NetworkPolicy drops (ingress, egress).
+    policy_drops: Mutex<BTreeMap<String, (u64, u64)>>,
 }
 
 /// One backend's passive-health counters for one frontend (`LB_QUARANTINE`).
@@ -414,6 +423,22 @@ impl Collector for KernelCounters {
             ];
             prometheus_client::metrics::gauge::ConstGauge::new(i64::from(q.active))
                 .encode(family.encode_family(&labels)?)?;
+        }
+        let policy_drops = self.policy_drops.lock().clone();
+        if !policy_drops.is_empty() {
+            let mut family = encoder.encode_descriptor(
+                "lb_policy_drops",
+                "Packets NetworkPolicy dropped, per local pod and the direction whose \
+                 policy dropped them",
+                None,
+                prometheus_client::metrics::MetricType::Counter,
+            )?;
+            for (pod, (ingress, egress)) in &policy_drops {
+                for (direction, value) in [("ingress", ingress), ("egress", egress)] {
+                    let labels = [("pod", pod.as_str()), ("direction", direction)];
+                    ConstCounter::new(*value).encode(family.encode_family(&labels)?)?;
+                }
+            }
         }
         Ok(())
     }

@@ -6,8 +6,9 @@
 //! - `http`: the hyper glue shared by all listeners.
 //!
 //! An [`OpsServer`] answers `GET /healthz` (kube-proxy's contract) and, on the
-//! metrics address, `/metrics`, `/proxyMode` (as kube-proxy) and `/status` (what
-//! `lb status` shows about the agent).
+//! metrics address, `/metrics`, `/proxyMode` (as kube-proxy), `/status` (what
+//! `lb status` shows about the agent) and `/policy/NS/NAME` (what `lb policy POD`
+//! shows about a pod's NetworkPolicies).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -19,13 +20,14 @@ use tokio::net::TcpListener;
 pub mod health_check;
 mod http;
 pub mod metrics;
+pub mod pod_policy;
 pub mod status;
 
 pub use health_check::{stop_all, HealthCheckServers};
 pub use http::{GetError, MAX_REQUEST_BYTES};
 pub use metrics::SYNC_DURATION_BUCKETS;
 pub use status::{
-    rfc3339, AgentStatus, Clock, Health, ManualClock, Modes, StatusReport, SystemClock,
+    rfc3339, AgentStatus, Clock, Health, ManualClock, Modes, PodAnswer, StatusReport, SystemClock,
     UnreadableFile,
 };
 
@@ -241,8 +243,78 @@ fn route(path: &str, status: &AgentStatus, config: &ServeConfig) -> Option<Reply
             "application/json",
             status.status_json(),
         )),
+        _ if config.routes.metrics && path.starts_with(POLICY_PATH) => {
+            Some(pod_policies(&path[POLICY_PATH.len()..], status))
+        }
         _ => None,
     }
+}
+
+/// Where `/policy/NS/NAME` starts.
+const POLICY_PATH: &str = "/policy/";
+
+/// `/policy/NS/NAME`'s answer for `rest` (`NS/NAME`).
+fn pod_policies(rest: &str, status: &AgentStatus) -> Reply {
+    let Some((namespace, name)) = rest
+        .split_once('/')
+        .filter(|(ns, name)| !ns.is_empty() && !name.is_empty() && !name.contains('/'))
+    else {
+        return Reply::text(StatusCode::BAD_REQUEST, "ask for /policy/NAMESPACE/NAME");
+    };
+    match status.pod_policies(namespace, name) {
+        PodAnswer::PolicyOff => Reply::text(
+            StatusCode::NOT_FOUND,
+            "NetworkPolicy is off on this agent (lb agent --network-policy on)",
+        ),
+        PodAnswer::Unknown => Reply::text(
+            StatusCode::NOT_FOUND,
+            &format!("NetworkPolicy knows no pod {namespace}/{name}"),
+        ),
+        PodAnswer::Found(pod) => {
+            let mut body = serde_json::to_string(&pod).expect("plain data serializes");
+            body.push('\n');
+            Reply::new(StatusCode::OK, "application/json", body)
+        }
+    }
+}
+
+/// Why `lb policy POD` got no answer from the agent.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyFetchError {
+    #[error(transparent)]
+    Get(#[from] GetError),
+    #[error("{addr} answered {status}: {message}")]
+    Refused {
+        addr: SocketAddr,
+        status: StatusCode,
+        message: String,
+    },
+    #[error("{addr}/policy answered something that is not a pod's policies: {source}")]
+    Body {
+        addr: SocketAddr,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Asks the agent whose metrics listener is at `addr` about pod
+/// `namespace/name`'s NetworkPolicies.
+pub async fn fetch_pod_policies(
+    addr: SocketAddr,
+    namespace: &str,
+    name: &str,
+    timeout: Duration,
+) -> Result<crate::control::policy::view::PodPolicies, PolicyFetchError> {
+    let path = format!("{POLICY_PATH}{namespace}/{name}");
+    let (status, body) = http::get(addr, &path, timeout).await?;
+    if status != StatusCode::OK {
+        return Err(PolicyFetchError::Refused {
+            addr,
+            status,
+            message: String::from_utf8_lossy(&body).trim().to_owned(),
+        });
+    }
+    serde_json::from_slice(&body).map_err(|source| PolicyFetchError::Body { addr, source })
 }
 
 /// Binds `addr` and serves both endpoints on it until the future is dropped.

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use parking_lot::{Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::control::policy::view::PodPolicies;
 use crate::datapath::device_links::XdpReport;
 use crate::source::EndpointSlice;
 
@@ -77,6 +78,19 @@ impl Clock for ManualClock {
 
 type ScrapeHook = Arc<dyn Fn(&AgentStatus) + Send + Sync>;
 
+/// What the agent answers about a pod's NetworkPolicies.
+pub enum PodAnswer {
+    /// `--network-policy` is off: nothing is known.
+    PolicyOff,
+    /// No pod of that name among the objects NetworkPolicy follows.
+    Unknown,
+    Found(Box<PodPolicies>),
+}
+
+/// Answers `/policy/NS/NAME`: the pod's policies (`lb policy POD`), `None` when
+/// NetworkPolicy knows no such pod.
+type PolicyQuery = Arc<dyn Fn(&str, &str) -> Option<PodPolicies> + Send + Sync>;
+
 #[derive(Default)]
 struct State {
     initial_sync_done: bool,
@@ -97,7 +111,8 @@ pub struct AgentStatus {
     clock: Arc<dyn Clock>,
     state: Mutex<State>,
     metrics: Metrics,
-    scrape_hook: Mutex<Option<ScrapeHook>>,
+    scrape_hooks: Mutex<Vec<ScrapeHook>>,
+    policy_query: Mutex<Option<PolicyQuery>>,
 }
 
 /// The answer of `/healthz`.
@@ -131,7 +146,8 @@ impl AgentStatus {
             clock,
             state: Mutex::new(state),
             metrics: Metrics::new(),
-            scrape_hook: Mutex::new(None),
+            scrape_hooks: Mutex::new(Vec::new()),
+            policy_query: Mutex::new(None),
         }
     }
 
@@ -248,6 +264,11 @@ impl AgentStatus {
     /// backend), replacing the previous ones.
     /// Passive health's per-backend counters: (frontend, backend address,
     /// counters), replacing the last scrape's.
+    /// Each local pod's NetworkPolicy drops: (namespace/name, ingress, egress).
+    pub fn set_policy_drops(&self, rows: &[(String, u64, u64)]) {
+        self.metrics.set_policy_drops(rows);
+    }
+
     pub fn set_quarantine_counters(
         &self,
         rows: &[(String, String, super::metrics::QuarantineCounters)],
@@ -260,9 +281,29 @@ impl AgentStatus {
     }
 
     /// Runs `hook` before each `/metrics` answer, e.g. to read fresh datapath
-    /// counters with [`AgentStatus::set_datapath_counters`]. Replaces an earlier hook.
+    /// counters with [`AgentStatus::set_datapath_counters`]. Hooks run in the order
+    /// they were added.
     pub fn on_scrape(&self, hook: impl Fn(&AgentStatus) + Send + Sync + 'static) {
-        *self.scrape_hook.lock() = Some(Arc::new(hook));
+        self.scrape_hooks.lock().push(Arc::new(hook));
+    }
+
+    /// Answers `/policy/NS/NAME` with `query` (set when NetworkPolicy is on).
+    pub fn on_policy_query(
+        &self,
+        query: impl Fn(&str, &str) -> Option<PodPolicies> + Send + Sync + 'static,
+    ) {
+        *self.policy_query.lock() = Some(Arc::new(query));
+    }
+
+    /// Pod `namespace/name` as NetworkPolicy knows it.
+    pub fn pod_policies(&self, namespace: &str, name: &str) -> PodAnswer {
+        let Some(query) = self.policy_query.lock().clone() else {
+            return PodAnswer::PolicyOff;
+        };
+        match query(namespace, name) {
+            Some(pod) => PodAnswer::Found(Box::new(pod)),
+            None => PodAnswer::Unknown,
+        }
     }
 
     /// Healthy when the initial sync is done and either no change is pending or the
@@ -325,8 +366,9 @@ impl AgentStatus {
     /// The `/metrics` body in the OpenMetrics text format, after running the
     /// scrape hook.
     pub fn encode_metrics(&self) -> String {
-        let hook = self.scrape_hook.lock().clone();
-        if let Some(hook) = hook {
+        // Cloned out, so a hook may take the lock (add a hook) without a deadlock.
+        let hooks = self.scrape_hooks.lock().clone();
+        for hook in hooks {
             hook(self);
         }
         let now = self.clock.monotonic();

@@ -25,6 +25,7 @@ use lb_common::IpAddrBe;
 use super::cidr::{Block, Partition};
 use super::ports::{self, NamedOn, PortEntry};
 use super::tracked::Tracked;
+use super::view::{direction_name, PodPolicies, RuleName, SelectingPolicy};
 use super::{Lpm, MapOps, PolicyMaps};
 use crate::model::policy::{
     Labels, NamedPort, NetworkPolicy, Peer, PolicyNamespace, PolicyPod, PolicyRule, Text,
@@ -316,6 +317,63 @@ impl PolicyCompiler {
             .collect();
         out.sort();
         out
+    }
+
+    /// Every local pod's endpoint id and `namespace/name`, for the per-pod drop
+    /// metrics.
+    pub fn local_pods(&self) -> Vec<(u32, String)> {
+        self.local
+            .iter()
+            .map(|(id, l)| (*id, format!("{}/{}", l.key.0, l.key.1)))
+            .collect()
+    }
+
+    /// Pod `namespace/name` as `lb policy POD` shows it (`None`: no such pod).
+    pub fn pod_policies(&self, namespace: &str, name: &str) -> Option<PodPolicies> {
+        let key = (Text::from(namespace), Text::from(name));
+        let (pod, _) = self.pods.get(&key)?;
+        let endpoint = self.endpoint_of.get(&key).copied();
+        let selecting = endpoint
+            .and_then(|ep| self.local.get(&ep))
+            .map(|local| &local.policies);
+        let mut policies = Vec::new();
+        let mut rules = Vec::new();
+        for q in selecting.into_iter().flatten() {
+            let Some(state) = self.policies.get(q) else {
+                continue;
+            };
+            let (ns, policy) = (&state.policy.namespace, &state.policy.name);
+            policies.push(SelectingPolicy {
+                namespace: ns.to_string(),
+                name: policy.to_string(),
+                ingress: state.policy.ingress.is_some(),
+                egress: state.policy.egress.is_some(),
+            });
+            for rule in &state.rules {
+                if let Some(r) = self.rule_refs.get(&rule.id) {
+                    rules.push(RuleName {
+                        id: rule.id,
+                        namespace: r.namespace.to_string(),
+                        policy: r.policy.to_string(),
+                        direction: direction_name(r.direction).to_owned(),
+                        index: r.index,
+                    });
+                }
+            }
+        }
+        policies.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+        rules.sort_by_key(|r| r.id);
+        Some(PodPolicies {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            node: pod.node_name.to_string(),
+            local: *pod.node_name == *self.node_name,
+            host_network: pod.host_network,
+            addresses: pod.ips.clone(),
+            endpoint,
+            policies,
+            rules,
+        })
     }
 
     fn take_ops(&mut self) -> MapOps {

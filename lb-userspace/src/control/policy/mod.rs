@@ -33,6 +33,7 @@ mod compile;
 mod eval;
 pub mod ports;
 mod tracked;
+pub mod view;
 
 use std::collections::BTreeMap;
 
