@@ -16,7 +16,7 @@ use tracing::{debug, warn};
 use crate::control::policy::{MapOps, PolicyChange, PolicyCompiler};
 use crate::datapath::maps::MapsError;
 use crate::datapath::pins::PinLayout;
-use crate::datapath::policy::PolicyMaps;
+use crate::datapath::policy::{PolicyKeys, PolicyMaps};
 use crate::model::policy::{NetworkPolicy, PolicyNamespace, PolicyPod, Text};
 use crate::ops::AgentStatus;
 use crate::source::changes::PolicyObjects;
@@ -214,10 +214,16 @@ impl Policy {
         Ok(ops.len())
     }
 
-    /// Everything the compiler holds, written over what the maps hold (entries
-    /// it no longer holds stay until their key is written or removed again).
+    /// Everything the compiler holds, written over what the maps hold, then every
+    /// entry it does not hold removed (a failed write may have left some behind).
     fn rewrite(&mut self) -> Result<usize, MapsError> {
         let all = self.compiler.lock().maps();
+        let keep = PolicyKeys {
+            endpoints: all.endpoints.keys().copied().collect(),
+            identities: all.identities.keys().copied().collect(),
+            cidrs: all.cidrs.keys().map(|k| (k.prefix_len, k.data)).collect(),
+            allows: all.policy.keys().map(|k| (k.prefix_len, k.data)).collect(),
+        };
         let m = &mut self.maps;
         for (addr, id) in &all.identities {
             m.put_identity(*addr, *id)?;
@@ -231,6 +237,11 @@ impl Policy {
         for (addr, endpoint) in &all.endpoints {
             m.put_endpoint(*addr, *endpoint)?;
         }
-        Ok(all.identities.len() + all.cidrs.len() + all.policy.len() + all.endpoints.len())
+        let removed = m.remove_others(&keep)?;
+        Ok(all.identities.len()
+            + all.cidrs.len()
+            + all.policy.len()
+            + all.endpoints.len()
+            + removed)
     }
 }

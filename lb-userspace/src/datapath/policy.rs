@@ -4,6 +4,7 @@
 //! (`control::policy`); this is only the writing and reading, one entry at a
 //! time, so a change touches exactly the entries it names.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
@@ -161,6 +162,76 @@ impl PolicyMaps {
                 map: map_names::POLICY_ENDPOINTS,
                 source,
             })
+    }
+}
+
+/// What the policy maps should hold, by key only: every entry outside it is
+/// stale (see [`PolicyMaps::remove_others`]). LPM keys as (prefix length, data).
+#[derive(Default)]
+pub struct PolicyKeys {
+    pub endpoints: BTreeSet<IpAddrBe>,
+    pub identities: BTreeSet<IpAddrBe>,
+    pub cidrs: BTreeSet<(u32, PolicyCidrKey)>,
+    pub allows: BTreeSet<(u32, PolicyKey)>,
+}
+
+impl PolicyMaps {
+    /// Removes every entry whose key `keep` lacks, in the order that never opens
+    /// a flow on the way: endpoints first (a pod no longer enforced would be open
+    /// anyway), then allows, CIDR classes and identities. After a failed write the
+    /// maps may hold entries of a state that was never fully written (a removal
+    /// that did not happen would otherwise leave an allow behind for good). How
+    /// many were removed.
+    pub fn remove_others(&mut self, keep: &PolicyKeys) -> Result<usize, MapsError> {
+        let read = |map: &'static str| move |source| MapsError::Read { map, source };
+        let endpoints: Vec<IpAddrBe> = self
+            .endpoints
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(read(map_names::POLICY_ENDPOINTS))?;
+        let allows: Vec<Key<PolicyKey>> = self
+            .allows
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(read(map_names::POLICY))?;
+        let cidrs: Vec<Key<PolicyCidrKey>> = self
+            .cidrs
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(read(map_names::POLICY_CIDRS))?;
+        let identities: Vec<IpAddrBe> = self
+            .identities
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(read(map_names::POLICY_IDENTITY))?;
+        let mut removed = 0;
+        for addr in endpoints
+            .into_iter()
+            .filter(|a| !keep.endpoints.contains(a))
+        {
+            self.delete_endpoint(addr)?;
+            removed += 1;
+        }
+        for key in allows {
+            if !keep.allows.contains(&(key.prefix_len(), key.data())) {
+                self.delete_allow(key.prefix_len(), key.data())?;
+                removed += 1;
+            }
+        }
+        for key in cidrs {
+            if !keep.cidrs.contains(&(key.prefix_len(), key.data())) {
+                self.delete_cidr(key.prefix_len(), key.data())?;
+                removed += 1;
+            }
+        }
+        for addr in identities
+            .into_iter()
+            .filter(|a| !keep.identities.contains(a))
+        {
+            self.delete_identity(addr)?;
+            removed += 1;
+        }
+        Ok(removed)
     }
 }
 

@@ -285,3 +285,60 @@ fn turned_off_the_maps_are_never_read() {
     );
     assert_eq!(f.drops(), (0, 0));
 }
+
+/// After a failed write the agent rewrites the maps from its compiler and
+/// removes every entry the compiler no longer holds
+/// (`PolicyMaps::remove_others`): a stale allow stops admitting its peer, and
+/// what is kept still admits.
+#[test]
+fn a_rewrite_removes_stale_entries_and_their_allows_stop_admitting() {
+    use lb_userspace::datapath::policy::{PolicyKeys, PolicyMaps};
+    let f = enforcing();
+    f.select_local_pod(POLICY_ENFORCE_INGRESS);
+    f.allow(ID_OTHER_LOCAL, POLICY_DIR_INGRESS, TCP, 8080, 16, 7);
+    // Left behind by a removal that never happened.
+    f.allow(ID_REMOTE, POLICY_DIR_INGRESS, TCP, 8080, 16, 8);
+    f.cidr_class([192, 0, 2, 0], 24, POLICY_CIDR_CLASS | 1);
+    assert_eq!(
+        f.to_pod(&syn(REMOTE_POD, 41000, LOCAL_POD, 8080)),
+        TC_ACT_OK
+    );
+
+    let keep = PolicyKeys {
+        endpoints: [v4(LOCAL_POD)].into(),
+        identities: [OTHER_LOCAL_POD, REMOTE_POD, LOCAL_POD, NODE]
+            .map(v4)
+            .into(),
+        cidrs: Default::default(),
+        allows: [(
+            POLICY_PREFIX_FULL,
+            PolicyKey {
+                endpoint: EP,
+                peer: ID_OTHER_LOCAL,
+                direction: POLICY_DIR_INGRESS,
+                proto: TCP,
+                port_be: 8080u16.to_be_bytes(),
+            },
+        )]
+        .into(),
+    };
+    let mut maps = PolicyMaps::open(f._pins.layout()).unwrap();
+    assert_eq!(
+        maps.remove_others(&keep).unwrap(),
+        2,
+        "the stale allow and class"
+    );
+    assert_eq!(
+        maps.remove_others(&keep).unwrap(),
+        0,
+        "nothing is left to remove"
+    );
+    assert_eq!(
+        f.to_pod(&syn(REMOTE_POD, 41001, LOCAL_POD, 8080)),
+        TC_ACT_SHOT
+    );
+    assert_eq!(
+        f.to_pod(&syn(OTHER_LOCAL_POD, 41002, LOCAL_POD, 8080)),
+        TC_ACT_OK
+    );
+}
