@@ -16,10 +16,13 @@
 //!
 //! Always passed: non-IP frames, ICMPv6 neighbour discovery and multicast listener
 //! messages (without them IPv6 stops working), ICMP errors about a flow the pod
-//! has (PMTU discovery must keep working), later IPv4 fragments (the pod cannot
-//! reassemble them without the first, which was judged). IPv6 packets with
-//! extension headers are judged with the first header's number as protocol and no
-//! port: only a rule without ports admits them.
+//! has (PMTU discovery must keep working), later fragments (the pod cannot
+//! reassemble them without the first, which was judged). An IPv6 packet's
+//! extension headers (hop-by-hop, routing, destination options, authentication,
+//! fragment; up to [`V6_MAX_EXT`]) are walked to the upper layer, so such a packet
+//! is judged by its real protocol and port; past that many, by the last header
+//! reached, without a port (only a rule without ports admits it). ESP hides the
+//! upper layer: judged as protocol 50.
 
 use aya_ebpf::{
     bindings::__sk_buff,
@@ -405,13 +408,39 @@ fn quoted4(ctx: &TcContext, off: usize) -> Option<Seen> {
     })
 }
 
+/// Most IPv6 extension headers walked to find the upper layer.
+const V6_MAX_EXT: usize = 4;
+
 #[inline(always)]
 fn read6(ctx: &TcContext) -> Option<Seen> {
     let version: u8 = ctx.load(ETH_HLEN).ok()?;
     if version >> 4 != 6 {
         return None;
     }
-    let proto: u8 = ctx.load(ETH_HLEN + hdr::IP6_NEXT_HDR).ok()?;
+    let mut proto: u8 = ctx.load(ETH_HLEN + hdr::IP6_NEXT_HDR).ok()?;
+    let mut l4 = ETH_HLEN + hdr::IP6_HLEN;
+    let mut later_fragment = false;
+    for _ in 0..V6_MAX_EXT {
+        match proto {
+            hdr::NEXTHDR_HOP | hdr::NEXTHDR_ROUTING | hdr::NEXTHDR_DEST => {
+                let h: [u8; 2] = ctx.load(l4).ok()?;
+                proto = h[0];
+                l4 += (h[1] as usize + 1) * 8;
+            }
+            hdr::NEXTHDR_AUTH => {
+                let h: [u8; 2] = ctx.load(l4).ok()?;
+                proto = h[0];
+                l4 += (h[1] as usize + 2) * 4;
+            }
+            hdr::NEXTHDR_FRAGMENT => {
+                let h: [u8; 4] = ctx.load(l4).ok()?;
+                proto = h[0];
+                later_fragment = u16::from_be_bytes([h[2], h[3]]) >> 3 != 0;
+                l4 += 8;
+            }
+            _ => break,
+        }
+    }
     let mut seen = Seen {
         saddr: IpAddrBe {
             words: ctx.load(ETH_HLEN + hdr::IP6_SRC).ok()?,
@@ -424,7 +453,10 @@ fn read6(ctx: &TcContext) -> Option<Seen> {
         proto,
         kind: KIND_FLOW,
     };
-    let l4 = ETH_HLEN + hdr::IP6_HLEN;
+    if later_fragment {
+        seen.kind = KIND_ALWAYS;
+        return Some(seen);
+    }
     match proto {
         IPPROTO_TCP | IPPROTO_UDP | SCTP => {
             let ports: [[u8; 2]; 2] = ctx.load(l4).ok()?;

@@ -16,12 +16,12 @@ use super::{Fixture, ACK, RST, SYN, TCP, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT
 
 pub const NODE6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x50, 0, 0, 0, 0, 2);
 const CLIENT6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x71, 0, 0, 0, 0, 5);
-const LOCAL_POD6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x244, 1, 0, 0, 0, 0, 0x11);
-const REMOTE_POD6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x244, 2, 0, 0, 0, 0, 0x21);
+pub(super) const LOCAL_POD6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x244, 1, 0, 0, 0, 0, 0x11);
+pub(super) const REMOTE_POD6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x244, 2, 0, 0, 0, 0, 0x21);
 const NODE_PORT: u16 = 30080;
-const NEXT_HOP_BY_HOP: u8 = 0;
-const NEXT_FRAGMENT: u8 = 44;
-const NEXT_DEST_OPTS: u8 = 60;
+pub(super) const NEXT_HOP_BY_HOP: u8 = 0;
+pub(super) const NEXT_FRAGMENT: u8 = 44;
+pub(super) const NEXT_DEST_OPTS: u8 = 60;
 const NEXT_ESP: u8 = 50;
 const NEXT_ICMPV6: u8 = 58;
 
@@ -51,7 +51,7 @@ fn node_port6(protocol: Protocol, backends: &[(Ipv6Addr, bool)]) -> DesiredState
 
 /// An IPv6 TCP or UDP packet; `ext` are extension headers (each a next-header
 /// value and its bytes, whose first byte is overwritten with the chain's next).
-struct Packet6 {
+pub(super) struct Packet6 {
     src: Ipv6Addr,
     dst: Ipv6Addr,
     sport: u16,
@@ -63,7 +63,7 @@ struct Packet6 {
 }
 
 impl Packet6 {
-    fn tcp(src: Ipv6Addr, sport: u16, dst: Ipv6Addr, dport: u16, flags: u8) -> Self {
+    pub(super) fn tcp(src: Ipv6Addr, sport: u16, dst: Ipv6Addr, dport: u16, flags: u8) -> Self {
         Packet6 {
             src,
             dst,
@@ -84,7 +84,7 @@ impl Packet6 {
         }
     }
 
-    fn with_ext(mut self, next: u8, bytes: Vec<u8>) -> Self {
+    pub(super) fn with_ext(mut self, next: u8, bytes: Vec<u8>) -> Self {
         self.ext.push((next, bytes));
         self
     }
@@ -111,7 +111,7 @@ impl Packet6 {
         l4
     }
 
-    fn frame(&self) -> Vec<u8> {
+    pub(super) fn frame(&self) -> Vec<u8> {
         let l4 = self.l4();
         let mut chain = Vec::new();
         let mut first = self.proto;
@@ -151,7 +151,7 @@ fn frame6(src: Ipv6Addr, dst: Ipv6Addr, next: u8, payload: &[u8]) -> Vec<u8> {
 }
 
 /// An 8-byte hop-by-hop or destination options header (one PadN option).
-fn options_header() -> Vec<u8> {
+pub(super) fn options_header() -> Vec<u8> {
     vec![0, 0, 1, 4, 0, 0, 0, 0]
 }
 

@@ -342,3 +342,51 @@ fn a_rewrite_removes_stale_entries_and_their_allows_stop_admitting() {
         TC_ACT_OK
     );
 }
+
+/// IPv6 extension headers are walked to the upper layer: a SYN behind hop-by-hop
+/// and destination options is judged by its real port, and a later fragment
+/// passes as a later IPv4 fragment does (its first was judged).
+#[test]
+fn ipv6_extension_headers_are_walked_to_the_port() {
+    use super::ipv6::{
+        options_header, Packet6, LOCAL_POD6, NEXT_DEST_OPTS, NEXT_FRAGMENT, NEXT_HOP_BY_HOP,
+        REMOTE_POD6,
+    };
+    use lb_userspace::datapath::policy::PolicyMaps;
+    let f = enforcing();
+    let mut maps = PolicyMaps::open(f._pins.layout()).unwrap();
+    let pod = IpAddrBe::from(std::net::IpAddr::from(LOCAL_POD6));
+    let peer = IpAddrBe::from(std::net::IpAddr::from(REMOTE_POD6));
+    maps.put_endpoint(
+        pod,
+        PolicyEndpoint {
+            id: EP,
+            flags: POLICY_ENFORCE_INGRESS,
+        },
+    )
+    .unwrap();
+    maps.put_identity(peer, ID_REMOTE).unwrap();
+    let key = PolicyKey {
+        endpoint: EP,
+        peer: ID_REMOTE,
+        direction: POLICY_DIR_INGRESS,
+        proto: TCP,
+        port_be: 8080u16.to_be_bytes(),
+    };
+    maps.put_allow(POLICY_PREFIX_FULL, key, PolicyAllow { rule: 3, _pad: 0 })
+        .unwrap();
+    let syn = |sport, dport| {
+        Packet6::tcp(REMOTE_POD6, sport, LOCAL_POD6, dport, SYN)
+            .with_ext(NEXT_HOP_BY_HOP, options_header())
+            .with_ext(NEXT_DEST_OPTS, options_header())
+            .frame()
+    };
+    assert_eq!(f.to_pod(&syn(42000, 8080)), TC_ACT_OK);
+    assert_eq!(f.to_pod(&syn(42001, 8081)), TC_ACT_SHOT);
+    assert_eq!(f.drops(), (1, 0));
+    // Offset 1 (8 bytes in), more fragments: a later fragment.
+    let later = Packet6::tcp(REMOTE_POD6, 42002, LOCAL_POD6, 9999, SYN)
+        .with_ext(NEXT_FRAGMENT, vec![0, 0, 0, 0x09, 0, 0, 0, 7])
+        .frame();
+    assert_eq!(f.to_pod(&later), TC_ACT_OK);
+}
