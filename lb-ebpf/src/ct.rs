@@ -110,6 +110,9 @@ impl Known {
 /// not apply to it. The entry is dropped and `None` returned, so a SYN to a Service
 /// is balanced afresh and a SYN-ACK of a connection that never went through a
 /// Service (the client reached the pod directly) passes untouched.
+// The key by reference on purpose: `forget` rewrites it in place afterwards, and
+// a copy per call would cost frames already at the kernel's limit.
+#[allow(clippy::needless_borrows_for_generic_args)]
 #[inline(always)]
 pub fn follow(flow: &Flow) -> Option<Known> {
     let mut key = key_of(flow);
