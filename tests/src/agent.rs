@@ -475,6 +475,11 @@ impl Agent {
         }
     }
 
+    /// The agent's process id (for its memory in /proc).
+    pub fn pid(&self) -> u32 {
+        self.child.pid()
+    }
+
     /// Whether dropping the agent prints its log (default: yes; the test harness only
     /// shows it for failed tests, but the demo prints it only on error).
     pub fn set_log_on_drop(&mut self, print: bool) {

@@ -18,6 +18,7 @@ mod entry;
 mod kubeproxy;
 mod masq;
 mod netio;
+mod policy;
 mod pps;
 mod quarantine;
 mod report;

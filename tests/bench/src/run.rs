@@ -414,6 +414,9 @@ pub struct Results {
     /// (quarantine.rs).
     #[serde(default)]
     pub quarantine: Option<crate::quarantine::QuarantineResult>,
+    /// NetworkPolicy change -> enforced at 10k pods and 1k policies (policy.rs).
+    #[serde(default)]
+    pub policy: Option<crate::policy::PolicyResult>,
 }
 
 /// The bench environment. Field order is teardown order.
@@ -1655,6 +1658,7 @@ pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
         xdp_bulk: None,
         masq: None,
         quarantine: None,
+        policy: None,
     };
     println!("direct (start)");
     res.direct_start = Some(env.direct()?);
@@ -1740,6 +1744,11 @@ pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
         println!("a dead backend: lb's quarantine against iptables mode");
         let row = crate::quarantine::run(&exe, &lb, &cfg);
         res.quarantine = recorded(&mut res.errors, "quarantine", row);
+    }
+    if cfg.wants("policy") {
+        println!("NetworkPolicy: change -> enforced at 10k pods and 1k policies");
+        let row = crate::policy::run(&lb, &cfg);
+        res.policy = recorded(&mut res.errors, "policy", row);
     }
     println!("direct (end)");
     res.direct_end = Some(env.direct()?);
