@@ -598,6 +598,8 @@ pub fn watch(path: PathBuf) -> Result<ChangeReceiver, WatchError> {
                         services = cache.services.used.len(),
                         endpoint_slices = cache.slices.used.len(),
                         changed = found.services.len() + found.slices.len(),
+                        policy_objects_changed =
+                            found.policies.len() + found.pods.len() + found.namespaces.len(),
                         problems = found.errors.as_ref().map_or(0, Vec::len),
                         unreadable_files = unreadable.len(),
                         read_ms = started.elapsed().as_millis() as u64,
