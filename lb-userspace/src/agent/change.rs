@@ -107,8 +107,8 @@ impl Agent {
             self.nodes = nodes.clone();
             self.masquerade.sync(&self.nodes);
         }
-        if let (Some(objects), Some(policy)) = (&changes.policy, &mut self.policy) {
-            policy.sync(objects);
+        if let Some(policy) = &mut self.policy {
+            policy.sync(changes);
         }
         if let Some(errors) = &changes.errors {
             // Reported when the list changes, not on every change.

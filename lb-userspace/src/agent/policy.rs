@@ -1,11 +1,10 @@
-//! NetworkPolicy in the agent (`--network-policy on`): the source's
-//! NetworkPolicies, Pods and Namespaces go to the compiler by key, only those that
-//! changed; the map operations it answers are written in its order (allows before
-//! the endpoints that enforce them, removals last), so a pod is never enforced
-//! before its allows are in.
+//! NetworkPolicy in the agent (`--network-policy on`): the source's keyed
+//! changes of NetworkPolicies, Pods and Namespaces go to the compiler as they are,
+//! so a change costs its own objects, not every object the source holds; the map
+//! operations it answers are written in its order (allows before the endpoints
+//! that enforce them, removals last), so a pod is never enforced before its allows
+//! are in.
 
-use std::collections::HashMap;
-use std::hash::Hash;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Instant;
@@ -17,53 +16,42 @@ use crate::control::policy::{MapOps, PolicyChange, PolicyCompiler};
 use crate::datapath::maps::MapsError;
 use crate::datapath::pins::PinLayout;
 use crate::datapath::policy::{PolicyKeys, PolicyMaps};
-use crate::model::policy::{NetworkPolicy, PolicyNamespace, PolicyPod, Text};
 use crate::ops::AgentStatus;
-use crate::source::changes::PolicyObjects;
-
-/// The objects as last given to the compiler, by key.
-#[derive(Default)]
-struct Known {
-    policies: HashMap<(Text, Text), Arc<NetworkPolicy>>,
-    pods: HashMap<(Text, Text), Arc<PolicyPod>>,
-    namespaces: HashMap<Text, Arc<PolicyNamespace>>,
-}
+use crate::source::changes::{Change, Changes, ObjectKey};
 
 pub(super) struct Policy {
     /// Shared with the ops listener, which asks it about a pod for `lb policy
     /// POD` (rarely: the lock is the agent's alone otherwise).
     compiler: Arc<Mutex<PolicyCompiler>>,
     maps: PolicyMaps,
-    known: Known,
     /// A write failed: the maps may lack what the compiler holds; the next
-    /// change rewrites everything it knows.
+    /// change of what policy reads rewrites everything it knows.
     dirty: bool,
 }
 
-/// The changes that turn `known` into `now`, by key; `known` becomes `now`.
-fn diff<K: Hash + Eq + Clone, T: PartialEq>(
-    known: &mut HashMap<K, Arc<T>>,
-    now: impl IntoIterator<Item = (K, Arc<T>)>,
+/// One kind's keyed changes as the compiler's: an upsert of what is there now,
+/// or, when it is gone, a delete named by what was there (the compiler's own key
+/// of it, whatever key the source filed it under). Upserts before deletes, as the
+/// compiler was given them when the agent compared whole lists.
+fn compile_changes<T>(
+    changes: &foldhash::HashMap<ObjectKey, Change<T>>,
     upsert: impl Fn(Arc<T>) -> PolicyChange,
-    delete: impl Fn(K) -> PolicyChange,
+    delete: impl Fn(&T) -> PolicyChange,
     out: &mut Vec<PolicyChange>,
 ) {
-    let mut next: HashMap<K, Arc<T>> = HashMap::new();
-    for (key, object) in now {
-        let same = known
-            .get(&key)
-            .is_some_and(|old| Arc::ptr_eq(old, &object) || **old == *object);
-        if !same {
-            out.push(upsert(object.clone()));
-        }
-        next.insert(key, object);
-    }
-    for key in known.keys() {
-        if !next.contains_key(key) {
-            out.push(delete(key.clone()));
-        }
-    }
-    *known = next;
+    out.extend(
+        changes
+            .values()
+            .filter_map(|c| c.current.clone())
+            .map(upsert),
+    );
+    out.extend(
+        changes
+            .values()
+            .filter(|c| c.current.is_none())
+            .filter_map(|c| c.previous.as_deref())
+            .map(delete),
+    );
 }
 
 impl Policy {
@@ -71,50 +59,47 @@ impl Policy {
         Ok(Policy {
             compiler: Arc::new(Mutex::new(PolicyCompiler::new(node_name))),
             maps: PolicyMaps::open(layout)?,
-            known: Known::default(),
             dirty: false,
         })
     }
 
-    /// The source's objects as they stand now: what changed is compiled and
-    /// written. Namespaces first, then pods, then policies, so a policy never
-    /// meets a namespace it selects by labels before the namespace's labels.
-    pub(super) fn sync(&mut self, objects: &PolicyObjects) {
-        let started = Instant::now();
-        let mut changes = Vec::new();
-        diff(
-            &mut self.known.namespaces,
-            objects
-                .namespaces
-                .iter()
-                .map(|n| (n.name.clone(), n.clone())),
-            PolicyChange::UpsertNamespace,
-            |name| PolicyChange::DeleteNamespace { name },
-            &mut changes,
-        );
-        diff(
-            &mut self.known.pods,
-            objects
-                .pods
-                .iter()
-                .map(|p| ((p.namespace.clone(), p.name.clone()), p.clone())),
-            PolicyChange::UpsertPod,
-            |(namespace, name)| PolicyChange::DeletePod { namespace, name },
-            &mut changes,
-        );
-        diff(
-            &mut self.known.policies,
-            objects
-                .policies
-                .iter()
-                .map(|p| ((p.namespace.clone(), p.name.clone()), p.clone())),
-            PolicyChange::UpsertPolicy,
-            |(namespace, name)| PolicyChange::DeletePolicy { namespace, name },
-            &mut changes,
-        );
-        if changes.is_empty() && !self.dirty {
+    /// The source's changes of what policy reads: compiled and written.
+    /// Namespaces first, then pods, then policies, so a policy never meets a
+    /// namespace it selects by labels before the namespace's labels.
+    pub(super) fn sync(&mut self, source: &Changes) {
+        // Only a change of these is the occasion to write (and, after a failed
+        // write, to rewrite): other changes leave the maps as they are.
+        if source.namespaces.is_empty() && source.pods.is_empty() && source.policies.is_empty() {
             return;
         }
+        let started = Instant::now();
+        let mut changes = Vec::new();
+        compile_changes(
+            &source.namespaces,
+            PolicyChange::UpsertNamespace,
+            |n| PolicyChange::DeleteNamespace {
+                name: n.name.clone(),
+            },
+            &mut changes,
+        );
+        compile_changes(
+            &source.pods,
+            PolicyChange::UpsertPod,
+            |p| PolicyChange::DeletePod {
+                namespace: p.namespace.clone(),
+                name: p.name.clone(),
+            },
+            &mut changes,
+        );
+        compile_changes(
+            &source.policies,
+            PolicyChange::UpsertPolicy,
+            |p| PolicyChange::DeletePolicy {
+                namespace: p.namespace.clone(),
+                name: p.name.clone(),
+            },
+            &mut changes,
+        );
         let count = changes.len();
         let ops = self.compiler.lock().apply_all(changes);
         let written = self.write(&ops);

@@ -46,6 +46,14 @@ impl ObjectKey {
         )
     }
 
+    /// The key of a cluster-scoped object (a Namespace): its name, with an empty
+    /// namespace. Not `default`, as [`ObjectKey::new`] would give: Namespace
+    /// `default` and a namespaced object `default/default` are different objects,
+    /// and an empty namespace is one no namespaced object has.
+    pub fn cluster(name: &str) -> Self {
+        ObjectKey(Arc::new((intern(""), name.into())))
+    }
+
     pub fn namespace(&self) -> &str {
         &self.0 .0
     }
@@ -87,6 +95,10 @@ impl Ord for ObjectKey {
 
 impl std::fmt::Display for ObjectKey {
     fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        if self.namespace().is_empty() {
+            // Cluster-scoped: named as kubectl names it.
+            return write!(f, "{}", self.name());
+        }
         write!(f, "{}/{}", self.namespace(), self.name())
     }
 }
@@ -99,11 +111,20 @@ pub struct Change<T> {
     pub current: Option<Arc<T>>,
 }
 
-/// The same allocation, or both absent: a source that replaced an object hands on
-/// a new allocation, so this is exactly "nothing happened".
-fn same<T>(a: &Option<Arc<T>>, b: &Option<Arc<T>>) -> bool {
+/// How a kind's two sides of a change are found to be the same object.
+type Unchanged<T> = fn(&T, &T) -> bool;
+
+/// Services and EndpointSlices: only the same allocation. A source that replaced
+/// one hands on a new allocation, so this is exactly "nothing happened", and
+/// comparing their content would cost at 100k of them for changes that are real.
+fn identical<T>(_: &T, _: &T) -> bool {
+    false
+}
+
+/// Both absent, the same allocation, or (by `unchanged`) the same content.
+fn same<T>(a: &Option<Arc<T>>, b: &Option<Arc<T>>, unchanged: Unchanged<T>) -> bool {
     match (a, b) {
-        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+        (Some(a), Some(b)) => Arc::ptr_eq(a, b) || unchanged(a, b),
         (None, None) => true,
         _ => false,
     }
@@ -117,39 +138,20 @@ fn merge<T>(
     key: ObjectKey,
     previous: Option<Arc<T>>,
     current: Option<Arc<T>>,
+    unchanged: Unchanged<T>,
 ) {
     match map.entry(key) {
         Entry::Vacant(e) => {
-            if !same(&previous, &current) {
+            if !same(&previous, &current, unchanged) {
                 e.insert(Change { previous, current });
             }
         }
         Entry::Occupied(mut e) => {
             e.get_mut().current = current;
-            if same(&e.get().previous, &e.get().current) {
+            if same(&e.get().previous, &e.get().current, unchanged) {
                 e.remove();
             }
         }
-    }
-}
-
-/// Every NetworkPolicy, Pod and Namespace a source holds, as policy reads them.
-#[derive(Clone, Debug, Default)]
-pub struct PolicyObjects {
-    pub policies: Vec<Arc<NetworkPolicy>>,
-    pub pods: Vec<Arc<PolicyPod>>,
-    pub namespaces: Vec<Arc<PolicyNamespace>>,
-}
-
-impl PolicyObjects {
-    /// The same objects (not merely equal ones) in the same order.
-    pub fn same(&self, other: &PolicyObjects) -> bool {
-        fn same<T>(a: &[Arc<T>], b: &[Arc<T>]) -> bool {
-            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| Arc::ptr_eq(x, y))
-        }
-        same(&self.policies, &other.policies)
-            && same(&self.pods, &other.pods)
-            && same(&self.namespaces, &other.namespaces)
     }
 }
 
@@ -161,9 +163,16 @@ pub struct Changes {
     /// Every Node the source holds (this node's, or the files'), when they changed:
     /// few, and read whole.
     pub nodes: Option<Vec<Arc<Node>>>,
-    /// What NetworkPolicy reads (the file source's NetworkPolicies, Pods and
-    /// Namespaces), whole, when any changed; the agent finds which by key.
-    pub policy: Option<Arc<PolicyObjects>>,
+    /// What NetworkPolicy reads, keyed like Services: NetworkPolicies and Pods by
+    /// namespace and name. Their sides are compared by content too (they are small,
+    /// and an API source sees a Pod change with every status update, most of which
+    /// change nothing policy reads), so a change that ends where it started, by
+    /// content, is dropped.
+    pub policies: HashMap<ObjectKey, Change<NetworkPolicy>>,
+    pub pods: HashMap<ObjectKey, Change<PolicyPod>>,
+    /// Namespaces, which are cluster-scoped: keyed by [`ObjectKey::cluster`] (an
+    /// empty namespace and the Namespace's name).
+    pub namespaces: HashMap<ObjectKey, Change<PolicyNamespace>>,
     /// Problems found while reading the objects (the file source), whole, when
     /// they changed.
     pub errors: Option<Vec<ObjectError>>,
@@ -181,7 +190,7 @@ impl Changes {
         previous: Option<Arc<Service>>,
         current: Option<Arc<Service>>,
     ) {
-        merge(&mut self.services, key, previous, current);
+        merge(&mut self.services, key, previous, current, identical);
     }
 
     pub fn slice(
@@ -190,7 +199,35 @@ impl Changes {
         previous: Option<Arc<EndpointSlice>>,
         current: Option<Arc<EndpointSlice>>,
     ) {
-        merge(&mut self.slices, key, previous, current);
+        merge(&mut self.slices, key, previous, current, identical);
+    }
+
+    pub fn policy(
+        &mut self,
+        key: ObjectKey,
+        previous: Option<Arc<NetworkPolicy>>,
+        current: Option<Arc<NetworkPolicy>>,
+    ) {
+        merge(&mut self.policies, key, previous, current, PartialEq::eq);
+    }
+
+    pub fn pod(
+        &mut self,
+        key: ObjectKey,
+        previous: Option<Arc<PolicyPod>>,
+        current: Option<Arc<PolicyPod>>,
+    ) {
+        merge(&mut self.pods, key, previous, current, PartialEq::eq);
+    }
+
+    /// `key`: [`ObjectKey::cluster`] of the Namespace's name.
+    pub fn namespace(
+        &mut self,
+        key: ObjectKey,
+        previous: Option<Arc<PolicyNamespace>>,
+        current: Option<Arc<PolicyNamespace>>,
+    ) {
+        merge(&mut self.namespaces, key, previous, current, PartialEq::eq);
     }
 
     /// Nothing at all: no object, node, problem or file changed.
@@ -198,7 +235,9 @@ impl Changes {
         self.services.is_empty()
             && self.slices.is_empty()
             && self.nodes.is_none()
-            && self.policy.is_none()
+            && self.policies.is_empty()
+            && self.pods.is_empty()
+            && self.namespaces.is_empty()
             && self.errors.is_none()
             && self.unreadable.is_none()
     }
@@ -206,16 +245,22 @@ impl Changes {
     /// `later` recorded after these: merged as if recorded here one by one.
     fn absorb(&mut self, later: Changes) {
         for (key, change) in later.services {
-            merge(&mut self.services, key, change.previous, change.current);
+            self.service(key, change.previous, change.current);
         }
         for (key, change) in later.slices {
-            merge(&mut self.slices, key, change.previous, change.current);
+            self.slice(key, change.previous, change.current);
+        }
+        for (key, change) in later.policies {
+            self.policy(key, change.previous, change.current);
+        }
+        for (key, change) in later.pods {
+            self.pod(key, change.previous, change.current);
+        }
+        for (key, change) in later.namespaces {
+            self.namespace(key, change.previous, change.current);
         }
         if later.nodes.is_some() {
             self.nodes = later.nodes;
-        }
-        if later.policy.is_some() {
-            self.policy = later.policy;
         }
         if later.errors.is_some() {
             self.errors = later.errors;
@@ -349,6 +394,9 @@ impl Drop for ChangeReceiver {
 pub struct ObjectView {
     pub services: std::collections::BTreeMap<ObjectKey, Arc<Service>>,
     pub slices: std::collections::BTreeMap<ObjectKey, Arc<EndpointSlice>>,
+    pub policies: std::collections::BTreeMap<ObjectKey, Arc<NetworkPolicy>>,
+    pub pods: std::collections::BTreeMap<ObjectKey, Arc<PolicyPod>>,
+    pub namespaces: std::collections::BTreeMap<ObjectKey, Arc<PolicyNamespace>>,
     pub nodes: Vec<Arc<Node>>,
     pub errors: Vec<ObjectError>,
     pub unreadable: Vec<FileError>,
@@ -356,18 +404,22 @@ pub struct ObjectView {
 
 impl ObjectView {
     pub fn apply(&mut self, changes: &Changes) {
-        for (key, change) in &changes.services {
-            match &change.current {
-                Some(current) => self.services.insert(key.clone(), current.clone()),
-                None => self.services.remove(key),
-            };
+        fn apply<T>(
+            held: &mut std::collections::BTreeMap<ObjectKey, Arc<T>>,
+            changes: &HashMap<ObjectKey, Change<T>>,
+        ) {
+            for (key, change) in changes {
+                match &change.current {
+                    Some(current) => held.insert(key.clone(), current.clone()),
+                    None => held.remove(key),
+                };
+            }
         }
-        for (key, change) in &changes.slices {
-            match &change.current {
-                Some(current) => self.slices.insert(key.clone(), current.clone()),
-                None => self.slices.remove(key),
-            };
-        }
+        apply(&mut self.services, &changes.services);
+        apply(&mut self.slices, &changes.slices);
+        apply(&mut self.policies, &changes.policies);
+        apply(&mut self.pods, &changes.pods);
+        apply(&mut self.namespaces, &changes.namespaces);
         if let Some(nodes) = &changes.nodes {
             self.nodes = nodes.clone();
         }
@@ -435,6 +487,53 @@ mod tests {
         c.service(key("new"), None, Some(v2.clone()));
         c.service(key("new"), Some(v2), None);
         assert!(c.is_empty(), "added and deleted before it was taken");
+    }
+
+    /// A Namespace's key is its name alone: not the key of an object named like
+    /// it in namespace `default`.
+    #[test]
+    fn cluster_scoped_keys_are_their_own() {
+        let namespace = ObjectKey::cluster("default");
+        assert_ne!(namespace, key("default"));
+        assert_eq!(namespace, ObjectKey::cluster("default"));
+        assert_eq!(namespace.to_string(), "default");
+        assert_eq!(key("default").to_string(), "default/default");
+    }
+
+    /// Policy's kinds are compared by content too: a pod decoded again the same
+    /// (a new allocation) is no change, and one changed and changed back before
+    /// it was taken is none either.
+    #[test]
+    fn policy_kinds_merge_by_content() {
+        use crate::model::policy::Labels;
+        let pod = |app: &str| {
+            Arc::new(PolicyPod {
+                namespace: intern("x"),
+                name: intern("a"),
+                ips: vec!["10.244.1.11".parse().unwrap()],
+                labels: Labels::new([("app", app)]),
+                named_ports: Arc::new([]),
+                host_network: false,
+                node_name: intern("node-1"),
+            })
+        };
+        let a = ObjectKey::new(Some(&intern("x")), "a");
+        let mut c = Changes::default();
+        c.pod(a.clone(), Some(pod("a")), Some(pod("a")));
+        assert!(c.is_empty(), "decoded again the same");
+        let seen = pod("a");
+        c.pod(a.clone(), Some(seen.clone()), Some(pod("b")));
+        assert_eq!(c.pods.len(), 1);
+        c.pod(a.clone(), Some(pod("b")), Some(pod("a")));
+        assert!(c.is_empty(), "changed back");
+        // Services are told apart by allocation only (see `identical`).
+        c.service(key("web"), Some(svc("web")), Some(svc("web")));
+        assert_eq!(c.services.len(), 1);
+        // Namespaces merge under their own key.
+        let ns = |team: &str| Arc::new(PolicyNamespace::new("x", Labels::new([("team", team)])));
+        c.namespace(ObjectKey::cluster("x"), None, Some(ns("a")));
+        c.namespace(ObjectKey::cluster("x"), Some(ns("a")), None);
+        assert!(c.namespaces.is_empty(), "added and deleted before taken");
     }
 
     #[tokio::test]

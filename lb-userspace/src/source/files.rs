@@ -19,10 +19,11 @@ use notify::{RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
-use super::changes::{self, ChangeReceiver, Changes, ObjectKey, PolicyObjects};
-use super::lean::{EndpointSlice, Meta, Service};
+use super::changes::{self, ChangeReceiver, Changes, ObjectKey};
+use super::lean::{EndpointSlice, Service};
 use super::yaml;
 use super::{FileError, ObjectError, Objects, Problem, SourceError};
+use crate::model::policy::{NetworkPolicy, PolicyNamespace, PolicyPod};
 use k8s_openapi::api::core::v1::Node;
 
 /// What a file looked like when last read: size, mtime, inode. Tools replace files
@@ -65,18 +66,18 @@ impl<T> Default for Defined<T> {
     }
 }
 
-/// A kind of object the file source keys: where a file holds them, and their names.
+/// A kind of object the file source keys: where a file holds them, and their keys.
 trait Keyed: PartialEq + Sized {
     fn of(objects: &Objects) -> &[Arc<Self>];
-    fn meta(&self) -> &Meta;
+    fn key(&self) -> ObjectKey;
 }
 
 impl Keyed for Service {
     fn of(objects: &Objects) -> &[Arc<Self>] {
         &objects.services
     }
-    fn meta(&self) -> &Meta {
-        &self.metadata
+    fn key(&self) -> ObjectKey {
+        ObjectKey::of(&self.metadata)
     }
 }
 
@@ -84,8 +85,37 @@ impl Keyed for EndpointSlice {
     fn of(objects: &Objects) -> &[Arc<Self>] {
         &objects.slices
     }
-    fn meta(&self) -> &Meta {
-        &self.metadata
+    fn key(&self) -> ObjectKey {
+        ObjectKey::of(&self.metadata)
+    }
+}
+
+/// Policy's kinds are keyed by the namespace and name they were decoded with (a
+/// document without a namespace is already in `default`).
+impl Keyed for NetworkPolicy {
+    fn of(objects: &Objects) -> &[Arc<Self>] {
+        &objects.network_policies
+    }
+    fn key(&self) -> ObjectKey {
+        ObjectKey::new(Some(&self.namespace), &self.name)
+    }
+}
+
+impl Keyed for PolicyPod {
+    fn of(objects: &Objects) -> &[Arc<Self>] {
+        &objects.pods
+    }
+    fn key(&self) -> ObjectKey {
+        ObjectKey::new(Some(&self.namespace), &self.name)
+    }
+}
+
+impl Keyed for PolicyNamespace {
+    fn of(objects: &Objects) -> &[Arc<Self>] {
+        &objects.namespaces
+    }
+    fn key(&self) -> ObjectKey {
+        ObjectKey::cluster(&self.name)
     }
 }
 
@@ -110,10 +140,10 @@ impl<T: Keyed> Defined<T> {
         let mut delta: HashMap<ObjectKey, (isize, Option<Arc<T>>)> = HashMap::new();
         for file in reread {
             for object in file.before.map(T::of).unwrap_or_default() {
-                delta.entry(ObjectKey::of(object.meta())).or_default().0 -= 1;
+                delta.entry(object.key()).or_default().0 -= 1;
             }
             for object in file.after.map(T::of).unwrap_or_default() {
-                let entry = delta.entry(ObjectKey::of(object.meta())).or_default();
+                let entry = delta.entry(object.key()).or_default();
                 entry.0 += 1;
                 entry.1.get_or_insert_with(|| object.clone());
             }
@@ -187,7 +217,7 @@ fn holders<'a, T: Keyed>(
         .iter()
         .filter_map(|(path, cached)| Some((path, cached.objects.as_deref()?)))
         .flat_map(|(path, objects)| T::of(objects).iter().map(move |o| (path.as_path(), o)))
-        .filter(|(_, o)| ObjectKey::of(o.meta()) == *key)
+        .filter(|(_, o)| o.key() == *key)
         .collect()
 }
 
@@ -211,10 +241,11 @@ struct FileCache {
     files: BTreeMap<PathBuf, Cached>,
     services: Defined<Service>,
     slices: Defined<EndpointSlice>,
+    policies: Defined<NetworkPolicy>,
+    pods: Defined<PolicyPod>,
+    namespaces: Defined<PolicyNamespace>,
     /// The nodes, problems and unreadable files last handed on (`None`: never).
     handed_on: Option<HandedOn>,
-    /// NetworkPolicy's objects last handed on.
-    policy_handed_on: Option<Arc<PolicyObjects>>,
 }
 
 /// The nodes, the problems, and the unreadable files (path, problem) as handed on.
@@ -359,8 +390,15 @@ impl FileCache {
         });
         self.slices
             .settle(&self.files, &reread, &mut |k, p, c| changes.slice(k, p, c));
+        self.policies
+            .settle(&self.files, &reread, &mut |k, p, c| changes.policy(k, p, c));
+        self.pods
+            .settle(&self.files, &reread, &mut |k, p, c| changes.pod(k, p, c));
+        self.namespaces
+            .settle(&self.files, &reread, &mut |k, p, c| {
+                changes.namespace(k, p, c)
+            });
         let (mut nodes, mut errors, mut unreadable) = (Vec::new(), Vec::new(), Vec::new());
-        let mut policy = PolicyObjects::default();
         for cached in self.files.values() {
             if let Some(e) = &cached.error {
                 unreadable.push(e.clone());
@@ -368,24 +406,13 @@ impl FileCache {
             if let Some(objects) = &cached.objects {
                 nodes.extend(objects.nodes.iter().cloned());
                 errors.extend(objects.errors.iter().cloned());
-                policy
-                    .policies
-                    .extend(objects.network_policies.iter().cloned());
-                policy.pods.extend(objects.pods.iter().cloned());
-                policy.namespaces.extend(objects.namespaces.iter().cloned());
             }
-        }
-        if !self
-            .policy_handed_on
-            .as_ref()
-            .is_some_and(|last| last.same(&policy))
-        {
-            let policy = Arc::new(policy);
-            changes.policy = Some(policy.clone());
-            self.policy_handed_on = Some(policy);
         }
         errors.extend(self.services.problems("Service", &self.files));
         errors.extend(self.slices.problems("EndpointSlice", &self.files));
+        errors.extend(self.policies.problems("NetworkPolicy", &self.files));
+        errors.extend(self.pods.problems("Pod", &self.files));
+        errors.extend(self.namespaces.problems("Namespace", &self.files));
         // Handed on when they changed, so that a file saved unchanged is no news.
         let files: Vec<(PathBuf, String)> = unreadable
             .iter()
@@ -571,6 +598,8 @@ pub fn watch(path: PathBuf) -> Result<ChangeReceiver, WatchError> {
                         services = cache.services.used.len(),
                         endpoint_slices = cache.slices.used.len(),
                         changed = found.services.len() + found.slices.len(),
+                        policy_objects_changed =
+                            found.policies.len() + found.pods.len() + found.namespaces.len(),
                         problems = found.errors.as_ref().map_or(0, Vec::len),
                         unreadable_files = unreadable.len(),
                         read_ms = started.elapsed().as_millis() as u64,
@@ -913,5 +942,106 @@ mod tests {
         assert!(view.errors.is_empty(), "{:?}", view.errors);
         std::fs::remove_file(dir.join("b.yaml")).unwrap();
         assert!(names(seen.load(&dir)).is_empty());
+    }
+
+    const NAMESPACE: &str =
+        "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: x\n  labels: {team: a}\n";
+    const POD: &str = "apiVersion: v1\nkind: Pod\nmetadata:\n  name: NAME\n  namespace: x\n  labels: {app: LABEL}\nspec:\n  nodeName: node-1\nstatus:\n  podIP: IP\n";
+    const DENY: &str = "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata:\n  name: deny\n  namespace: x\nspec:\n  podSelector: {}\n";
+
+    fn keys<T>(changes: &foldhash::HashMap<ObjectKey, changes::Change<T>>) -> Vec<String> {
+        let mut keys: Vec<String> = changes.keys().map(ToString::to_string).collect();
+        keys.sort();
+        keys
+    }
+
+    /// NetworkPolicies, Pods and Namespaces are handed on by key, as Services
+    /// are: a change of one pod's file hands on that pod alone, a file removed
+    /// hands on a delete, a change undone before it was taken hands on nothing,
+    /// and a name defined twice is used once and reported.
+    #[tokio::test]
+    async fn policy_kinds_are_handed_on_by_key() {
+        use futures::FutureExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
+        let pod = |name: &str, label: &str, ip: &str| {
+            POD.replace("NAME", name)
+                .replace("LABEL", label)
+                .replace("IP", ip)
+        };
+        std::fs::write(dir.join("ns.yaml"), NAMESPACE).unwrap();
+        std::fs::write(dir.join("pod-a.yaml"), pod("a", "a", "10.244.1.11")).unwrap();
+        std::fs::write(dir.join("pod-b.yaml"), pod("b", "b", "10.244.1.12")).unwrap();
+        std::fs::write(dir.join("deny.yaml"), DENY).unwrap();
+        let mut cache = FileCache::default();
+        let first = cache.load(&dir).unwrap();
+        assert_eq!(keys(&first.pods), ["x/a", "x/b"]);
+        // A Namespace is cluster-scoped: keyed by its name alone.
+        assert_eq!(keys(&first.namespaces), ["x"]);
+        assert_eq!(keys(&first.policies), ["x/deny"]);
+        let b_first = first.pods[&ObjectKey::new(Some(&crate::source::intern::intern("x")), "b")]
+            .current
+            .clone()
+            .unwrap();
+
+        // b relabelled: b alone, from what was handed on to what is there now.
+        std::fs::write(dir.join("pod-b.yaml"), pod("b", "other", "10.244.1.12")).unwrap();
+        let changes = cache.load(&dir).unwrap();
+        assert_eq!(keys(&changes.pods), ["x/b"]);
+        assert!(changes.namespaces.is_empty() && changes.policies.is_empty());
+        let change = changes.pods.values().next().unwrap();
+        assert!(Arc::ptr_eq(change.previous.as_ref().unwrap(), &b_first));
+        assert_eq!(
+            change.current.as_ref().unwrap().labels.get("app"),
+            Some("other")
+        );
+
+        // Relabelled and back before the agent took the change: nothing. (Each
+        // write changes the file's size: written in place within one clock tick,
+        // size is what tells the stamps apart.)
+        let (tx, mut rx) = changes::channel();
+        tx.record(changes);
+        tx.publish();
+        rx.next().await.unwrap();
+        std::fs::write(dir.join("pod-b.yaml"), pod("b", "thirdx", "10.244.1.12")).unwrap();
+        tx.record(cache.load(&dir).unwrap());
+        std::fs::write(dir.join("pod-b.yaml"), pod("b", "other", "10.244.1.12")).unwrap();
+        tx.record(cache.load(&dir).unwrap());
+        tx.publish();
+        assert!(rx.next().now_or_never().is_none(), "nothing handed on");
+
+        // A file removed: a delete of its pod alone.
+        std::fs::remove_file(dir.join("pod-a.yaml")).unwrap();
+        let changes = cache.load(&dir).unwrap();
+        assert_eq!(keys(&changes.pods), ["x/a"]);
+        let change = changes.pods.values().next().unwrap();
+        assert_eq!(&*change.previous.as_ref().unwrap().name, "a");
+        assert!(change.current.is_none());
+
+        // b defined again in a later file: the first is used, the other reported.
+        std::fs::write(dir.join("pod-z.yaml"), pod("b", "z", "10.244.1.99")).unwrap();
+        let changes = cache.load(&dir).unwrap();
+        assert!(changes.pods.is_empty(), "{:?}", changes.pods);
+        let errors = changes.errors.expect("the duplicate is reported");
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        let message = errors[0].to_string();
+        assert!(
+            message.starts_with("Pod x/b: is defined again in") && message.contains("pod-z.yaml"),
+            "{message}"
+        );
+        // The first goes: the other takes over.
+        std::fs::remove_file(dir.join("pod-b.yaml")).unwrap();
+        let changes = cache.load(&dir).unwrap();
+        assert_eq!(keys(&changes.pods), ["x/b"]);
+        let current = changes
+            .pods
+            .values()
+            .next()
+            .unwrap()
+            .current
+            .clone()
+            .unwrap();
+        assert_eq!(current.labels.get("app"), Some("z"));
+        assert_eq!(changes.errors.as_deref(), Some(&[][..]));
     }
 }

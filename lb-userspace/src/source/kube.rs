@@ -33,7 +33,7 @@ use serde::de::DeserializeOwned;
 use tokio::time::{Instant, Sleep};
 use tracing::{debug, info, warn};
 
-use super::changes::{ChangeReceiver, ChangeSender, Changes, ObjectKey, PolicyObjects};
+use super::changes::{ChangeReceiver, ChangeSender, Changes, ObjectKey};
 use super::labels::{SERVICE_LABEL_SELECTOR, SLICE_LABEL_SELECTOR};
 use super::lean::{trim_node, trim_pod, EndpointSlice, Meta, Service, Wire};
 use super::store::{Cached, Replaced, Store};
@@ -535,53 +535,61 @@ struct Caches {
     decoded: DecodedPolicy,
 }
 
-/// The policy kinds' objects, decoded, by key (a malformed one is reported and
-/// left out).
+/// The policy kinds' objects as decoded and handed on, by key: the `previous` side
+/// of each change, so the consumer keeps no copy of its own to find what changed.
+/// A malformed object is reported and left out (to the consumer, it is gone).
 #[derive(Default)]
 struct DecodedPolicy {
-    pods: std::collections::BTreeMap<(String, String), Arc<PolicyPod>>,
-    namespaces: std::collections::BTreeMap<(String, String), Arc<PolicyNamespace>>,
-    policies: std::collections::BTreeMap<(String, String), Arc<PolicyModel>>,
+    pods: foldhash::HashMap<ObjectKey, Arc<PolicyPod>>,
+    namespaces: foldhash::HashMap<ObjectKey, Arc<PolicyNamespace>>,
+    policies: foldhash::HashMap<ObjectKey, Arc<PolicyModel>>,
 }
 
-impl DecodedPolicy {
-    fn objects(&self) -> PolicyObjects {
-        PolicyObjects {
-            policies: self.policies.values().cloned().collect(),
-            pods: self.pods.values().cloned().collect(),
-            namespaces: self.namespaces.values().cloned().collect(),
-        }
-    }
+/// A namespaced object's key by its metadata, as [`ObjectKey::of`] keys the lean
+/// kinds.
+fn namespaced_key(meta: &kube::api::ObjectMeta) -> ObjectKey {
+    let namespace = meta.namespace.as_deref().map(super::intern::intern);
+    ObjectKey::new(namespace.as_ref(), meta.name.as_deref().unwrap_or_default())
 }
 
-/// Keeps `decoded` equal to the changed objects' decoding.
-fn decode_changed<K: kube::Resource, D>(
+/// A Namespace's key: it is cluster-scoped (see [`ObjectKey::cluster`]).
+fn namespace_key(meta: &kube::api::ObjectMeta) -> ObjectKey {
+    ObjectKey::cluster(meta.name.as_deref().unwrap_or_default())
+}
+
+/// Keeps `decoded` equal to the changed objects' decoding, and hands each on to
+/// `record` as `previous -> current` of the decoded value.
+fn decode_changed<K: kube::Resource, D: PartialEq>(
     changed: Vec<Replaced<K>>,
-    decoded: &mut std::collections::BTreeMap<(String, String), Arc<D>>,
+    decoded: &mut foldhash::HashMap<ObjectKey, Arc<D>>,
+    key_of: fn(&kube::api::ObjectMeta) -> ObjectKey,
     decode: impl Fn(&K) -> Result<D, Box<super::ObjectError>>,
+    mut record: impl FnMut(ObjectKey, Option<Arc<D>>, Option<Arc<D>>),
 ) {
     for (previous, current) in changed {
         let object = current
             .as_ref()
             .or(previous.as_ref())
             .expect("a change has one side");
-        let meta = object.meta();
-        let key = (
-            meta.namespace.clone().unwrap_or_default(),
-            meta.name.clone().unwrap_or_default(),
-        );
-        match current.as_deref().map(&decode) {
-            Some(Ok(d)) => {
-                decoded.insert(key, Arc::new(d));
-            }
+        let key = key_of(object.meta());
+        let handed_on = decoded.get(&key).cloned();
+        let now = match current.as_deref().map(&decode) {
+            // Decoded the same (a Pod's status moved, not what policy reads): the
+            // value handed on stays, one allocation for the source and the
+            // compiler, and the change cancels out.
+            Some(Ok(d)) if handed_on.as_deref() == Some(&d) => handed_on.clone(),
+            Some(Ok(d)) => Some(Arc::new(d)),
             Some(Err(e)) => {
                 warn!("skipped: {e}");
-                decoded.remove(&key);
+                None
             }
-            None => {
-                decoded.remove(&key);
-            }
-        }
+            None => None,
+        };
+        match &now {
+            Some(d) => decoded.insert(key.clone(), d.clone()),
+            None => decoded.remove(&key),
+        };
+        record(key, handed_on, now);
     }
 }
 
@@ -620,48 +628,60 @@ impl Caches {
                 }
                 step
             }
+            // The policy kinds are decoded as they change, handing on or not
+            // (the first hand-on is what was decoded); each decoded change is
+            // recorded once handing on.
             Update::Pod(event) => {
                 let mut changed = Vec::new();
                 let step = apply(&mut self.pods, *event, &mut changed);
-                self.policy_changed(changed, changes, handing_on, |c, d| {
-                    decode_changed(c, &mut d.pods, super::policy::pod)
-                });
+                let decoded = &mut self.decoded.pods;
+                decode_changed(
+                    changed,
+                    decoded,
+                    namespaced_key,
+                    super::policy::pod,
+                    |k, p, c| {
+                        if handing_on {
+                            changes.pod(k, p, c);
+                        }
+                    },
+                );
                 step
             }
             Update::Namespace(event) => {
                 let mut changed = Vec::new();
                 let step = apply(&mut self.namespaces, *event, &mut changed);
-                self.policy_changed(changed, changes, handing_on, |c, d| {
-                    decode_changed(c, &mut d.namespaces, super::policy::namespace)
-                });
+                let decoded = &mut self.decoded.namespaces;
+                decode_changed(
+                    changed,
+                    decoded,
+                    namespace_key,
+                    super::policy::namespace,
+                    |k, p, c| {
+                        if handing_on {
+                            changes.namespace(k, p, c);
+                        }
+                    },
+                );
                 step
             }
             Update::Policy(event) => {
                 let mut changed = Vec::new();
                 let step = apply(&mut self.policies, *event, &mut changed);
-                self.policy_changed(changed, changes, handing_on, |c, d| {
-                    decode_changed(c, &mut d.policies, super::policy::network_policy)
-                });
+                let decoded = &mut self.decoded.policies;
+                decode_changed(
+                    changed,
+                    decoded,
+                    namespaced_key,
+                    super::policy::network_policy,
+                    |k, p, c| {
+                        if handing_on {
+                            changes.policy(k, p, c);
+                        }
+                    },
+                );
                 step
             }
-        }
-    }
-
-    /// A policy kind's objects changed: decoded, and (once handing on) the
-    /// policy objects handed on whole.
-    fn policy_changed<K>(
-        &mut self,
-        changed: Vec<Replaced<K>>,
-        changes: &mut Changes,
-        handing_on: bool,
-        decode: impl FnOnce(Vec<Replaced<K>>, &mut DecodedPolicy),
-    ) {
-        if changed.is_empty() {
-            return;
-        }
-        decode(changed, &mut self.decoded);
-        if handing_on {
-            changes.policy = Some(Arc::new(self.decoded.objects()));
         }
     }
 
@@ -679,7 +699,16 @@ impl Caches {
             changes.slice(ObjectKey::of(&slice.metadata), None, Some(slice.clone()));
         }
         changes.nodes = Some(self.all_nodes());
-        changes.policy = Some(Arc::new(self.decoded.objects()));
+        let decoded = &self.decoded;
+        for (key, namespace) in &decoded.namespaces {
+            changes.namespace(key.clone(), None, Some(namespace.clone()));
+        }
+        for (key, pod) in &decoded.pods {
+            changes.pod(key.clone(), None, Some(pod.clone()));
+        }
+        for (key, policy) in &decoded.policies {
+            changes.policy(key.clone(), None, Some(policy.clone()));
+        }
         changes
     }
 
@@ -957,21 +986,37 @@ mod policy_tests {
         }
     }
 
+    fn keys<T>(
+        changes: &foldhash::HashMap<ObjectKey, crate::source::changes::Change<T>>,
+    ) -> Vec<String> {
+        let mut keys: Vec<String> = changes.keys().map(ToString::to_string).collect();
+        keys.sort();
+        keys
+    }
+
+    fn apply_pod(caches: &mut Caches, event: watcher::Event<Pod>) -> Changes {
+        let mut changes = Changes::default();
+        caches.apply(Pod::update(event), &mut changes, true);
+        changes
+    }
+
     /// Pods, Namespaces and NetworkPolicies from the API server reach the agent
-    /// decoded, whole, after each change once every kind has listed; a malformed
-    /// one is left out and the others stay.
+    /// decoded, as keyed changes once every kind has listed: an unrelated pod's
+    /// change hands on that pod alone, a delete hands on a delete, a malformed
+    /// object is reported and left out (to the agent, gone), and a change that
+    /// ends where it started, by what policy reads, hands on nothing.
     #[test]
-    fn policy_kinds_are_decoded_and_handed_on_whole() {
+    fn policy_kinds_are_decoded_and_handed_on_by_key() {
         let mut caches = Caches::default();
         let mut changes = Changes::default();
-        // Before the lists are done nothing is handed on.
+        // Before the lists are done nothing is handed on: the first hand-on is
+        // everything decoded by then.
         let a = pod("a", "10.244.1.11", "1");
         caches.apply(
             Pod::update(watcher::Event::Apply(a.clone())),
             &mut changes,
             false,
         );
-        assert!(changes.policy.is_none());
         let ns = Namespace {
             metadata: meta(None, "x", "1"),
             ..Namespace::default()
@@ -981,35 +1026,92 @@ mod policy_tests {
             spec: Some(NetworkPolicySpec::default()),
         };
         caches.apply(
-            Namespace::update(watcher::Event::Apply(ns)),
+            Namespace::update(watcher::Event::Apply(ns.clone())),
             &mut changes,
-            true,
+            false,
         );
         caches.apply(
             NetworkPolicy::update(watcher::Event::Apply(deny)),
             &mut changes,
-            true,
+            false,
         );
-        let objects = changes.policy.take().expect("handed on");
-        assert_eq!(objects.pods.len(), 1);
-        assert_eq!(&*objects.pods[0].name, "a");
+        assert!(changes.is_empty(), "nothing recorded before handing on");
+        let first = caches.everything();
+        assert_eq!(keys(&first.pods), ["x/a"]);
+        // A Namespace is cluster-scoped: keyed by its name alone.
+        assert_eq!(keys(&first.namespaces), ["x"]);
+        assert_eq!(keys(&first.policies), ["x/deny"]);
+        let a_first = first.pods.values().next().unwrap().current.clone().unwrap();
+        assert_eq!(&*a_first.name, "a");
         assert_eq!(
-            objects.pods[0].ips,
+            a_first.ips,
             vec!["10.244.1.11".parse::<std::net::IpAddr>().unwrap()]
         );
-        assert_eq!(objects.namespaces.len(), 1);
-        assert_eq!(objects.policies.len(), 1);
-        assert_eq!(&*objects.policies[0].name, "deny");
-        // A pod whose address is no address is reported and left out.
+
+        // Another pod comes: it alone is handed on.
+        let changes = apply_pod(
+            &mut caches,
+            watcher::Event::Apply(pod("c", "10.244.1.13", "1")),
+        );
+        assert_eq!(keys(&changes.pods), ["x/c"]);
+        assert!(changes.namespaces.is_empty() && changes.policies.is_empty());
+
+        // A new version of a that policy reads the same (its status moved): no
+        // change, and the value handed on before stays.
+        let changes = apply_pod(
+            &mut caches,
+            watcher::Event::Apply(pod("a", "10.244.1.11", "2")),
+        );
+        assert!(changes.is_empty(), "{changes:?}");
+        let key = ObjectKey::new(Some(&crate::source::intern::intern("x")), "a");
+        assert!(Arc::ptr_eq(&caches.decoded.pods[&key], &a_first));
+
+        // Relabelled: previous -> current; relabelled back before the change was
+        // taken: it cancels out.
+        let mut relabelled = pod("a", "10.244.1.11", "3");
+        relabelled.metadata.labels = Some([("app".to_owned(), "other".to_owned())].into());
+        let mut changes = apply_pod(&mut caches, watcher::Event::Apply(relabelled));
+        let change = &changes.pods[&key];
+        assert!(Arc::ptr_eq(change.previous.as_ref().unwrap(), &a_first));
+        assert_eq!(
+            change.current.as_ref().unwrap().labels.get("app"),
+            Some("other")
+        );
+        caches.apply(
+            Pod::update(watcher::Event::Apply(pod("a", "10.244.1.11", "4"))),
+            &mut changes,
+            true,
+        );
+        assert!(changes.is_empty(), "back where it started: {changes:?}");
+
+        // A new pod whose address is no address is reported and left out: nothing
+        // is handed on.
         let mut bad = pod("b", "not-an-ip", "1");
         bad.status.as_mut().unwrap().pod_ips = Some(vec![PodIP {
             ip: "not-an-ip".to_owned(),
         }]);
-        caches.apply(Pod::update(watcher::Event::Apply(bad)), &mut changes, true);
-        let objects = changes.policy.take().expect("handed on");
-        assert_eq!(objects.pods.len(), 1, "{:?}", objects.pods);
-        // Deleted: gone from what is handed on.
-        caches.apply(Pod::update(watcher::Event::Delete(a)), &mut changes, true);
-        assert!(changes.policy.take().expect("handed on").pods.is_empty());
+        assert!(apply_pod(&mut caches, watcher::Event::Apply(bad)).is_empty());
+        // A known pod turned malformed is gone for the agent: a delete.
+        let mut broken = pod("c", "not-an-ip", "2");
+        broken.status.as_mut().unwrap().pod_ips = None;
+        let changes = apply_pod(&mut caches, watcher::Event::Apply(broken));
+        assert_eq!(keys(&changes.pods), ["x/c"]);
+        let change = changes.pods.values().next().unwrap();
+        assert!(change.previous.is_some() && change.current.is_none());
+
+        // Deleted: a delete of that pod alone.
+        let changes = apply_pod(&mut caches, watcher::Event::Delete(a));
+        assert_eq!(keys(&changes.pods), ["x/a"]);
+        let change = changes.pods.values().next().unwrap();
+        assert_eq!(&*change.previous.as_ref().unwrap().name, "a");
+        assert!(change.current.is_none());
+        let mut changes = Changes::default();
+        caches.apply(
+            Namespace::update(watcher::Event::Delete(ns)),
+            &mut changes,
+            true,
+        );
+        assert_eq!(keys(&changes.namespaces), ["x"]);
+        assert!(changes.namespaces.values().all(|c| c.current.is_none()));
     }
 }
