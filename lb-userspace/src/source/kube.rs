@@ -790,7 +790,9 @@ async fn follow(
                     continue;
                 }
                 if changes.is_empty() {
-                    debug!(?kind, "no change after relist; nothing handed on");
+                    // A relist that found nothing new, or a new version that reads
+                    // the same (a Pod's status moved, say).
+                    debug!(?kind, "nothing that lb reads changed; nothing handed on");
                     continue;
                 }
                 changes.since = Some(arrived);
