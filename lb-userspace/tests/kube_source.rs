@@ -182,7 +182,7 @@ fn seed(server: &FakeApiServer) {
 async fn started(server: &FakeApiServer, options: KubeWatchOptions) -> (Snapshots, Arc<Objects>) {
     let mut rx = Snapshots::new(kube_source::watch(server.client(), options));
     let first = next(&mut rx).await;
-    for res in Res::ALL {
+    for res in Res::PROXY {
         server.wait_watching(res, 1, WAIT).await;
     }
     (rx, first)
@@ -518,6 +518,9 @@ async fn requests_use_kube_proxys_label_selectors() {
                 (None, Some("metadata.name=node-1")),
                 "{call:?}"
             ),
+            Res::Pods | Res::Namespaces | Res::NetworkPolicies => {
+                panic!("followed without --network-policy on: {call:?}")
+            }
         }
     }
     assert_eq!(

@@ -124,7 +124,7 @@ impl KubeBed {
         self.start_agent()?.wait_ready(READY_TIMEOUT)?;
         let all = self.pod_names();
         self.wait_backends(&all)?;
-        for res in Res::ALL {
+        for res in Res::PROXY {
             self.rt.block_on(self.server.wait_watching(res, 1, REQUEST));
         }
         Ok(())
@@ -217,7 +217,7 @@ fn log_of(agent: &AgentProc) -> String {
 #[test]
 fn nothing_is_served_before_the_initial_lists_then_traffic_flows() -> Result<()> {
     let mut kb = KubeBed::new()?;
-    for res in Res::ALL {
+    for res in Res::PROXY {
         kb.server.hold_lists(res, true);
     }
     kb.start_agent()?;
@@ -227,7 +227,7 @@ fn nothing_is_served_before_the_initial_lists_then_traffic_flows() -> Result<()>
     poll("the agent to create its maps", READY_TIMEOUT, || {
         Ok(kb.pins.services_json().ok())
     })?;
-    for res in Res::ALL {
+    for res in Res::PROXY {
         kb.rt
             .block_on(kb.server.wait_call(REQUEST, |c| c.res == res && !c.watch));
     }
