@@ -5,7 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::FutureExt;
-use lb_fake_apiserver::{node, service, slice, slice_with_labels, Call, FakeApiServer, Res};
+use lb_fake_apiserver::{
+    namespace, network_policy, node, pod, service, slice, slice_with_labels, Call, FakeApiServer,
+    Res,
+};
 use lb_userspace::source::changes::{ChangeReceiver, ObjectView};
 use lb_userspace::source::kube::{self as kube_source, KubeWatchOptions};
 use tokio::time::timeout;
@@ -182,7 +185,7 @@ fn seed(server: &FakeApiServer) {
 async fn started(server: &FakeApiServer, options: KubeWatchOptions) -> (Snapshots, Arc<Objects>) {
     let mut rx = Snapshots::new(kube_source::watch(server.client(), options));
     let first = next(&mut rx).await;
-    for res in Res::ALL {
+    for res in Res::PROXY {
         server.wait_watching(res, 1, WAIT).await;
     }
     (rx, first)
@@ -518,12 +521,89 @@ async fn requests_use_kube_proxys_label_selectors() {
                 (None, Some("metadata.name=node-1")),
                 "{call:?}"
             ),
+            Res::Pods | Res::Namespaces | Res::NetworkPolicies => {
+                panic!("followed without --network-policy on: {call:?}")
+            }
         }
     }
     assert_eq!(
         lb_userspace::source::labels::SERVICE_LABEL_SELECTOR,
         "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless"
     );
+}
+
+/// Names of what NetworkPolicy reads, as the consumer holds them.
+fn policy_objects(o: &Objects) -> (Vec<String>, Vec<String>, Vec<String>) {
+    (
+        o.policies
+            .values()
+            .map(|p| format!("{}/{}", p.namespace, p.name))
+            .collect(),
+        o.pods
+            .values()
+            .map(|p| format!("{}/{}", p.namespace, p.name))
+            .collect(),
+        o.namespaces.values().map(|n| n.name.to_string()).collect(),
+    )
+}
+
+/// With `--network-policy on`, NetworkPolicies, Pods and Namespaces are listed
+/// and watched whole (no selector: every pod of the cluster is a peer), decoded
+/// with the Pod's address, node and labels, and their changes handed on.
+#[tokio::test]
+async fn policy_kinds_are_followed_whole_with_network_policy_on() {
+    let server = FakeApiServer::start().await;
+    seed(&server);
+    server.apply(Res::Namespaces, namespace("x", &[("team", "a")]));
+    server.apply(
+        Res::Pods,
+        pod("x", "a", &[("app", "a")], "node-2", "10.244.2.11", 80),
+    );
+    let deny = serde_json::json!({"podSelector": {}, "policyTypes": ["Ingress"]});
+    server.apply(Res::NetworkPolicies, network_policy("x", "deny", deny));
+    let options = KubeWatchOptions {
+        network_policy: true,
+        node_name: Some("node-1".into()),
+        ..KubeWatchOptions::default()
+    };
+    let mut rx = Snapshots::new(kube_source::watch(server.client(), options));
+    let listed = |o: &Objects| policy_objects(o).0.len() == 1 && o.pods.len() == 1;
+    let seen = until(&mut rx, "the policy and the pod", listed).await;
+    let last = seen.last().unwrap();
+    assert_eq!(
+        policy_objects(last),
+        (
+            vec!["x/deny".to_string()],
+            vec!["x/a".to_string()],
+            vec!["x".to_string()]
+        )
+    );
+    let a = last.pods.values().next().unwrap();
+    assert_eq!(a.ips, ["10.244.2.11".parse::<std::net::IpAddr>().unwrap()]);
+    assert_eq!(&*a.node_name, "node-2");
+    for res in Res::ALL {
+        server.wait_watching(res, 1, WAIT).await;
+    }
+
+    server.apply(
+        Res::Pods,
+        pod("x", "b", &[("app", "b")], "node-1", "10.244.1.12", 80),
+    );
+    server.delete(Res::NetworkPolicies, "x", "deny");
+    until(&mut rx, "pod b and no policy", |o| {
+        policy_objects(o) == (vec![], vec!["x/a".into(), "x/b".into()], vec!["x".into()])
+    })
+    .await;
+
+    let calls = server.calls();
+    for res in Res::POLICY {
+        assert_eq!(count(&calls, res, false), 1, "{res:?} lists: {calls:#?}");
+        assert_eq!(count(&calls, res, true), 1, "{res:?} watches: {calls:#?}");
+    }
+    for call in calls.iter().filter(|c| Res::POLICY.contains(&c.res)) {
+        let (labels, fields) = (call.param("labelSelector"), call.param("fieldSelector"));
+        assert_eq!((labels, fields), (None, None), "{call:?}");
+    }
 }
 
 #[tokio::test]

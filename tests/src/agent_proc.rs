@@ -20,6 +20,29 @@ use crate::cgroup::Cgroup;
 use crate::process::{Child, Spawner};
 use crate::util::{poll, run, unique_name};
 
+/// A kubeconfig file (the text a fake API server gives), removed on drop.
+pub struct Kubeconfig {
+    path: std::path::PathBuf,
+}
+
+impl Kubeconfig {
+    pub fn write(text: &str) -> Result<Self> {
+        let path = std::env::temp_dir().join(format!("{}.yaml", unique_name("lb-kubeconfig")));
+        fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        Ok(Kubeconfig { path })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for Kubeconfig {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.path);
+    }
+}
+
 /// A fresh `/sys/fs/bpf/lb-test-<unique>`; on drop `lb cleanup` detaches and unpins
 /// everything below it and the directory is removed.
 pub struct PinDir {

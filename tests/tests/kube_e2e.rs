@@ -17,10 +17,12 @@ use std::time::{Duration, Instant};
 use anyhow::{ensure, Context, Result};
 use lb_fake_apiserver::{node, service, slice, FakeApiServer, Res};
 use lb_tests::agent::{find_frontend, ServiceEntry, READY_TIMEOUT};
-use lb_tests::agent_proc::{check_hooks_once, default_hook_pins, AgentProc, PinDir, Source};
+use lb_tests::agent_proc::{
+    check_hooks_once, default_hook_pins, AgentProc, Kubeconfig, PinDir, Source,
+};
 use lb_tests::manifests::NODE_NAME;
 use lb_tests::topology::Pod;
-use lb_tests::util::{poll, unique_name};
+use lb_tests::util::poll;
 use lb_tests::{cargo_tools, lb_binary, Testbed, ECHO_TCP_PORT};
 use tokio::runtime::Runtime;
 
@@ -41,26 +43,6 @@ const RECONNECT: Duration = Duration::from_secs(60);
 const RECOVERY: Duration = Duration::from_secs(2);
 /// Bound for requests to reach the fake server.
 const REQUEST: Duration = Duration::from_secs(20);
-
-/// A kubeconfig file for `server` (plain HTTP, no credentials), removed on drop.
-struct Kubeconfig {
-    path: PathBuf,
-}
-
-impl Kubeconfig {
-    fn write(server: &FakeApiServer) -> Result<Self> {
-        let path = std::env::temp_dir().join(format!("{}.yaml", unique_name("lb-kubeconfig")));
-        std::fs::write(&path, server.kubeconfig())
-            .with_context(|| format!("writing {}", path.display()))?;
-        Ok(Kubeconfig { path })
-    }
-}
-
-impl Drop for Kubeconfig {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
 
 /// Everything one test needs. Field order is teardown order: the agent is killed,
 /// the pins removed, the namespaces and cgroup deleted, and the fake server goes
@@ -88,7 +70,7 @@ impl KubeBed {
             .enable_all()
             .build()?;
         let server = rt.block_on(FakeApiServer::start());
-        let kubeconfig = Kubeconfig::write(&server)?;
+        let kubeconfig = Kubeconfig::write(&server.kubeconfig())?;
         let this = KubeBed {
             agent: None,
             pins,
@@ -111,7 +93,7 @@ impl KubeBed {
     fn start_agent(&mut self) -> Result<&AgentProc> {
         let agent = AgentProc::start(
             &self.lb,
-            Source::Kubeconfig(&self.kubeconfig.path),
+            Source::Kubeconfig(self.kubeconfig.path()),
             &self.bed.cgroup,
             &self.pins,
             NODE_NAME,
@@ -124,7 +106,7 @@ impl KubeBed {
         self.start_agent()?.wait_ready(READY_TIMEOUT)?;
         let all = self.pod_names();
         self.wait_backends(&all)?;
-        for res in Res::ALL {
+        for res in Res::PROXY {
             self.rt.block_on(self.server.wait_watching(res, 1, REQUEST));
         }
         Ok(())
@@ -217,7 +199,7 @@ fn log_of(agent: &AgentProc) -> String {
 #[test]
 fn nothing_is_served_before_the_initial_lists_then_traffic_flows() -> Result<()> {
     let mut kb = KubeBed::new()?;
-    for res in Res::ALL {
+    for res in Res::PROXY {
         kb.server.hold_lists(res, true);
     }
     kb.start_agent()?;
@@ -227,7 +209,7 @@ fn nothing_is_served_before_the_initial_lists_then_traffic_flows() -> Result<()>
     poll("the agent to create its maps", READY_TIMEOUT, || {
         Ok(kb.pins.services_json().ok())
     })?;
-    for res in Res::ALL {
+    for res in Res::PROXY {
         kb.rt
             .block_on(kb.server.wait_call(REQUEST, |c| c.res == res && !c.watch));
     }

@@ -3,9 +3,11 @@
 //! It speaks HTTP/1.1 on 127.0.0.1 (or, [`FakeApiServer::start_tls`], HTTPS with
 //! a certificate authority of its own on a listener the test bound, as a pod's
 //! in-cluster configuration needs) and serves list and watch of Services
-//! (`/api/v1/services`), EndpointSlices (`/apis/discovery.k8s.io/v1/endpointslices`)
-//! and Nodes (`/api/v1/nodes`) the way the real one does for a client that lists all
-//! namespaces:
+//! (`/api/v1/services`), EndpointSlices (`/apis/discovery.k8s.io/v1/endpointslices`),
+//! Nodes (`/api/v1/nodes`), and for NetworkPolicy Pods (`/api/v1/pods`), Namespaces
+//! (`/api/v1/namespaces`) and NetworkPolicies
+//! (`/apis/networking.k8s.io/v1/networkpolicies`), the way the real one does for a
+//! client that lists all namespaces:
 //! - one resourceVersion counter for everything, stamped on each write;
 //! - lists honour `labelSelector`, `fieldSelector` (`metadata.name`,
 //!   `metadata.namespace`), `limit` and `continue` (pages come from the snapshot
@@ -50,10 +52,24 @@ pub enum Res {
     Services,
     EndpointSlices,
     Nodes,
+    Pods,
+    Namespaces,
+    NetworkPolicies,
 }
 
 impl Res {
-    pub const ALL: [Res; 3] = [Res::Services, Res::EndpointSlices, Res::Nodes];
+    pub const ALL: [Res; 6] = [
+        Res::Services,
+        Res::EndpointSlices,
+        Res::Nodes,
+        Res::Pods,
+        Res::Namespaces,
+        Res::NetworkPolicies,
+    ];
+    /// What every agent follows.
+    pub const PROXY: [Res; 3] = [Res::Services, Res::EndpointSlices, Res::Nodes];
+    /// What an agent follows only with `--network-policy on`.
+    pub const POLICY: [Res; 3] = [Res::Pods, Res::Namespaces, Res::NetworkPolicies];
 
     fn index(self) -> usize {
         self as usize
@@ -64,6 +80,9 @@ impl Res {
             Res::Services => "/api/v1/services",
             Res::EndpointSlices => "/apis/discovery.k8s.io/v1/endpointslices",
             Res::Nodes => "/api/v1/nodes",
+            Res::Pods => "/api/v1/pods",
+            Res::Namespaces => "/api/v1/namespaces",
+            Res::NetworkPolicies => "/apis/networking.k8s.io/v1/networkpolicies",
         }
     }
 
@@ -72,18 +91,22 @@ impl Res {
             Res::Services => "Service",
             Res::EndpointSlices => "EndpointSlice",
             Res::Nodes => "Node",
+            Res::Pods => "Pod",
+            Res::Namespaces => "Namespace",
+            Res::NetworkPolicies => "NetworkPolicy",
         }
     }
 
     fn api_version(self) -> &'static str {
         match self {
             Res::EndpointSlices => "discovery.k8s.io/v1",
-            Res::Services | Res::Nodes => "v1",
+            Res::NetworkPolicies => "networking.k8s.io/v1",
+            Res::Services | Res::Nodes | Res::Pods | Res::Namespaces => "v1",
         }
     }
 
     fn namespaced(self) -> bool {
-        self != Res::Nodes
+        !matches!(self, Res::Nodes | Res::Namespaces)
     }
 
     fn from_path(path: &str) -> Option<Res> {
@@ -148,7 +171,7 @@ struct Store {
 #[derive(Default)]
 struct State {
     rv: u64,
-    stores: [Store; 3],
+    stores: [Store; Res::ALL.len()],
     calls: Vec<Call>,
     /// (resource, event type, object name) for each event put on a watch stream.
     delivered: Vec<(Res, String, String)>,
@@ -160,8 +183,8 @@ struct Shared {
     state: Mutex<State>,
     /// Bumped whenever a request arrives or a watch starts, for waiters.
     activity: watch::Sender<u64>,
-    hold_lists: [watch::Sender<bool>; 3],
-    hold_watches: [watch::Sender<bool>; 3],
+    hold_lists: [watch::Sender<bool>; Res::ALL.len()],
+    hold_watches: [watch::Sender<bool>; Res::ALL.len()],
 }
 
 impl Shared {
@@ -251,6 +274,17 @@ impl FakeApiServer {
             .expect("non-blocking listener");
         let listener = TcpListener::from_std(listener).expect("listener");
         Self::serve_on(listener, Some(cert.acceptor.clone()))
+    }
+
+    /// Serves plain HTTP on `listener`, which the caller bound (in the network
+    /// namespace its clients are in). Use `stop` and `resume` with
+    /// [`Self::start`] only, as for [`Self::start_tls`].
+    pub async fn start_on(listener: std::net::TcpListener) -> FakeApiServer {
+        listener
+            .set_nonblocking(true)
+            .expect("non-blocking listener");
+        let listener = TcpListener::from_std(listener).expect("listener");
+        Self::serve_on(listener, None)
     }
 
     fn serve_on(listener: TcpListener, tls: Option<TlsAcceptor>) -> FakeApiServer {
@@ -1060,6 +1094,51 @@ pub fn node(name: &str) -> Value {
     })
 }
 
+/// A running Pod `namespace/name` on node `node` with address `ip` (also its
+/// `podIPs`), these labels, and one container serving TCP `port` under the name
+/// `serve`.
+pub fn pod(
+    namespace: &str,
+    name: &str,
+    labels: &[(&str, &str)],
+    node: &str,
+    ip: &str,
+    port: u16,
+) -> Value {
+    json!({
+        "metadata": {"name": name, "namespace": namespace, "labels": label_map(labels)},
+        "spec": {
+            "nodeName": node,
+            "containers": [{
+                "name": "app",
+                "image": "lb-echo",
+                "ports": [{"name": "serve", "containerPort": port, "protocol": "TCP"}],
+            }],
+        },
+        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]},
+    })
+}
+
+/// A Namespace `name` with the label the API server sets
+/// (`kubernetes.io/metadata.name`) and `labels`.
+pub fn namespace(name: &str, labels: &[(&str, &str)]) -> Value {
+    let mut all = vec![("kubernetes.io/metadata.name", name)];
+    all.extend_from_slice(labels);
+    json!({
+        "metadata": {"name": name, "labels": label_map(&all)},
+        "spec": {"finalizers": ["kubernetes"]},
+        "status": {"phase": "Active"},
+    })
+}
+
+/// A NetworkPolicy `namespace/name` whose spec is `spec` (NetworkPolicySpec JSON).
+pub fn network_policy(namespace: &str, name: &str, spec: Value) -> Value {
+    json!({
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
+    })
+}
+
 fn label_map(labels: &[(&str, &str)]) -> Value {
     Value::Object(
         labels
@@ -1126,4 +1205,106 @@ async fn https_with_the_tests_own_authority() {
         "a client trusting another authority got {refused:?}"
     );
     assert_eq!(server.calls().len(), 1);
+}
+
+/// Pods, Namespaces and NetworkPolicies are listed and watched as the other kinds:
+/// typed lists decode, and a watch from the list's resourceVersion sees a label
+/// change as MODIFIED and a deletion as DELETED.
+#[tokio::test]
+async fn policy_kinds_list_and_watch() {
+    use futures::StreamExt;
+    use k8s_openapi::api::core::v1::{Namespace, Pod};
+    use k8s_openapi::api::networking::v1::NetworkPolicy;
+    use kube::api::{Api, ListParams, WatchEvent, WatchParams};
+
+    let server = FakeApiServer::start().await;
+    server.apply(Res::Namespaces, namespace("prod", &[("team", "a")]));
+    server.apply(
+        Res::Pods,
+        pod("prod", "db", &[("app", "db")], "node-1", "10.244.1.5", 5432),
+    );
+    server.apply(
+        Res::NetworkPolicies,
+        network_policy(
+            "prod",
+            "db-ingress",
+            json!({"podSelector": {"matchLabels": {"app": "db"}}, "policyTypes": ["Ingress"]}),
+        ),
+    );
+    let client = server.client();
+
+    let namespaces = Api::<Namespace>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    let labels = namespaces.items[0].metadata.labels.clone().unwrap();
+    assert_eq!(labels["kubernetes.io/metadata.name"], "prod");
+    assert_eq!(namespaces.items[0].metadata.namespace, None);
+
+    let policies = Api::<NetworkPolicy>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    assert_eq!(policies.items.len(), 1);
+    let spec = policies.items[0].spec.clone().unwrap();
+    assert_eq!(spec.policy_types, Some(vec!["Ingress".to_string()]));
+
+    let pods = Api::<Pod>::all(client.clone());
+    let list = pods
+        .list(&ListParams::default().labels("app=db"))
+        .await
+        .unwrap();
+    assert_eq!(list.items.len(), 1);
+    let status = list.items[0].status.clone().unwrap();
+    assert_eq!(status.pod_ip.as_deref(), Some("10.244.1.5"));
+    let rv = list.metadata.resource_version.unwrap();
+
+    let mut events = pods
+        .watch(&WatchParams::default().labels("app=db"), &rv)
+        .await
+        .unwrap()
+        .boxed();
+    server.apply(
+        Res::Pods,
+        pod(
+            "prod",
+            "db",
+            &[("app", "db"), ("tier", "data")],
+            "node-1",
+            "10.244.1.5",
+            5432,
+        ),
+    );
+    server.delete(Res::Pods, "prod", "db");
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let event = tokio::time::timeout(Duration::from_secs(10), events.next())
+            .await
+            .expect("a watch event within 10 s")
+            .expect("the watch is open")
+            .unwrap();
+        seen.push(match event {
+            WatchEvent::Modified(p) => format!("MODIFIED {:?}", p.metadata.labels.unwrap()),
+            WatchEvent::Deleted(p) => format!("DELETED {}", p.metadata.name.unwrap()),
+            other => format!("{other:?}"),
+        });
+    }
+    assert_eq!(
+        seen,
+        [
+            r#"MODIFIED {"app": "db", "tier": "data"}"#.to_string(),
+            "DELETED db".to_string()
+        ]
+    );
+    let calls = server.calls();
+    let paths: Vec<(Res, bool)> = calls.iter().map(|c| (c.res, c.watch)).collect();
+    assert_eq!(
+        paths,
+        [
+            (Res::Namespaces, false),
+            (Res::NetworkPolicies, false),
+            (Res::Pods, false),
+            (Res::Pods, true)
+        ]
+    );
 }
