@@ -19,6 +19,7 @@ mod kubeproxy;
 mod masq;
 mod netio;
 mod policy;
+mod policy_rate;
 mod pps;
 mod quarantine;
 mod report;

@@ -263,6 +263,7 @@ one real endpoint (pod-a) so that every connection reaches the same server.\n\n"
     o += &masq_table(res);
     o += &quarantine_table(res);
     o += &policy_table(res);
+    o += &policy_rate_table(res);
     o += &targets(res);
     o += "### Caveats\n\n\
 - One sequential client and single-threaded servers on one vCPU: every figure includes \
@@ -751,6 +752,7 @@ fn targets(res: &Results) -> String {
     o += &masq_targets(res);
     o += &quarantine_targets(res);
     o += &policy_target(res);
+    o += &policy_rate_target(res);
     o += "\n";
     if p10k.into_iter().chain(tc10k).any(|v| v >= 0.5) {
         o += "Where the start goes is in the control-plane table's \"of which\" column, from the \
@@ -1142,6 +1144,54 @@ fn policy_table(res: &Results) -> String {
     }
     o += "\n";
     o
+}
+
+/// The `policy-rate` row (policy_rate.rs).
+fn policy_rate_table(res: &Results) -> String {
+    let Some(p) = &res.policy_rate else {
+        return String::new();
+    };
+    let med = |s: &Option<Stat>| {
+        s.as_ref()
+            .map_or("–".to_owned(), |s| format!("{:.0}", s.median))
+    };
+    let ratio = |s: &Option<Stat>| {
+        s.as_ref()
+            .map_or("–".to_owned(), |s| format!("{:.3}x", s.median))
+    };
+    format!(
+        "### NetworkPolicy: pods {} policies select, against open pods\n\n         One client process alternating between a client/server pair that {} policies          select (the client for egress, the server for ingress) and a pair no policy          selects, on one node, one agent with `--network-policy on`          (tests/bench/src/policy_rate.rs); medians over repetitions.\n\n         | | selected | open | ratio |\n|---|---|---|---|\n         | connections/s | {} | {} | {} |\n| bulk MB/s | {} | {} | {} |\n\n",
+        p.policies,
+        p.policies,
+        med(&p.selected_conn_per_sec),
+        med(&p.open_conn_per_sec),
+        ratio(&p.rate_ratio),
+        med(&p.selected_mb_per_sec),
+        med(&p.open_mb_per_sec),
+        ratio(&p.bulk_ratio),
+    )
+}
+
+/// Connection rate and bulk with 1k policies >= 0.97x of open pods (issue 27).
+fn policy_rate_target(res: &Results) -> String {
+    let Some(p) = &res.policy_rate else {
+        return String::new();
+    };
+    let worst = [&p.rate_ratio, &p.bulk_ratio]
+        .iter()
+        .filter_map(|s| s.as_ref().map(|s| s.median))
+        .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.min(v))));
+    format!(
+        "| NetworkPolicy: rate and bulk with 1k policies ≥ 0.97x of open pods | \
+         rate {}, bulk {} | {} |\n",
+        p.rate_ratio
+            .as_ref()
+            .map_or("–".to_owned(), |s| format!("{:.3}x", s.median)),
+        p.bulk_ratio
+            .as_ref()
+            .map_or("–".to_owned(), |s| format!("{:.3}x", s.median)),
+        verdict(worst.map(|w| w >= 0.97))
+    )
 }
 
 /// NetworkPolicy change -> enforced p99 < 10 ms at 10k pods and 1k policies

@@ -417,6 +417,10 @@ pub struct Results {
     /// NetworkPolicy change -> enforced at 10k pods and 1k policies (policy.rs).
     #[serde(default)]
     pub policy: Option<crate::policy::PolicyResult>,
+    /// Connection rate and bulk through pods 1k policies select, against open
+    /// ones (policy_rate.rs).
+    #[serde(default)]
+    pub policy_rate: Option<crate::policy_rate::PolicyRateResult>,
 }
 
 /// The bench environment. Field order is teardown order.
@@ -1659,6 +1663,7 @@ pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
         masq: None,
         quarantine: None,
         policy: None,
+        policy_rate: None,
     };
     println!("direct (start)");
     res.direct_start = Some(env.direct()?);
@@ -1749,6 +1754,11 @@ pub fn run(exe: PathBuf, lb: PathBuf, cfg: Config) -> Result<Results> {
         println!("NetworkPolicy: change -> enforced at 10k pods and 1k policies");
         let row = crate::policy::run(&lb, &cfg);
         res.policy = recorded(&mut res.errors, "policy", row);
+    }
+    if cfg.wants("policy-rate") {
+        println!("NetworkPolicy: pods 1k policies select against open ones");
+        let row = crate::policy_rate::run(&exe, &lb, &cfg);
+        res.policy_rate = recorded(&mut res.errors, "policy-rate", row);
     }
     println!("direct (end)");
     res.direct_end = Some(env.direct()?);
