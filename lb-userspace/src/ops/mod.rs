@@ -57,33 +57,57 @@ pub enum OpsError {
     },
 }
 
-/// Why `lb status` could not get the agent's own view.
+/// Why `lb status` or `lb policy POD` got no answer from the agent's metrics
+/// listener.
 #[derive(Debug, thiserror::Error)]
 pub enum FetchError {
     #[error(transparent)]
     Get(#[from] GetError),
     #[error(
-        "{addr}/status answered {status}; is --metrics-address the agent's --metrics-bind-address?"
+        "{addr}{path} answered {status}: {message} (is --metrics-address the agent's \
+         --metrics-bind-address?)"
     )]
     Status {
         addr: SocketAddr,
+        path: String,
         status: StatusCode,
+        /// The answer's text (the agent says why).
+        message: String,
     },
-    #[error("{addr}/status answered something that is not the agent's status: {source}")]
+    #[error("{addr}{path} answered something that is not what lb asked for: {source}")]
     Body {
         addr: SocketAddr,
+        path: String,
         #[source]
         source: serde_json::Error,
     },
 }
 
+/// `GET path` from the agent's listener at `addr`, its JSON body decoded.
+async fn fetch_json<T: serde::de::DeserializeOwned>(
+    addr: SocketAddr,
+    path: &str,
+    timeout: Duration,
+) -> Result<T, FetchError> {
+    let (status, body) = http::get(addr, path, timeout).await?;
+    if status != StatusCode::OK {
+        return Err(FetchError::Status {
+            addr,
+            path: path.to_owned(),
+            status,
+            message: String::from_utf8_lossy(&body).trim().to_owned(),
+        });
+    }
+    serde_json::from_slice(&body).map_err(|source| FetchError::Body {
+        addr,
+        path: path.to_owned(),
+        source,
+    })
+}
+
 /// Asks the agent whose metrics listener is at `addr` for its `/status`.
 pub async fn fetch_status(addr: SocketAddr, timeout: Duration) -> Result<StatusReport, FetchError> {
-    let (status, body) = http::get(addr, "/status", timeout).await?;
-    if status != StatusCode::OK {
-        return Err(FetchError::Status { addr, status });
-    }
-    serde_json::from_slice(&body).map_err(|source| FetchError::Body { addr, source })
+    fetch_json(addr, "/status", timeout).await
 }
 
 /// A listen address flag where the empty string means "off", as kube-proxy's
@@ -278,25 +302,6 @@ fn pod_policies(rest: &str, status: &AgentStatus) -> Reply {
     }
 }
 
-/// Why `lb policy POD` got no answer from the agent.
-#[derive(Debug, thiserror::Error)]
-pub enum PolicyFetchError {
-    #[error(transparent)]
-    Get(#[from] GetError),
-    #[error("{addr} answered {status}: {message}")]
-    Refused {
-        addr: SocketAddr,
-        status: StatusCode,
-        message: String,
-    },
-    #[error("{addr}/policy answered something that is not a pod's policies: {source}")]
-    Body {
-        addr: SocketAddr,
-        #[source]
-        source: serde_json::Error,
-    },
-}
-
 /// Asks the agent whose metrics listener is at `addr` about pod
 /// `namespace/name`'s NetworkPolicies.
 pub async fn fetch_pod_policies(
@@ -304,17 +309,8 @@ pub async fn fetch_pod_policies(
     namespace: &str,
     name: &str,
     timeout: Duration,
-) -> Result<crate::control::policy::view::PodPolicies, PolicyFetchError> {
-    let path = format!("{POLICY_PATH}{namespace}/{name}");
-    let (status, body) = http::get(addr, &path, timeout).await?;
-    if status != StatusCode::OK {
-        return Err(PolicyFetchError::Refused {
-            addr,
-            status,
-            message: String::from_utf8_lossy(&body).trim().to_owned(),
-        });
-    }
-    serde_json::from_slice(&body).map_err(|source| PolicyFetchError::Body { addr, source })
+) -> Result<crate::control::policy::view::PodPolicies, FetchError> {
+    fetch_json(addr, &format!("{POLICY_PATH}{namespace}/{name}"), timeout).await
 }
 
 /// Binds `addr` and serves both endpoints on it until the future is dropped.
