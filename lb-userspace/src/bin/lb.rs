@@ -676,7 +676,7 @@ fn pod_policy(layout: &PinLayout, args: &PolicyArgs) -> Result<()> {
         .split_once('/')
         .filter(|(ns, name)| !ns.is_empty() && !name.is_empty() && !name.contains('/'))
         .with_context(|| format!("{pod:?}: name the pod as NAMESPACE/NAME"))?;
-    let protocol = pod_policy::protocol_number(&args.protocol)
+    let protocol = pod_policy::protocol(&args.protocol)
         .with_context(|| format!("--protocol {}: TCP, UDP or SCTP", args.protocol))?;
     let probe = match (args.from, args.to) {
         (None, None) => None,

@@ -5,13 +5,11 @@
 use std::net::IpAddr;
 
 use lb_common::policy::{PolicyLookup, Verdict, POLICY_DIR_EGRESS, POLICY_DIR_INGRESS};
-use lb_common::{IpAddrBe, PolicyCounters, IPPROTO_TCP, IPPROTO_UDP};
+use lb_common::{IpAddrBe, PolicyCounters};
 use serde::{Deserialize, Serialize};
 
 use crate::control::policy::view::{direction_name, PodPolicies, RuleName};
-
-/// `IPPROTO_SCTP`, re-named for the protocols a policy port names.
-const IPPROTO_SCTP: u8 = lb_common::policy::IPPROTO_SCTP;
+use crate::model::policy::PolicyProtocol;
 
 /// A connection to judge: to the pod from `peer` (`ingress`), or from the pod to
 /// `peer`, to port `port` (the pod's for ingress, the peer's for egress).
@@ -19,27 +17,13 @@ const IPPROTO_SCTP: u8 = lb_common::policy::IPPROTO_SCTP;
 pub struct Probe {
     pub ingress: bool,
     pub peer: IpAddr,
-    pub protocol: u8,
+    pub protocol: PolicyProtocol,
     pub port: u16,
 }
 
-/// The protocol number of `TCP`, `UDP` or `SCTP` (any case): NetworkPolicy's.
-pub fn protocol_number(name: &str) -> Option<u8> {
-    match name.to_ascii_uppercase().as_str() {
-        "TCP" => Some(IPPROTO_TCP),
-        "UDP" => Some(IPPROTO_UDP),
-        "SCTP" => Some(IPPROTO_SCTP),
-        _ => None,
-    }
-}
-
-fn protocol_name(number: u8) -> &'static str {
-    match number {
-        IPPROTO_TCP => "TCP",
-        IPPROTO_UDP => "UDP",
-        IPPROTO_SCTP => "SCTP",
-        _ => "?",
-    }
+/// `TCP`, `UDP` or `SCTP` in any case, as NetworkPolicy names them.
+pub fn protocol(name: &str) -> Option<PolicyProtocol> {
+    PolicyProtocol::parse(&name.to_ascii_uppercase())
 }
 
 /// What `lb policy POD` prints.
@@ -126,7 +110,7 @@ pub fn judge<L: PolicyLookup>(
         &IpAddrBe::from(address),
         direction,
         &IpAddrBe::from(probe.peer),
-        probe.protocol,
+        probe.protocol.number(),
         probe.port.to_be_bytes(),
     );
     let (reason, rule) = match verdict {
@@ -139,7 +123,7 @@ pub fn judge<L: PolicyLookup>(
         direction: direction_name(direction).to_owned(),
         pod_address: address,
         peer: probe.peer,
-        protocol: protocol_name(probe.protocol).to_owned(),
+        protocol: probe.protocol.to_string(),
         port: probe.port,
         allowed: verdict.is_allowed(),
         reason: reason.to_owned(),
@@ -224,6 +208,7 @@ impl PodReport {
 mod tests {
     use super::*;
     use crate::control::policy::view::SelectingPolicy;
+    use lb_common::IPPROTO_TCP;
 
     /// Maps holding one enforced endpoint (id 4, ingress) at 10.244.1.11, peer
     /// 10.244.2.12 as identity 300 with TCP/80 allowed by rule 9.
@@ -285,7 +270,7 @@ mod tests {
         Probe {
             ingress,
             peer: peer.parse().unwrap(),
-            protocol: IPPROTO_TCP,
+            protocol: PolicyProtocol::Tcp,
             port,
         }
     }
@@ -320,8 +305,9 @@ mod tests {
 
     #[test]
     fn protocols_are_named_as_network_policy_names_them() {
-        assert_eq!(protocol_number("tcp"), Some(IPPROTO_TCP));
-        assert_eq!(protocol_number("SCTP"), Some(IPPROTO_SCTP));
-        assert_eq!(protocol_number("icmp"), None);
+        let number = |name| protocol(name).map(PolicyProtocol::number);
+        assert_eq!(number("tcp"), Some(IPPROTO_TCP));
+        assert_eq!(number("SCTP"), Some(lb_common::policy::IPPROTO_SCTP));
+        assert_eq!(number("icmp"), None);
     }
 }
