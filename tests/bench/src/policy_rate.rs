@@ -35,9 +35,9 @@ use lb_tests::cgroup::Cgroup;
 use lb_tests::manifests::{
     namespace_yaml, network_policy_yaml, ContainerPort, ManifestDir, PodManifest, NODE_NAME,
 };
-use lb_tests::process::{Child, Spawner};
+use lb_tests::process::Child;
 use lb_tests::topology::{client_ip, pod_ip, pod_name, Topology};
-use lb_tests::util::unique_name;
+use lb_tests::util::{poll, unique_name};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -168,22 +168,12 @@ impl Bed {
         agent.wait_ready(READY_TIMEOUT)?;
         let mut servers = Vec::new();
         for i in [SELECTED, OPEN] {
-            let pod = &topo.pods()[i];
-            let server = Spawner::new(exe)
-                .label(format!("lb-bench serve {}", pod.name()))
-                .netns(pod.netns())?
-                .args([
-                    "serve",
-                    "--name",
-                    &pod_name(i),
-                    "--cpu",
-                    &cfg.cpu.to_string(),
-                ])
-                .spawn()?;
-            server
-                .stdout
-                .wait_for(Duration::from_secs(10), |l| l.contains("listening"))?;
-            servers.push(server);
+            servers.push(crate::run::serve_in(
+                exe,
+                &topo.pods()[i],
+                &pod_name(i),
+                cfg.cpu,
+            )?);
         }
         let bed = Bed {
             servers,
@@ -198,24 +188,20 @@ impl Bed {
 
     /// Until the selected pods are enforced: `lb policy` lists them so.
     fn wait_enforced(&self) -> Result<()> {
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        loop {
-            let rows = self.agent.policy()?;
-            let enforced = |ip: Ipv4Addr, key: &str| {
-                rows.iter()
-                    .any(|r| r["address"] == ip.to_string() && r[key] == true)
-            };
-            if enforced(pod_ip(SELECTED), "ingress_enforced")
-                && enforced(client_ip(0), "egress_enforced")
-            {
-                return Ok(());
-            }
-            ensure!(
-                std::time::Instant::now() < deadline,
-                "the selected pods were not enforced within 60 s: {rows:?}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        poll(
+            "the selected pods enforced",
+            Duration::from_secs(60),
+            || {
+                let rows = self.agent.policy()?;
+                let enforced = |ip: Ipv4Addr, key: &str| {
+                    rows.iter()
+                        .any(|r| r["address"] == ip.to_string() && r[key] == true)
+                };
+                Ok((enforced(pod_ip(SELECTED), "ingress_enforced")
+                    && enforced(client_ip(0), "egress_enforced"))
+                .then_some(()))
+            },
+        )
     }
 
     fn rr(i: usize) -> SocketAddr {

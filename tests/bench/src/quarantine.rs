@@ -35,7 +35,7 @@ use lb_tests::manifests::{
     documents, Endpoint, EndpointSlice, ManifestDir, Service, ServicePort, NODE_NAME,
 };
 use lb_tests::netns::NetNs;
-use lb_tests::process::{Child, Spawner};
+use lb_tests::process::Child;
 use lb_tests::topology::{pod_ip, pod_name, Topology, SERVICE_CIDR};
 use lb_tests::util::unique_name;
 use serde::{Deserialize, Serialize};
@@ -131,21 +131,7 @@ impl QuarBed {
             cpu: cfg.cpu,
         };
         for i in 0..BACKENDS {
-            let pod = &bed.topo.pods()[i];
-            let server = Spawner::new(exe)
-                .label(format!("lb-bench serve {}", pod.name()))
-                .netns(pod.netns())?
-                .args([
-                    "serve",
-                    "--name",
-                    &pod_name(i),
-                    "--cpu",
-                    &cfg.cpu.to_string(),
-                ])
-                .spawn()?;
-            server
-                .stdout
-                .wait_for(Duration::from_secs(10), |l| l.contains("listening"))?;
+            let server = crate::run::serve_in(exe, &bed.topo.pods()[i], &pod_name(i), cfg.cpu)?;
             bed.servers.push(server);
         }
         // The dead backend: its process gone, its ports closed.

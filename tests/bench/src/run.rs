@@ -762,21 +762,7 @@ impl Env {
         ])?;
         node.sysctls(&[("net/ipv4/conf/*/rp_filter", "0")])?;
         for i in 0..2 {
-            let pod = &env.topo.pods()[i];
-            let server = Spawner::new(&env.exe)
-                .label(format!("lb-bench serve {}", pod.name()))
-                .netns(pod.netns())?
-                .args([
-                    "serve",
-                    "--name",
-                    &pod_name(i),
-                    "--cpu",
-                    &env.cfg.cpu.to_string(),
-                ])
-                .spawn()?;
-            server
-                .stdout
-                .wait_for(Duration::from_secs(10), |l| l.contains("listening"))?;
+            let server = serve_in(&env.exe, &env.topo.pods()[i], &pod_name(i), env.cfg.cpu)?;
             env.servers.push(server);
         }
         Ok(env)
@@ -1587,14 +1573,38 @@ pub(crate) fn pid_of_agent(pin_dir: &Path) -> Option<u64> {
 }
 
 fn vm_hwm_kib(pid: u64) -> Option<u64> {
+    proc_status_kib(pid, "VmHWM:")
+}
+
+/// A `/proc/PID/status` memory field (`VmHWM:`, `VmRSS:`), in KiB.
+pub fn proc_status_kib(pid: u64, field: &str) -> Option<u64> {
     let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     status
         .lines()
-        .find(|l| l.starts_with("VmHWM:"))?
+        .find(|l| l.starts_with(field))?
         .split_whitespace()
         .nth(1)?
         .parse()
         .ok()
+}
+
+/// `lb-bench serve --name NAME` in `pod`'s namespace, pinned to the bench's CPU,
+/// once it listens.
+pub fn serve_in(
+    exe: &Path,
+    pod: &lb_tests::topology::Pod,
+    name: &str,
+    cpu: usize,
+) -> Result<Child> {
+    let server = Spawner::new(exe)
+        .label(format!("lb-bench serve {}", pod.name()))
+        .netns(pod.netns())?
+        .args(["serve", "--name", name, "--cpu", &cpu.to_string()])
+        .spawn()?;
+    server
+        .stdout
+        .wait_for(Duration::from_secs(10), |l| l.contains("listening"))?;
+    Ok(server)
 }
 
 /// Kernel, CPU model, cores.
